@@ -5,7 +5,6 @@ Progress and metrics go to stdout, diagnostics to stderr.
 """
 
 import contextlib
-import functools
 import logging
 import os
 import sys

@@ -19,7 +19,6 @@ from common import hparams
 from legacy import inputs
 from legacy import model
 
-STOP_GRACE_PERIOD_SECS = 10  # how long queue threads get to finish at exit
 
 EvalCounts = collections.namedtuple('EvalCounts', [
     'true_count',  # records whose top prediction is the label
@@ -124,13 +123,7 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
       except tf.errors.OutOfRangeError:
         pass  # the epoch is over: every record was seen once
       finally:
-        coord.request_stop()
-        for close in close_queues:
-          try:
-            sess.run(close)
-          except tf.errors.OpError:
-            pass
-        coord.join(threads, stop_grace_period_secs=STOP_GRACE_PERIOD_SECS)
+        inputs.stop_queue_threads(sess, coord, threads, close_queues)
   if total_count != num_examples:
     raise EvalError('evaluated %d of %d test records from %s; the input '
                     'ended early.' % (total_count, num_examples, data_dir))

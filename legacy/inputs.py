@@ -18,6 +18,7 @@ CIFAR10Record = collections.namedtuple(
 
 # Training records one preprocessing thread reads and distorts per Session run.
 RECORDS_PER_READ = 128
+STOP_GRACE_PERIOD_SECS = 10  # how long queue threads get to finish at exit
 
 
 def read_cifar10(filename_queue):
@@ -176,3 +177,16 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
       # Deviation from upstream: a finite input ends with a smaller batch, so
       # evaluation counts every record once instead of wrapping around.
       allow_smaller_final_batch=num_epochs is not None)
+
+
+def stop_queue_threads(sess, coord, threads, close_queues):
+  """Stops and joins every queue-runner thread; re-raises what they raised."""
+  coord.request_stop()
+  # Closing with cancel_pending_enqueues wakes enqueue threads blocked on a
+  # full queue, so none of them outlives the session.
+  for close in close_queues:
+    try:
+      sess.run(close)
+    except tf.errors.OpError:
+      pass
+  coord.join(threads, stop_grace_period_secs=STOP_GRACE_PERIOD_SECS)

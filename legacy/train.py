@@ -10,7 +10,6 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 """
 
 import collections
-import contextlib
 import os
 import sys
 import time
@@ -23,17 +22,10 @@ from common import cifar10_format
 from common import devices
 from common import hparams
 from common import training
+from common import xla
 from legacy import inputs
 from legacy import model
 
-STOP_GRACE_PERIOD_SECS = 10  # how long queue threads get to finish at exit
-
-# Ops compiled with XLA on CPU towers even without `jit` (modern.train.XLA_OPS
-# is the same, so both trainers run the same kernels). TF's CPU kernel of the
-# LRN gradient is a scalar loop, a fifth of a step; XLA's is 3x faster and
-# agrees with it to ~2e-7 relative (docs/performance.md). The forward LRN and
-# the convolutions keep TF's kernels, faster on the CPU than XLA's.
-XLA_OPS = ('LRNGrad',)
 
 Towers = collections.namedtuple('Towers', [
     'train_op',  # one synchronous step: average, apply, then moving average
@@ -90,15 +82,6 @@ def tower_loss(scope, images, labels):
   return total_loss
 
 
-def _xla_ops_scope(plan):
-  """Marks the XLA_OPS created in it for XLA compilation (CPU plans only)."""
-  if plan.kind != 'cpu':
-    return contextlib.nullcontext()
-  return tf.xla.experimental.jit_scope(
-      compile_ops=lambda node_def: node_def.op in XLA_OPS,
-      separate_compiled_gradients=False)
-
-
 def average_gradients(tower_grads):
   """The mean gradient of each shared variable over all towers.
 
@@ -151,8 +134,8 @@ def build_towers(tower_batches, plan, decay_steps):
     opt = tf.train.GradientDescentOptimizer(lr)
 
     tower_grads, tower_losses, summaries = [], [], []
-    # Deviation from upstream: on CPU towers, XLA_OPS are compiled with XLA.
-    with tf.variable_scope(tf.get_variable_scope()), _xla_ops_scope(plan):
+    # Deviation from upstream: XLA_OPS are compiled with XLA on CPU towers.
+    with tf.variable_scope(tf.get_variable_scope()), xla.xla_ops_scope(plan):
       for i, (images, labels) in enumerate(tower_batches):
         with tf.device(plan.tower_devices[i]):
           with tf.name_scope('%s_%d' % (model.TOWER_NAME, i)) as scope:
@@ -428,7 +411,7 @@ def _train_loop(sess, config, graph_parts, step, out, warn):
     error = e
   finally:
     try:
-      _stop_queue_threads(sess, coord, threads, graph_parts.close_queues)
+      inputs.stop_queue_threads(sess, coord, threads, graph_parts.close_queues)
     finally:
       try:
         summary_writer.close()
@@ -440,16 +423,3 @@ def _train_loop(sess, config, graph_parts, step, out, warn):
     # OutOfRangeError and CancelledError).
     raise error
   return step
-
-
-def _stop_queue_threads(sess, coord, threads, close_queues):
-  """Stops and joins every queue-runner thread; re-raises what they raised."""
-  coord.request_stop()
-  # Closing with cancel_pending_enqueues wakes enqueue threads blocked on a
-  # full queue, so none of them outlives the session.
-  for close in close_queues:
-    try:
-      sess.run(close)
-    except tf.errors.OpError:
-      pass
-  coord.join(threads, stop_grace_period_secs=STOP_GRACE_PERIOD_SECS)

@@ -766,19 +766,7 @@ def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
   manager = tf.train.CheckpointManager(
       checkpoint, write_dir, max_to_keep=train_lib.MAX_TO_KEEP,
       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-  last_saved = None
-
-  def save():
-    nonlocal last_saved
-    current = int(trainer.global_step.numpy())
-    if current != last_saved:
-      try:
-        manager.save(checkpoint_number=current)
-      except (tf.errors.OpError, OSError) as e:
-        raise checkpoints.save_failed(write_dir, current, e) from e
-      last_saved = current
-    return '%s-%d' % (os.path.join(write_dir, config_lib.CHECKPOINT_BASENAME),
-                      last_saved)
+  save = train_lib.StepSaver(trainer, manager, write_dir)
 
   try:
     resume_from = _restore(config, checkpoint, warn) if is_chief else None
@@ -790,7 +778,7 @@ def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
     step = int(trainer.global_step.numpy())
     if resume_from:
       out('Resuming from %s at global step %d.' % (resume_from, step))
-      last_saved = step
+      save.last_saved = step
     if step >= config.max_steps:
       warn('global step %d in %s is already >= max_steps %d: nothing to train.'
            % (step, config.train_dir, config.max_steps))

@@ -31,7 +31,7 @@ given the legacy values with `assign_variables(values, shadow_values)` and
 `global_step.assign(...)`, saved through `checkpoint_object(trainer)`.
 """
 
-import contextlib
+import os
 import sys
 import time
 
@@ -46,6 +46,7 @@ from common import devices
 from common import hparams
 from common import model_spec
 from common import training
+from common import xla
 from modern import inputs
 from modern import model as model_lib
 
@@ -58,13 +59,6 @@ _CKPT_GLOBAL_STEP = 'global_step'
 _CKPT_MODEL = 'model'
 _CKPT_EMA = 'ema'
 _CKPT_VALUE = '.ATTRIBUTES/VARIABLE_VALUE'
-
-# Ops compiled with XLA on CPU towers even without `jit` (legacy.train.XLA_OPS
-# is the same, so both trainers run the same kernels). TF's CPU kernel of the
-# LRN gradient is a scalar loop, a fifth of a step; XLA's is 3x faster and
-# agrees with it to ~2e-7 relative (docs/performance.md). The forward LRN and
-# the convolutions keep TF's kernels, faster on the CPU than XLA's.
-XLA_OPS = ('LRNGrad',)
 
 
 def _stderr(message):
@@ -105,15 +99,6 @@ def average_gradients(tower_grads):
     grads = tf.stack([g for g, _ in grad_and_vars], axis=0)  # [N, *var.shape]
     average_grads.append((tf.reduce_mean(grads, axis=0), grad_and_vars[0][1]))
   return average_grads
-
-
-def _xla_ops_scope(plan):
-  """Inside a tf.function: marks the XLA_OPS created in it for XLA (CPU plans only)."""
-  if plan.kind != 'cpu':
-    return contextlib.nullcontext()
-  return tf.xla.experimental.jit_scope(
-      compile_ops=lambda node_def: node_def.op in XLA_OPS,
-      separate_compiled_gradients=False)
 
 
 class MovingAverages(tf.Module):
@@ -212,8 +197,8 @@ class Trainer:
     Returns:
       (loss float32 scalar, list of gradients shaped like `values`).
     """
-    # Deviation from upstream: on CPU towers, XLA_OPS are compiled with XLA.
-    with _xla_ops_scope(self.plan):
+    # Deviation from upstream: XLA_OPS are compiled with XLA on CPU towers.
+    with xla.xla_ops_scope(self.plan):
       with tf.GradientTape() as tape:
         tape.watch(values)
         loss = tower_loss(self.model, images, labels, self.model.params(values))
@@ -358,6 +343,33 @@ class Trainer:
       var.assign(tf.cast(values[name], tf.float32))
     for name, var in self.shadow_variables().items():
       var.assign(tf.cast(shadow_values[name], tf.float32))
+
+
+class StepSaver:
+  """Saves a trainer's checkpoint at most once per global step.
+
+  Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
+  already saved, and returns the checkpoint's path. A failed write is a
+  one-line `common.checkpoints` error: the manager names a checkpoint latest
+  only after writing it whole, so the previous one stays in place.
+  """
+
+  def __init__(self, trainer, manager, directory, last_saved=None):
+    self.trainer = trainer
+    self.manager = manager
+    self.directory = directory
+    self.last_saved = last_saved  # the global step of the newest save, or None
+
+  def __call__(self):
+    current = int(self.trainer.global_step.numpy())
+    if current != self.last_saved:
+      try:
+        self.manager.save(checkpoint_number=current)
+      except (tf.errors.OpError, OSError) as e:
+        raise checkpoints.save_failed(self.directory, current, e) from e
+      self.last_saved = current
+    return '%s-%d' % (os.path.join(self.directory, config_lib.CHECKPOINT_BASENAME),
+                      self.last_saved)
 
 
 def checkpoint_object(trainer):
@@ -535,21 +547,9 @@ def train(config, plan, out=print, warn=_stderr):
                                     config.num_gpus, seed=config.seed)
   iterator = iter(dataset)
   writer = tf.summary.create_file_writer(config.train_dir)
-  last_saved = step if resume_from else None
+  save = StepSaver(trainer, manager, config.train_dir,
+                   last_saved=step if resume_from else None)
   stopped_by = None
-
-  def save():
-    nonlocal last_saved
-    current = int(trainer.global_step.numpy())
-    if current != last_saved:
-      try:
-        manager.save(checkpoint_number=current)
-      except (tf.errors.OpError, OSError) as e:
-        # The manager names a checkpoint latest only after writing it whole,
-        # so the previous one stays in place; the partial files are removed.
-        raise checkpoints.save_failed(config.train_dir, current, e) from e
-      last_saved = current
-    return '%s-%d' % (config.checkpoint_prefix(), last_saved)
 
   with writer.as_default(), training.StopRequest() as stop:
     try:
