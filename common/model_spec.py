@@ -11,6 +11,7 @@ import collections
 import tensorflow as tf
 
 from common import hparams
+from common import lrn as lrn_lib
 
 LayerSpec = collections.namedtuple(
     'LayerSpec', ['name', 'weight_shape', 'stddev', 'wd', 'bias_init'])
@@ -46,13 +47,7 @@ def _max_pool(x, name):
                           padding='SAME', name=name)
 
 
-def _lrn(x, name):
-  return tf.nn.local_response_normalization(
-      x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
-      alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA, name=name)
-
-
-def forward(images, params, activation_hook=None):
+def forward(images, params, activation_hook=None, lrn=None):
   """The CIFAR-10 model of upstream `inference`, given its variables.
 
   Args:
@@ -60,11 +55,19 @@ def forward(images, params, activation_hook=None):
     params: dict layer name -> (weights, biases) tensors or variables.
     activation_hook: optional callable(tensor) called with each layer's output
       (legacy uses it for activation summaries).
+    lrn: optional callable(x) computing upstream's local response
+      normalization (e.g. `common.lrn.fast_lrn`); default upstream's op.
 
   Returns:
     logits: float32 [batch, NUM_CLASSES], unscaled (no softmax).
   """
   hook = activation_hook or (lambda _: None)
+
+  def normalize(x, name):
+    if lrn is None:
+      return lrn_lib.upstream_lrn(x, name=name)
+    with tf.name_scope(name):
+      return lrn(x)
 
   def conv_relu(x, layer_name):
     weights, biases = params[layer_name]
@@ -82,10 +85,10 @@ def forward(images, params, activation_hook=None):
 
   conv1 = conv_relu(images, 'conv1')
   pool1 = _max_pool(conv1, 'pool1')
-  norm1 = _lrn(pool1, 'norm1')
+  norm1 = normalize(pool1, 'norm1')
   conv2 = conv_relu(norm1, 'conv2')
   # Upstream normalizes before pooling in the second block.
-  norm2 = _lrn(conv2, 'norm2')
+  norm2 = normalize(conv2, 'norm2')
   pool2 = _max_pool(norm2, 'pool2')
   reshape = tf.reshape(pool2, [-1, FLAT_DIM])
   local3 = local(reshape, 'local3')

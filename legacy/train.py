@@ -10,6 +10,7 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 """
 
 import collections
+import contextlib
 import os
 import sys
 import time
@@ -22,10 +23,15 @@ from common import cifar10_format
 from common import devices
 from common import hparams
 from common import training
-from common import xla
 from legacy import inputs
 from legacy import model
 
+# Ops compiled with XLA on CPU towers even without `jit`. TF's CPU kernel of
+# the LRN gradient is a scalar loop, a fifth of a step; XLA's is 3x faster and
+# agrees with it to ~2e-7 relative (docs/performance.md). The forward LRN and
+# the convolutions keep TF's kernels, faster on the CPU than XLA's. (Modern
+# goes further: common.lrn replaces both LRN kernels.)
+XLA_OPS = ('LRNGrad',)
 
 Towers = collections.namedtuple('Towers', [
     'train_op',  # one synchronous step: average, apply, then moving average
@@ -82,6 +88,15 @@ def tower_loss(scope, images, labels):
   return total_loss
 
 
+def _xla_ops_scope(plan):
+  """Marks the XLA_OPS created inside it for XLA compilation (CPU plans only)."""
+  if plan.kind != 'cpu':
+    return contextlib.nullcontext()
+  return tf.xla.experimental.jit_scope(
+      compile_ops=lambda node_def: node_def.op in XLA_OPS,
+      separate_compiled_gradients=False)
+
+
 def average_gradients(tower_grads):
   """The mean gradient of each shared variable over all towers.
 
@@ -135,7 +150,7 @@ def build_towers(tower_batches, plan, decay_steps):
 
     tower_grads, tower_losses, summaries = [], [], []
     # Deviation from upstream: XLA_OPS are compiled with XLA on CPU towers.
-    with tf.variable_scope(tf.get_variable_scope()), xla.xla_ops_scope(plan):
+    with tf.variable_scope(tf.get_variable_scope()), _xla_ops_scope(plan):
       for i, (images, labels) in enumerate(tower_batches):
         with tf.device(plan.tower_devices[i]):
           with tf.name_scope('%s_%d' % (model.TOWER_NAME, i)) as scope:

@@ -43,13 +43,19 @@ class Cifar10Model(tf.Module):
     conv1, conv2, local3, local4, softmax_linear: `LayerVariables`.
   """
 
-  def __init__(self, name='cifar10_model'):
+  def __init__(self, name='cifar10_model', lrn=None):
     """Creates the variables with upstream's initializers on `VARIABLE_DEVICE`.
 
     Weights: truncated normal with the layer's stddev (tf.random global seed);
     biases: the layer's constant.
+
+    Args:
+      name: the module's name.
+      lrn: optional callable computing the local response normalization
+        (`common.lrn.for_plan`); default upstream's `tf.nn.lrn`.
     """
     super().__init__(name=name)
+    self._lrn = lrn
     # Variables are created outside self.name_scope so that their names are
     # exactly legacy's ('conv1/weights:0'), with no module prefix.
     for layer in model_spec.LAYERS:
@@ -102,7 +108,7 @@ class Cifar10Model(tf.Module):
     Returns:
       logits: float32 [batch, 10].
     """
-    return model_spec.forward(images, params or self.params())
+    return model_spec.forward(images, params or self.params(), lrn=self._lrn)
 
   def __call__(self, images):
     """Logits float32 [batch, 10] of images float32 [batch, 24, 24, 3]."""

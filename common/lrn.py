@@ -1,0 +1,94 @@
+"""Local response normalization: upstream's op, or the same function made fast on CPUs.
+
+`tf.nn.local_response_normalization` computes, along the channel axis,
+
+    s = bias + alpha * sum(x[c - r .. c + r] ** 2),    y = x * s ** -beta.
+
+On the CPU its forward kernel is a band-matrix product and its gradient
+kernel (`LRNGrad`) recomputes `s` from `x` with a `pow` per element and window
+position: together a fifth of a training step. `fast_lrn` computes the same
+function with XLA-compiled elementwise loops, keeps `s` and `s ** -beta` from
+the forward pass for the gradient, and for upstream's beta = 0.75 takes
+`s ** -0.75` as `rsqrt(s) * sqrt(rsqrt(s))` instead of a `pow`. Its outputs
+agree with the TF kernels to ~1e-7 relative and a training step's gradients
+to ~2e-6 (tests/test_lrn.py); docs/performance.md has the measured speed.
+
+The gradient, with W(c) the window of channel c (symmetric: k in W(c) iff
+c in W(k)):
+
+    dx[k] = g[k] * s[k] ** -beta
+            - 2 * alpha * beta * x[k] * sum over c in W(k) of g[c] * y[c] / s[c].
+"""
+
+import tensorflow as tf
+
+from common import hparams
+
+
+def _window_sum(t, depth_radius):
+  """sum(t[..., c - r .. c + r]) for every channel c, zero outside the channels."""
+  channels = t.shape[-1]
+  padded = tf.pad(t, [[0, 0]] * (t.shape.rank - 1) + [[depth_radius, depth_radius]])
+  total = padded[..., 0:channels]
+  for k in range(1, 2 * depth_radius + 1):
+    total += padded[..., k:k + channels]
+  return total
+
+
+def _negative_power(s, beta):
+  """s ** -beta; for beta = 0.75 without a pow (s >= bias > 0 here)."""
+  if beta == 0.75:
+    r = tf.math.rsqrt(s)
+    return r * tf.sqrt(r)
+  return tf.pow(s, -beta)
+
+
+def make_fast_lrn(depth_radius, bias, alpha, beta):
+  """An XLA-compiled `tf.nn.local_response_normalization` with these parameters.
+
+  Returns:
+    callable(x float32 [..., channels]) -> float32 tensor shaped like x, with
+    the gradient of the module docstring. It works in eager code, inside
+    `tf.function` (including `jit_compile=True` ones) and under
+    `tf.distribute` strategies.
+  """
+
+  @tf.function(jit_compile=True)
+  def forward(x):
+    s = bias + alpha * _window_sum(tf.square(x), depth_radius)
+    p = _negative_power(s, beta)
+    return x * p, s, p
+
+  @tf.function(jit_compile=True)
+  def backward(x, y, s, p, g):
+    window = _window_sum(g * y / s, depth_radius)
+    return g * p - (2.0 * alpha * beta) * x * window
+
+  @tf.custom_gradient
+  def fast_lrn(x):
+    y, s, p = forward(x)
+    return y, lambda g: backward(x, y, s, p, g)
+
+  return fast_lrn
+
+
+def upstream_lrn(x, name=None):
+  """Upstream's `tf.nn.lrn` with the hyperparameters of SPEC §1."""
+  return tf.nn.local_response_normalization(
+      x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
+      alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA, name=name)
+
+
+fast_lrn = make_fast_lrn(hparams.LRN_DEPTH_RADIUS, hparams.LRN_BIAS,
+                         hparams.LRN_ALPHA, hparams.LRN_BETA)
+
+
+def for_plan(plan):
+  """The LRN a trainer's towers use: `fast_lrn` on CPU plans, upstream's on GPUs.
+
+  The fast version was measured on CPUs only; on GPUs TF's LRN is cuDNN's.
+
+  Args:
+    plan: common.devices.DevicePlan.
+  """
+  return fast_lrn if plan.kind == 'cpu' else upstream_lrn
