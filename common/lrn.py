@@ -7,17 +7,18 @@
 On the CPU its forward kernel is a band-matrix product and its gradient
 kernel (`LRNGrad`) recomputes `s` from `x` with a `pow` per element and window
 position: together a fifth of a training step. `fast_lrn` computes the same
-function with XLA-compiled elementwise loops, keeps `s` and `s ** -beta` from
-the forward pass for the gradient, and for upstream's beta = 0.75 takes
-`s ** -0.75` as `rsqrt(s) * sqrt(rsqrt(s))` instead of a `pow`. Its outputs
-agree with the TF kernels to ~1e-7 relative and a training step's gradients
-to ~2e-6 (tests/test_lrn.py); docs/performance.md has the measured speed.
+function with XLA-compiled elementwise loops, keeps `s ** -beta` and
+`s ** (-beta - 1)` from the forward pass for the gradient, and for upstream's
+beta = 0.75 takes `s ** -0.75` as `rsqrt(s) * sqrt(rsqrt(s))` instead of a
+`pow`. Its outputs and gradients agree with the TF kernels to ~4e-7 relative,
+a training step's gradients to ~2e-6 (tests/test_lrn.py); docs/performance.md
+has the measured speed.
 
 The gradient, with W(c) the window of channel c (symmetric: k in W(c) iff
 c in W(k)):
 
     dx[k] = g[k] * s[k] ** -beta
-            - 2 * alpha * beta * x[k] * sum over c in W(k) of g[c] * y[c] / s[c].
+            - 2 * alpha * beta * x[k] * sum over c in W(k) of g[c] * x[c] * s[c] ** (-beta - 1).
 """
 
 import tensorflow as tf
@@ -56,18 +57,18 @@ def make_fast_lrn(depth_radius, bias, alpha, beta):
   @tf.function(jit_compile=True)
   def forward(x):
     s = bias + alpha * _window_sum(tf.square(x), depth_radius)
-    p = _negative_power(s, beta)
-    return x * p, s, p
+    p = _negative_power(s, beta)  # s ** -beta
+    return x * p, p, p / s
 
   @tf.function(jit_compile=True)
-  def backward(x, y, s, p, g):
-    window = _window_sum(g * y / s, depth_radius)
+  def backward(x, p, q, g):
+    window = _window_sum(g * x * q, depth_radius)
     return g * p - (2.0 * alpha * beta) * x * window
 
   @tf.custom_gradient
   def fast_lrn(x):
-    y, s, p = forward(x)
-    return y, lambda g: backward(x, y, s, p, g)
+    y, p, q = forward(x)
+    return y, lambda g: backward(x, p, q, g)
 
   return fast_lrn
 
