@@ -76,7 +76,7 @@ def _variable_with_weight_decay(name, shape, stddev, wd):
   return var
 
 
-def inference(images):
+def inference(images, lrn=None):
   """Builds the CIFAR-10 model.
 
   Creates the 10 variables of `common.model_spec.LAYERS` (`conv1/weights`,
@@ -85,6 +85,8 @@ def inference(images):
 
   Args:
     images: float32 [batch, 24, 24, 3], from `distorted_inputs` or `inputs`.
+    lrn: optional callable computing the local response normalization
+      (`common.lrn.for_plan`); default upstream's `tf.nn.lrn`.
 
   Returns:
     logits: float32 [batch, NUM_CLASSES], unscaled.
@@ -99,7 +101,8 @@ def inference(images):
           'biases', [layer.weight_shape[-1]],
           tf.constant_initializer(layer.bias_init))
       params[layer.name] = (weights, biases)
-  return model_spec.forward(images, params, activation_hook=_activation_summary)
+  return model_spec.forward(images, params, activation_hook=_activation_summary,
+                            lrn=lrn)
 
 
 def loss(logits, labels):

@@ -10,7 +10,6 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 """
 
 import collections
-import contextlib
 import os
 import sys
 import time
@@ -22,16 +21,10 @@ from common import checkpoints
 from common import cifar10_format
 from common import devices
 from common import hparams
+from common import lrn as lrn_lib
 from common import training
 from legacy import inputs
 from legacy import model
-
-# Ops compiled with XLA on CPU towers even without `jit`. TF's CPU kernel of
-# the LRN gradient is a scalar loop, a fifth of a step; XLA's is 3x faster and
-# agrees with it to ~2e-7 relative (docs/performance.md). The forward LRN and
-# the convolutions keep TF's kernels, faster on the CPU than XLA's. (Modern
-# goes further: common.lrn replaces both LRN kernels.)
-XLA_OPS = ('LRNGrad',)
 
 Towers = collections.namedtuple('Towers', [
     'train_op',  # one synchronous step: average, apply, then moving average
@@ -58,19 +51,21 @@ def _stderr_print(message):
   print(message, file=sys.stderr)
 
 
-def tower_loss(scope, images, labels):
+def tower_loss(scope, images, labels, lrn=None):
   """The total loss of one tower.
 
   Args:
     scope: str, the tower's name scope with its trailing slash, e.g. 'tower_0/'.
     images: float32 [batch, 24, 24, 3].
     labels: int32 [batch].
+    lrn: optional callable computing the LRN (`common.lrn.for_plan`);
+      default upstream's `tf.nn.lrn`.
 
   Returns:
     float32 scalar: the tower's mean cross-entropy plus the weight decay of
     local3 and local4, each counted once.
   """
-  logits = model.inference(images)
+  logits = model.inference(images, lrn=lrn)
   # model.loss sums the 'losses' of the whole graph, so with several towers
   # its result double counts; as upstream, only its side effect is used.
   _ = model.loss(logits, labels)
@@ -86,15 +81,6 @@ def tower_loss(scope, images, labels):
   for l in losses + [total_loss]:
     tf.summary.scalar(l.op.name[len(scope):], l)
   return total_loss
-
-
-def _xla_ops_scope(plan):
-  """Marks the XLA_OPS created inside it for XLA compilation (CPU plans only)."""
-  if plan.kind != 'cpu':
-    return contextlib.nullcontext()
-  return tf.xla.experimental.jit_scope(
-      compile_ops=lambda node_def: node_def.op in XLA_OPS,
-      separate_compiled_gradients=False)
 
 
 def average_gradients(tower_grads):
@@ -149,12 +135,16 @@ def build_towers(tower_batches, plan, decay_steps):
     opt = tf.train.GradientDescentOptimizer(lr)
 
     tower_grads, tower_losses, summaries = [], [], []
-    # Deviation from upstream: XLA_OPS are compiled with XLA on CPU towers.
-    with tf.variable_scope(tf.get_variable_scope()), _xla_ops_scope(plan):
+    # Deviation from upstream: CPU towers compute the LRN with common.lrn's
+    # XLA functions, the same function as tf.nn.lrn to ~4e-7 relative
+    # (tests/test_lrn.py) and the same kernels as modern's towers, so the two
+    # trainers' arithmetic stays identical (docs/performance.md).
+    lrn = lrn_lib.for_plan(plan)
+    with tf.variable_scope(tf.get_variable_scope()):
       for i, (images, labels) in enumerate(tower_batches):
         with tf.device(plan.tower_devices[i]):
           with tf.name_scope('%s_%d' % (model.TOWER_NAME, i)) as scope:
-            loss = tower_loss(scope, images, labels)
+            loss = tower_loss(scope, images, labels, lrn=lrn)
             # The next towers share this tower's variables.
             tf.get_variable_scope().reuse_variables()
             # Deviation from upstream: upstream kept the last tower's

@@ -91,3 +91,26 @@ def test_modern_trainer_builds_its_model_with_the_plans_lrn(device_plan):
   from modern import train as modern_train
   trainer = modern_train.Trainer(device_plan, decay_steps=10)
   assert trainer.model._lrn is lrn.fast_lrn  # pylint: disable=protected-access
+
+
+def test_legacy_towers_use_the_fast_lrn_on_cpu_plans(device_plan):
+  from legacy import train as legacy_train
+  plan = devices.DevicePlan(device_plan.tower_devices[:2], 'cpu',
+                            device_plan.num_cpu_devices)
+  with tf.Graph().as_default() as graph:
+    batches = [(tf.zeros([2, 24, 24, 3]), tf.zeros([2], tf.int32))] * 2
+    legacy_train.build_towers(batches, plan, decay_steps=10)
+  types = [op.type for op in graph.get_operations()]
+  assert 'LRN' not in types and 'LRNGrad' not in types
+  # Per tower: norm1 and norm2, each a forward and a gradient call.
+  assert types.count('PartitionedCall') == 2 * 2 * 2
+
+
+def test_fast_lrn_reads_the_hyperparameters_when_called(monkeypatch):
+  x = tf.constant(np.random.default_rng(3).normal(size=[2, 4, 4, 64]).astype(
+      np.float32) * 10)
+  before = lrn.fast_lrn(x).numpy()
+  monkeypatch.setattr(hparams, 'LRN_ALPHA', 0.001)
+  after = lrn.fast_lrn(x).numpy()
+  assert _rel(after, _reference(hparams.LRN_BETA)(x).numpy()) <= REL_TOL
+  assert _rel(after, before) > 1e-3
