@@ -110,13 +110,18 @@ def test_sigint_saves_and_stops_at_a_step_boundary(synth_data_dir, tmp_path):
 @pytest.mark.slow
 def test_learns_synthetic_data(synth_data_dir, tmp_path):
   train_dir = str(tmp_path / 'train')
+  # Batch 64 x 150 steps, not 32 x 300: with upstream's learning rate 0.1,
+  # batches of 32 on this data make the loss spike after step 50 (measured
+  # with the modern trainer: up to 7.5 in 20 runs with common.lrn, up to 20
+  # in 18 runs with tf.nn.lrn), and it once diverged to inf in CI. With
+  # batches of 64 it stayed below 4.7 in 8 runs, precision 0.95-1.0.
   config = config_lib.TrainConfig(
-      data_dir=synth_data_dir, train_dir=train_dir, num_gpus=2, batch_size=32,
-      max_steps=300, save_every=300, log_every=100, seed=0)
+      data_dir=synth_data_dir, train_dir=train_dir, num_gpus=2, batch_size=64,
+      max_steps=150, save_every=150, log_every=50, seed=0)
   train.train(config, _plan(2), out=lambda _: None, num_threads=NUM_THREADS)
   precision, step = legacy_eval.evaluate(train_dir, synth_data_dir,
                                          out=lambda _: None)
-  assert step == 300
+  assert step == 150
   assert precision > 0.3  # chance is 0.1
 
 
