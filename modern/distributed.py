@@ -429,21 +429,9 @@ class StrategyTrainer(train_lib.Trainer):
     tower_losses, _ = self._voting_step(images, labels, tf.constant(0.0))
     return tower_losses
 
-  def _check_batches(self, tower_batches):
-    images, labels = tower_batches
-    images = tf.convert_to_tensor(images, tf.float32)
-    labels = tf.convert_to_tensor(labels, tf.int32)
-    size = hparams.IMAGE_SIZE
+  def _batch_counts(self):
     counts = sorted({self.num_towers, self.num_local_replicas})
-    if (images.shape.rank != 5 or images.shape[0] not in counts
-        or tuple(images.shape[2:]) != (size, size, 3)):
-      raise ValueError('images must be [N, batch, %d, %d, 3] with N in %s (all '
-                       'replicas, or this worker\'s), got %s'
-                       % (size, size, counts, images.shape))
-    if tuple(labels.shape) != tuple(images.shape[:2]):
-      raise ValueError('labels must be %s, got %s'
-                       % (tuple(images.shape[:2]), labels.shape))
-    return images, labels
+    return counts, ('N', " with N in %s (all replicas, or this worker's)" % counts)
 
   def train_step_and_vote(self, tower_batches, stop_requested):
     """One training step that also tells every worker whether any wants to stop.
@@ -719,27 +707,6 @@ def train(config, plan, out=print, warn=_stderr):
     cleanup()
 
 
-def _restore(config, checkpoint, warn):
-  """The chief's resume: the checkpoint it restored from, or None."""
-  resume_from = checkpoints.resume_point(config.train_dir, warn)
-  if not resume_from:
-    return None
-  if checkpoints.kind(resume_from) != checkpoints.MODERN:
-    raise training.TrainingError(
-        '%s is a legacy (tf.compat.v1 Saver) checkpoint; the modern trainer '
-        'resumes only its own checkpoints. Use another --train_dir, or train '
-        'this one with the legacy trainer.' % resume_from)
-  checkpoints.check_fits(resume_from, train_lib.checkpoint_shapes())
-  try:
-    checkpoint.restore(resume_from).assert_existing_objects_matched()
-  except (AssertionError, ValueError, tf.errors.OpError) as e:
-    raise training.TrainingError(
-        '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (resume_from, str(e).strip().splitlines()[0])
-    ) from e
-  return resume_from
-
-
 def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
                 out, warn):
   """The loop of `train` once the engine exists (see there).
@@ -769,7 +736,8 @@ def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
   save = train_lib.StepSaver(trainer, manager, write_dir)
 
   try:
-    resume_from = _restore(config, checkpoint, warn) if is_chief else None
+    resume_from = (train_lib.restore_latest(config.train_dir, checkpoint, warn)
+                   if is_chief else None)
     if cluster is not None:
       # Synchronization point: every worker takes the chief's state (fresh or
       # restored), so all resume from the chief's checkpoint.

@@ -258,15 +258,20 @@ class Trainer:
       self.ema.apply(self.model, model_spec.ema_decay(self.global_step))
     return tower_losses
 
+  def _batch_counts(self):
+    """The leading sizes `tower_batches` may have, and how errors name them."""
+    return (self.num_towers,), ('%d towers' % self.num_towers, '')
+
   def _check_batches(self, tower_batches):
     images, labels = tower_batches
     images = tf.convert_to_tensor(images, tf.float32)
     labels = tf.convert_to_tensor(labels, tf.int32)
     size = hparams.IMAGE_SIZE
-    if (images.shape.rank != 5 or images.shape[0] != self.num_towers
+    counts, (leading, note) = self._batch_counts()
+    if (images.shape.rank != 5 or images.shape[0] not in counts
         or tuple(images.shape[2:]) != (size, size, 3)):
-      raise ValueError('images must be [%d towers, batch, %d, %d, 3], got %s'
-                       % (self.num_towers, size, size, images.shape))
+      raise ValueError('images must be [%s, batch, %d, %d, 3]%s, got %s'
+                       % (leading, size, size, note, images.shape))
     if tuple(labels.shape) != tuple(images.shape[:2]):
       raise ValueError('labels must be %s, got %s'
                        % (tuple(images.shape[:2]), labels.shape))
@@ -394,6 +399,43 @@ def moving_average_checkpoint(model, global_step):
   return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: global_step, _CKPT_EMA: model})
 
 
+def restore_latest(train_dir, checkpoint, warn):
+  """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
+
+  The newest checkpoint that passes its checksums (`common.checkpoints`),
+  usually the manager's latest.
+
+  Args:
+    train_dir: str.
+    checkpoint: `checkpoint_object(trainer)`.
+    warn: callable taking one message (skipped damaged checkpoints).
+
+  Returns:
+    The restored checkpoint's path, or None when train_dir has none.
+
+  Raises:
+    common.training.TrainingError: it is a legacy checkpoint, or of another model.
+    common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
+  """
+  resume_from = checkpoints.resume_point(train_dir, warn)
+  if not resume_from:
+    return None
+  if checkpoints.kind(resume_from) != checkpoints.MODERN:
+    raise training.TrainingError(
+        '%s is a legacy (tf.compat.v1 Saver) checkpoint; the modern trainer '
+        'resumes only its own checkpoints. Use another --train_dir, or train '
+        'this one with the legacy trainer.' % resume_from)
+  checkpoints.check_fits(resume_from, checkpoint_shapes())
+  try:
+    checkpoint.restore(resume_from).assert_existing_objects_matched()
+  except (AssertionError, ValueError, tf.errors.OpError) as e:
+    raise training.TrainingError(
+        '%s does not fit this model (%s). Use another --train_dir, or move '
+        'its checkpoints away.' % (resume_from, str(e).strip().splitlines()[0])
+    ) from e
+  return resume_from
+
+
 def checkpoint_shapes():
   """Dict checkpoint key -> shape of everything a training checkpoint must hold."""
   shapes = {checkpoint_key('global_step'): ()}
@@ -518,23 +560,8 @@ def train(config, plan, out=print, warn=_stderr):
   manager = tf.train.CheckpointManager(
       checkpoint, config.train_dir, max_to_keep=MAX_TO_KEEP,
       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-  # The newest checkpoint that passes its checksums (see common.checkpoints);
-  # usually manager.latest_checkpoint.
-  resume_from = checkpoints.resume_point(config.train_dir, warn)
+  resume_from = restore_latest(config.train_dir, checkpoint, warn)
   if resume_from:
-    if checkpoints.kind(resume_from) != checkpoints.MODERN:
-      raise training.TrainingError(
-          '%s is a legacy (tf.compat.v1 Saver) checkpoint; the modern trainer '
-          'resumes only its own checkpoints. Use another --train_dir, or train '
-          'this one with the legacy trainer.' % resume_from)
-    checkpoints.check_fits(resume_from, checkpoint_shapes())
-    try:
-      checkpoint.restore(resume_from).assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-      raise training.TrainingError(
-          '%s does not fit this model (%s). Use another --train_dir, or move '
-          'its checkpoints away.' % (resume_from, str(e).strip().splitlines()[0])
-      ) from e
     out('Resuming from %s at global step %d.'
         % (resume_from, int(trainer.global_step.numpy())))
   step = int(trainer.global_step.numpy())
