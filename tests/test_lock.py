@@ -1,0 +1,51 @@
+"""common.lock: one run per train_dir, and no stale lock after a kill."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from common import lock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_second_holder_is_refused_with_the_first_ones_pid(tmp_path):
+  with lock.exclusive(str(tmp_path), what='legacy training'):
+    with pytest.raises(lock.LockError) as raised:
+      with lock.exclusive(str(tmp_path)):
+        pass
+  message = str(raised.value)
+  assert 'PID %d on host ' % os.getpid() in message
+  assert 'legacy training' in message and '--train_dir' in message
+  assert '\n' not in message
+  with lock.exclusive(str(tmp_path)):  # released when the block ended
+    pass
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+  script = textwrap.dedent('''
+      import sys, time
+      sys.path.insert(0, %r)
+      from common import lock
+      with lock.exclusive(%r, what='a run about to be killed'):
+        print('locked', flush=True)
+        time.sleep(60)
+  ''' % (ROOT, str(tmp_path)))
+  proc = subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE,
+                          text=True)
+  try:
+    assert proc.stdout.readline().strip() == 'locked'
+    with pytest.raises(lock.LockError, match='PID %d ' % proc.pid):
+      with lock.exclusive(str(tmp_path)):
+        pass
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  with lock.exclusive(str(tmp_path)):
+    pass

@@ -1,0 +1,116 @@
+"""common.training.StopRequest: signals as a stop request, also while TensorFlow blocks."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import tensorflow as tf
+
+from common import training
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT_SECS = 5.0  # a callback must have ended a blocked wait by then
+
+
+def _signal_soon(sig, delay=0.3):
+  timer = threading.Timer(delay, os.kill, (os.getpid(), sig))
+  timer.start()
+  return timer
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_is_a_request_and_the_handlers_come_back(sig):
+  before = signal.getsignal(sig)
+  with training.StopRequest() as stop:
+    assert not stop.requested and stop.signal_name is None
+    _signal_soon(sig)
+    assert stop.wait(PROMPT_SECS)  # wakes early, well before the timeout
+    assert stop.requested and stop.signal_name == sig.name
+  assert signal.getsignal(sig) is before
+  assert training.exit_status(training.StopRequest.last_signal) == 128 + sig
+
+
+def test_nested_requests_share_one_state():
+  with training.StopRequest() as outer:
+    with training.StopRequest() as inner:
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert inner.wait(PROMPT_SECS)
+    # Leaving the inner one keeps the outer handlers installed and the request.
+    assert outer.requested and outer.signal_name == 'SIGTERM'
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+
+
+def test_while_blocked_ends_a_wait_inside_tensorflow():
+  """The main thread waits in a C++ dequeue, where no Python handler can run."""
+  queue = tf.queue.FIFOQueue(1, tf.float32)
+  closed_by = []
+
+  def close(name):
+    closed_by.append(name)
+    queue.close(cancel_pending_enqueues=True)
+
+  with training.StopRequest() as stop:
+    with stop.while_blocked(close):
+      _signal_soon(signal.SIGTERM)
+      start = time.time()
+      with pytest.raises(tf.errors.OutOfRangeError):
+        queue.dequeue()  # would block forever
+      waited = time.time() - start
+    assert closed_by == ['SIGTERM'] and stop.requested
+  assert waited < PROMPT_SECS
+
+
+def test_while_blocked_runs_at_once_when_already_requested():
+  calls = []
+  with training.StopRequest() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.wait(PROMPT_SECS)
+    with stop.while_blocked(calls.append):
+      assert calls == ['SIGINT']
+
+
+def test_callbacks_do_not_outlive_their_block():
+  calls = []
+  with training.StopRequest() as stop:
+    with stop.while_blocked(calls.append):
+      pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.wait(PROMPT_SECS)
+    time.sleep(0.2)  # the watcher has run whatever it would run
+  assert calls == []
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_second_signal_ends_the_process_at_once(sig):
+  # The main thread never reaches a step boundary (it sleeps in C).
+  script = textwrap.dedent('''
+      import os, signal, sys, time
+      sys.path.insert(0, %r)
+      from common import training
+      with training.StopRequest():
+        print('ready', flush=True)
+        time.sleep(60)
+      print('not reached', flush=True)
+  ''' % ROOT)
+  proc = subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == 'ready'
+    proc.send_signal(sig)
+    time.sleep(0.3)
+    start = time.time()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + sig
+  assert time.time() - start < PROMPT_SECS
+  assert 'not reached' not in out
+  assert err.strip() == ('%s again: stopping at once, without saving; the steps '
+                         'since the last checkpoint are lost.' % sig.name)
