@@ -3,9 +3,28 @@
 The image bytes are depth-major: 1024 red, 1024 green, 1024 blue values, each
 plane row-major 32x32. No TensorFlow here: these are the numpy reader, writer
 and validator used by the data commands, the tests and the cross-check.
+
+Besides the format, the validator names content that cannot be real data
+(`content_problems`, `FileJudge`; a problem for `data check`, a warning for
+training): a file of at least `MIN_RECORDS_TO_JUDGE` records whose images are
+all the same image (an all-zero file, say), or whose records all have one
+label (CIFAR-10's files mix all ten classes), and a file that is a
+byte-for-byte copy of another. These are certain and cheap: real data passes
+on the first two images and a sample of bytes; the worst case, six all-zero
+files of CIFAR-10's size, costs one comparison per byte (about 0.15 s).
+
+Writers replace a whole data set at once (`staged_batches_dir`): the files go
+into a hidden staging directory that is swapped in when every file is
+written, so an interrupted or failed write never leaves a mix of old and new
+files, or a partial file, in `cifar-10-batches-bin/`.
 """
 
+import contextlib
+import errno
+import hashlib
 import os
+import shutil
+import socket
 
 import numpy as np
 
@@ -24,6 +43,16 @@ WIDTH = 32
 DEPTH = 3
 IMAGE_BYTES = HEIGHT * WIDTH * DEPTH  # 3072
 RECORD_BYTES = LABEL_BYTES + IMAGE_BYTES  # 3073
+
+
+# Files with fewer records are not judged by content: a tiny hand-made file
+# may well hold one class or repeat one image; from 10 records on, one label
+# in a file mixing ten classes has a chance of 1e-9, ten equal photographs none.
+MIN_RECORDS_TO_JUDGE = 10
+
+_STAGING_PREFIX = '.%s.partial-' % BATCHES_DIR  # + host-pid-random
+_WRITE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_WRITE_DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class DataError(Exception):
@@ -62,11 +91,23 @@ def encode_records(images, labels):
 
 def write_records(path, images, labels):
   """Writes a CIFAR-10 binary file atomically (temp file, then rename)."""
-  data = encode_records(images, labels)
+  write_atomically(path, encode_records(images, labels))
+
+
+def write_atomically(path, data):
+  """Writes bytes or str to `path` through a temp file that is renamed into place.
+
+  On any error or interrupt the temp file is removed and `path` is as it was.
+  """
   tmp = '%s.tmp-%d' % (path, os.getpid())
-  with open(tmp, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, 'wb' if isinstance(data, bytes) else 'w') as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
 def decode_records(data, name='<bytes>'):
@@ -82,6 +123,14 @@ def decode_records(data, name='<bytes>'):
   Raises:
     DataError: the size is not a multiple of 3073 bytes, or a label is not 0..9.
   """
+  records = _records(data, name)
+  labels = records[:, 0].astype(np.int32)
+  images = records[:, 1:].reshape(-1, DEPTH, HEIGHT, WIDTH).transpose(0, 2, 3, 1)
+  return images, labels
+
+
+def _records(data, name):
+  """The records of `data` as uint8 [N, 3073], validated as `decode_records` says."""
   if len(data) % RECORD_BYTES:
     raise DataError(
         '%s: size %d bytes is not a multiple of the %d-byte record; record %d '
@@ -89,7 +138,7 @@ def decode_records(data, name='<bytes>'):
         % (name, len(data), RECORD_BYTES, len(data) // RECORD_BYTES,
            (len(data) // RECORD_BYTES) * RECORD_BYTES))
   records = np.frombuffer(data, np.uint8).reshape(-1, RECORD_BYTES)
-  labels = records[:, 0].astype(np.int32)
+  labels = records[:, 0]
   bad = np.flatnonzero(labels >= hparams.NUM_CLASSES)
   if bad.size:
     raise DataError(
@@ -97,8 +146,7 @@ def decode_records(data, name='<bytes>'):
         '%d record(s) are bad. Re-download or regenerate the data.'
         % (name, bad[0], bad[0] * RECORD_BYTES, labels[bad[0]],
            hparams.NUM_CLASSES - 1, bad.size))
-  images = records[:, 1:].reshape(-1, DEPTH, HEIGHT, WIDTH).transpose(0, 2, 3, 1)
-  return images, labels
+  return records
 
 
 def read_records(path):
@@ -107,9 +155,110 @@ def read_records(path):
     return decode_records(f.read(), path)
 
 
+def content_problems(records):
+  """Why records cannot be real data, as short phrases; [] when nothing is wrong.
+
+  Certain signs only, judged on files of at least MIN_RECORDS_TO_JUDGE
+  records: every image is the same image; every record has the same label.
+
+  Args:
+    records: uint8 [N, 3073], label byte then image bytes.
+
+  Returns:
+    list of str, e.g. ['all 10000 images are the same image (every byte 0)'].
+  """
+  n = records.shape[0]
+  if n < MIN_RECORDS_TO_JUDGE:
+    return []
+  problems = []
+  images = records[:, 1:]
+  # The first two images differ in almost every real file: a cheap early out.
+  if np.array_equal(images[0], images[1]) and (images == images[0]).all():
+    low, high = int(images[0].min()), int(images[0].max())
+    problems.append('all %d images are the same image%s'
+                    % (n, ' (every byte %d)' % low if low == high else ''))
+  labels = records[:, 0]
+  if (labels == labels[0]).all():
+    problems.append('all %d records have label %d' % (n, labels[0]))
+  return problems
+
+
+class FileJudge:
+  """Judges the files of one data set by content, one file at a time.
+
+  `judge` gives `content_problems` and, from the second file on, whether the
+  file is a byte-for-byte copy of one judged before (a test file copied from
+  a training file, a training file copied to fill a gap). Only a fingerprint
+  of each file is kept (its size and a digest of every 4099th byte); a match
+  is confirmed by comparing the whole files.
+  """
+
+  _STRIDE = 4099
+
+  def __init__(self):
+    self._seen = {}  # fingerprint -> path
+
+  def judge(self, path, data, records):
+    """Why the file cannot be real data: a list of phrases, [] if it can.
+
+    Args:
+      path: str, the file (named in the phrases of later copies).
+      data: bytes, its whole content.
+      records: uint8 [N, 3073], `data` as records.
+    """
+    problems = content_problems(records)
+    if records.shape[0] >= MIN_RECORDS_TO_JUDGE:
+      key = (len(data), hashlib.blake2b(data[::self._STRIDE]).digest())
+      original = self._seen.get(key)
+      if original is not None and _same_bytes(original, data):
+        problems.append('a byte-for-byte copy of %s' % os.path.basename(original))
+      else:
+        self._seen.setdefault(key, path)
+    return problems
+
+
+def _same_bytes(path, data):
+  try:
+    with open(path, 'rb') as f:
+      return f.read() == data
+  except OSError:
+    return False
+
+
+def judge_files(paths):
+  """Reads and validates files; one line for each whose content cannot be real.
+
+  For training and evaluation, which go on after saying so (`data check`
+  reports the same lines as problems).
+
+  Args:
+    paths: list of file paths.
+
+  Returns:
+    list of str, '<path> cannot be real data: <why>'.
+
+  Raises:
+    DataError: a file is malformed (see `decode_records`).
+    OSError: a file cannot be read.
+  """
+  judge, lines = FileJudge(), []
+  for path in paths:
+    with open(path, 'rb') as f:
+      data = f.read()
+    problems = judge.judge(path, data, _records(data, path))
+    if problems:
+      lines.append('%s cannot be real data: %s' % (path, '; '.join(problems)))
+  return lines
+
+
 def _files(data_dir, names, what):
   d = batches_dir(data_dir)
   paths = [os.path.join(d, n) for n in names]
+  for path in paths:
+    if os.path.exists(path) and not os.path.isfile(path):
+      raise DataError('%s is %s, not a data file. Move it away; `python cli.py '
+                      'data check --data_dir %s` lists every problem.'
+                      % (path, _not_a_file(path), data_dir))
   missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
     raise DataError(
@@ -157,34 +306,180 @@ def unexpected_files(data_dir):
           if name.endswith('.bin') and name not in TRAIN_FILES + EVAL_FILES]
 
 
+def _not_a_file(path):
+  """What `path` is when it is not a regular file: 'missing', 'a directory', ..."""
+  if not os.path.lexists(path):
+    return 'missing'
+  if not os.path.exists(path):
+    return 'a symbolic link to a missing file'
+  if os.path.isdir(path):
+    return 'a directory'
+  return 'not a regular file (a device, FIFO or socket)'
+
+
+def _reason(error):
+  """The OS's words for an OSError, without the path (the caller names it)."""
+  return error.strerror or str(error)
+
+
 def check_data_dir(data_dir):
   """Every problem of a data directory, at once.
+
+  Each file is validated (size, label bytes), then judged by content
+  (`FileJudge`); every problem, a file that cannot be read included, is one
+  line.
 
   Returns:
     (problems, counts): a list of one-line problem descriptions (empty when the
     directory is good) and a dict file name -> number of records of the files
-    that are readable.
+    without a problem.
   """
   problems, counts = [], {}
   d = batches_dir(data_dir)
   if not os.path.isdir(d):
+    if os.path.lexists(d):
+      kind = 'a file' if os.path.isfile(d) else _not_a_file(d)
+      return ['%s: %s, not a directory' % (d, kind)], counts
     return ['%s: directory not found' % d], counts
+  try:
+    names = sorted(os.listdir(d))
+  except OSError as e:
+    return ['%s: cannot be listed (%s)' % (d, _reason(e))], counts
   expected = TRAIN_FILES + EVAL_FILES
+  judge = FileJudge()
   for name in expected:
     path = os.path.join(d, name)
     if not os.path.isfile(path):
-      problems.append('%s: missing' % path)
+      kind = _not_a_file(path)
+      problems.append('%s: %s' % (path, kind if kind == 'missing'
+                                  else '%s, not a data file' % kind))
       continue
     try:
-      _, labels = read_records(path)
+      with open(path, 'rb') as f:
+        data = f.read()
+      records = _records(data, path)
     except DataError as e:
       problems.append(str(e).split('. Re-download')[0])
       continue
-    if labels.size == 0:
+    except OSError as e:
+      problems.append('%s: cannot be read (%s)' % (path, _reason(e)))
+      continue
+    if records.shape[0] == 0:
       problems.append('%s: empty' % path)
       continue
-    counts[name] = int(labels.size)
-  for path in unexpected_files(data_dir):
-    problems.append('%s: unexpected data file (expected only %s)'
-                    % (path, ', '.join(expected)))
+    why = judge.judge(path, data, records)
+    if why:
+      problems.append('%s: cannot be real data: %s' % (path, '; '.join(why)))
+      continue
+    counts[name] = int(records.shape[0])
+  for name in names:
+    if name.endswith('.bin') and name not in expected:
+      problems.append('%s: unexpected data file (expected only %s)'
+                      % (os.path.join(d, name), ', '.join(expected)))
   return problems, counts
+
+
+def write_failure(directory, error, needed_bytes=None):
+  """A one-line message for an OSError raised writing data into `directory`.
+
+  Returns:
+    str saying what happened and what to do, or None when `error` is not a
+    full or read-only disk or a denied write (the caller re-raises it).
+  """
+  if error.errno in _WRITE_FULL:
+    needed = (' (about %d MiB are needed)' % -(-needed_bytes // 2**20)
+              if needed_bytes else '')
+    return ('cannot write to %s: %s%s; nothing was changed there. Free some '
+            'space or pass another --data_dir.' % (directory, _reason(error), needed))
+  if error.errno in _WRITE_DENIED:
+    return ('cannot write to %s: %s; nothing was changed there. Pass a '
+            '--data_dir you can write to.' % (directory, _reason(error)))
+  return None
+
+
+@contextlib.contextmanager
+def staged_batches_dir(data_dir, needed_bytes=None):
+  """A new `cifar-10-batches-bin/` written aside, then swapped in whole.
+
+  Yields a hidden staging directory in `data_dir`; write every file there.
+  When the block ends normally, files of the old directory that the new one
+  lacks (e.g. readme.html) are linked into it and the two are swapped with
+  two renames, so readers see the old set or the new one, never a mix or a
+  partial file. On any error or interrupt the staging directory is removed
+  and the old data is untouched. What a writer killed outright (SIGKILL)
+  leaves, its hidden staging directory, is removed by the next writer on the
+  same host.
+
+  Args:
+    data_dir: str, the data directory (created if missing).
+    needed_bytes: optional int, the size of the new files, for the message
+      when the disk is full.
+
+  Raises:
+    DataError: cifar-10-batches-bin is a file, or the disk is full or
+      read-only, or writing is denied; nothing was changed.
+    OSError: other errors (e.g. data_dir lies below a file).
+  """
+  target = batches_dir(data_dir)
+  if os.path.lexists(target) and not os.path.isdir(target):
+    raise DataError('%s is a file, not a directory; nothing was written. Move '
+                    'it away or pass another --data_dir.' % target)
+  stage = None
+  try:
+    os.makedirs(data_dir, exist_ok=True)
+    _remove_stale_stages(data_dir)
+    stage = os.path.join(data_dir, '%s%s-%d-%s' % (
+        _STAGING_PREFIX, socket.gethostname(), os.getpid(), os.urandom(3).hex()))
+    os.mkdir(stage)
+    yield stage
+    _swap_in(stage, target)
+    stage = None
+  except OSError as e:
+    message = write_failure(data_dir, e, needed_bytes)
+    if message is None:
+      raise
+    raise DataError(message) from e
+  finally:
+    if stage is not None:
+      shutil.rmtree(stage, ignore_errors=True)
+
+
+def _swap_in(stage, target):
+  """Replaces the directory `target` by `stage` (two renames)."""
+  if not os.path.isdir(target):
+    os.rename(stage, target)
+    return
+  for name in os.listdir(target):
+    src, dst = os.path.join(target, name), os.path.join(stage, name)
+    if os.path.lexists(dst):
+      continue
+    if os.path.isdir(src) and not os.path.islink(src):
+      shutil.copytree(src, dst, symlinks=True)
+    else:
+      try:
+        os.link(src, dst, follow_symlinks=False)
+      except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+  old = stage + '.old'
+  os.rename(target, old)
+  os.rename(stage, target)
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_stages(data_dir):
+  """Removes what killed writers on this host left: their staging directories."""
+  host = socket.gethostname()
+  for name in sorted(os.listdir(data_dir)):
+    if not name.startswith(_STAGING_PREFIX):
+      continue
+    # <prefix><host>-<pid>-<random>, and '.old' while swapping.
+    stage = name[:-len('.old')] if name.endswith('.old') else name
+    owner = stage[len(_STAGING_PREFIX):].rsplit('-', 2)
+    if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
+      continue
+    try:
+      os.kill(int(owner[1]), 0)
+    except ProcessLookupError:  # the writer is gone
+      shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
+    except OSError:  # it runs, as another user
+      pass

@@ -78,7 +78,9 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0):
 
   The training images are spread evenly over `data_batch_1..5.bin`, the test
   images go to `test_batch.bin`, and `batches.meta.txt` names the classes
-  '0'..'9'. Existing files of those names are replaced.
+  '0'..'9'. The files are written aside and replace an existing directory's
+  files all at once (`cifar10_format.staged_batches_dir`): an interrupted or
+  failed run changes nothing.
 
   Args:
     data_dir: str, the data directory (created if missing).
@@ -90,6 +92,8 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0):
 
   Raises:
     ImportError: scikit-learn is not installed (the message says how to).
+    common.cifar10_format.DataError: the disk is full or read-only, or
+      cifar-10-batches-bin is a file; nothing was changed.
   """
   if not 0 < test_fraction < 1:
     raise ValueError('test_fraction must be in (0, 1), got %r' % test_fraction)
@@ -98,16 +102,16 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0):
   labels = np.asarray(targets, np.int32)
   assert labels.min() >= 0 and labels.max() < hparams.NUM_CLASSES
   train_idx, test_idx = split(labels, test_fraction, np.random.default_rng(seed))
-  out_dir = fmt.batches_dir(data_dir)
-  os.makedirs(out_dir, exist_ok=True)
   counts = {}
   parts = np.array_split(train_idx, len(fmt.TRAIN_FILES))
-  for name, idx in zip(fmt.TRAIN_FILES, parts):
-    fmt.write_records(os.path.join(out_dir, name), images[idx], labels[idx])
-    counts[name] = int(idx.size)
-  name = fmt.EVAL_FILES[0]
-  fmt.write_records(os.path.join(out_dir, name), images[test_idx],
-                    labels[test_idx])
-  counts[name] = int(test_idx.size)
-  synth.write_meta(data_dir, CLASS_NAMES)
+  needed_bytes = labels.size * fmt.RECORD_BYTES
+  with fmt.staged_batches_dir(data_dir, needed_bytes) as out_dir:
+    for name, idx in zip(fmt.TRAIN_FILES, parts):
+      fmt.write_records(os.path.join(out_dir, name), images[idx], labels[idx])
+      counts[name] = int(idx.size)
+    name = fmt.EVAL_FILES[0]
+    fmt.write_records(os.path.join(out_dir, name), images[test_idx],
+                      labels[test_idx])
+    counts[name] = int(test_idx.size)
+    synth.write_meta(out_dir, CLASS_NAMES)
   return counts

@@ -28,6 +28,9 @@ ARCHIVE_NAME = 'cifar-10-binary.tar.gz'  # also the name of a local copy in data
 ARCHIVE_BYTES = 170052171
 ARCHIVE_MD5 = 'c32a1d4ab5d03f1284b67883e8d87530'  # published on the data set's page
 ARCHIVE_SHA256 = 'c4a38c50a1bc5f3a1c5537f2155ab9d68f9f25eb1ed8d9ddda3db29a59bca1dd'
+# Room a download needs in data_dir: the archive, kept, and the 60,000
+# records it unpacks to.
+NEEDED_BYTES = ARCHIVE_BYTES + 60000 * fmt.RECORD_BYTES
 
 # What maybe_download_and_extract did.
 PRESENT = 'present'  # the data files were there already; nothing was done
@@ -113,6 +116,9 @@ def _fetch(url, data_dir, progress, timeout):
         raise DownloadError('could not fetch %r: %s. %s'
                             % (url, e, _offline_advice(data_dir))) from e
       except OSError as e:  # e.g. the disk is full, or an SSL error mid-stream
+        message = fmt.write_failure(data_dir, e, NEEDED_BYTES)
+        if message is not None:
+          raise DownloadError(message) from e
         raise DownloadError('downloading %s into %s failed: %s. %s'
                             % (url, tmp, e, _offline_advice(data_dir))) from e
     if total is not None and done != total:
@@ -206,6 +212,11 @@ def _extract(archive, data_dir, origin):
           kwargs['filter'] = 'data'
         tar.extractall(work, members=members, **kwargs)
     except (tarfile.TarError, EOFError, OSError) as e:
+      # Writing fails for reasons of the disk, not of the archive.
+      message = (fmt.write_failure(data_dir, e, NEEDED_BYTES)
+                 if isinstance(e, OSError) else None)
+      if message is not None:
+        raise DownloadError(message) from e
       raise DownloadError('%s is not a readable tar.gz archive (%s); it is not '
                           'the CIFAR-10 binary archive.' % (origin, e)) from e
     new_dir = os.path.join(work, fmt.BATCHES_DIR)
@@ -251,8 +262,9 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     PRESENT, LOCAL_ARCHIVE or DOWNLOADED: what was done.
 
   Raises:
-    DownloadError: the URL could not be reached, the digest does not match, or
-      the archive is unsafe or not CIFAR-10; data_dir is left as it was.
+    DownloadError: the URL could not be reached, the digest does not match,
+      the archive is unsafe or not CIFAR-10, or data_dir is full, read-only or
+      not writable; data_dir is left as it was.
   """
   if is_present(data_dir):
     return PRESENT
@@ -262,8 +274,8 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
   while not os.path.isdir(d):
     created.append(d)
     d = os.path.dirname(d)
-  os.makedirs(data_dir, exist_ok=True)
   try:
+    os.makedirs(data_dir, exist_ok=True)
     archive = archive_path(data_dir)
     if os.path.isfile(archive):
       actual = sha256_of(archive)
@@ -287,10 +299,21 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     finally:
       _remove(tmp)
     return DOWNLOADED
+  except OSError as e:
+    _remove_created(created)
+    message = fmt.write_failure(data_dir, e, NEEDED_BYTES)
+    if message is None:
+      raise
+    raise DownloadError(message) from e
   except BaseException:
-    for d in created:
-      try:
-        os.rmdir(d)  # only if still empty
-      except OSError:
-        break
+    _remove_created(created)
     raise
+
+
+def _remove_created(created):
+  """Removes the directories a failed call created, deepest first, if still empty."""
+  for d in created:
+    try:
+      os.rmdir(d)  # only if still empty
+    except OSError:
+      break

@@ -145,7 +145,9 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0):
   Creates `<data_dir>/cifar-10-batches-bin/` with `data_batch_1.bin` ..
   `data_batch_5.bin` (`train_per_file` records each), `test_batch.bin`
   (`num_test` records) and `batches.meta.txt` (the class names, one a line).
-  Existing files of those names are replaced; each is written atomically.
+  The files are written aside and replace an existing directory's files all
+  at once (`cifar10_format.staged_batches_dir`): an interrupted or failed run
+  changes nothing.
 
   Args:
     data_dir: str, the data directory (created if missing).
@@ -155,37 +157,43 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0):
 
   Returns:
     dict file name -> number of records written.
+
+  Raises:
+    common.cifar10_format.DataError: the disk is full or read-only, or
+      cifar-10-batches-bin is a file; nothing was changed.
   """
   if train_per_file < 1 or num_test < 1:
     raise ValueError('train_per_file and num_test must be >= 1, got %d and %d'
                      % (train_per_file, num_test))
-  out_dir = fmt.batches_dir(data_dir)
-  os.makedirs(out_dir, exist_ok=True)
   # Independent streams for train and test, so num_test does not change the
   # training images.
   train_rng, test_rng = [np.random.default_rng(s)
                          for s in np.random.SeedSequence(seed).spawn(2)]
   counts = {}
   num_train = train_per_file * len(fmt.TRAIN_FILES)
-  labels = _balanced_labels(train_rng, num_train)
-  images = make_images(train_rng, labels)
-  for i, name in enumerate(fmt.TRAIN_FILES):
-    part = slice(i * train_per_file, (i + 1) * train_per_file)
-    fmt.write_records(os.path.join(out_dir, name), images[part], labels[part])
-    counts[name] = train_per_file
-  labels = _balanced_labels(test_rng, num_test)
-  images = make_images(test_rng, labels)
-  name = fmt.EVAL_FILES[0]
-  fmt.write_records(os.path.join(out_dir, name), images, labels)
-  counts[name] = num_test
-  write_meta(data_dir, CLASS_NAMES)
+  needed_bytes = (num_train + num_test) * fmt.RECORD_BYTES
+  with fmt.staged_batches_dir(data_dir, needed_bytes) as out_dir:
+    labels = _balanced_labels(train_rng, num_train)
+    images = make_images(train_rng, labels)
+    for i, name in enumerate(fmt.TRAIN_FILES):
+      part = slice(i * train_per_file, (i + 1) * train_per_file)
+      fmt.write_records(os.path.join(out_dir, name), images[part], labels[part])
+      counts[name] = train_per_file
+    labels = _balanced_labels(test_rng, num_test)
+    images = make_images(test_rng, labels)
+    name = fmt.EVAL_FILES[0]
+    fmt.write_records(os.path.join(out_dir, name), images, labels)
+    counts[name] = num_test
+    write_meta(out_dir, CLASS_NAMES)
   return counts
 
 
-def write_meta(data_dir, class_names):
-  """Writes `batches.meta.txt`: the class names, one a line."""
-  path = os.path.join(fmt.batches_dir(data_dir), fmt.META_FILE)
-  tmp = '%s.tmp-%d' % (path, os.getpid())
-  with open(tmp, 'w') as f:
-    f.write(''.join('%s\n' % name for name in class_names))
-  os.replace(tmp, path)
+def write_meta(directory, class_names):
+  """Writes `batches.meta.txt` (the class names, one a line) into `directory`.
+
+  Args:
+    directory: str, the directory holding the .bin files.
+    class_names: the names, in label order.
+  """
+  fmt.write_atomically(os.path.join(directory, fmt.META_FILE),
+                       ''.join('%s\n' % name for name in class_names))

@@ -1,0 +1,316 @@
+"""How much memory a training run needs, checked before anything big is allocated.
+
+A run whose step cannot fit is refused with the figures instead of growing
+until the kernel's OOM killer ends it. The estimate is of the peak resident
+memory of the training process, in bytes:
+
+  total = RUNTIME + variables + inputs + towers
+
+  RUNTIME   1 GiB: TensorFlow itself (libraries, kernels, thread pools, the
+            graph or traced functions). Measured: 0.72-0.77 GiB at batch 1.
+  variables 4 x NUM_PARAMETERS x (4 + N): the variables, their moving
+            averages, the averaged gradients, a checkpoint's copy, and the
+            gradients of each of the N towers.
+  inputs    legacy: (min_after_dequeue + 3B) x I    the shuffle_batch queue, full
+                    + (3N + 1) x B x I              the prefetch queue (2N
+                                                    batches), the N batches the
+                                                    towers hold, one being dequeued
+                    + 16 x 128 x P                  16 threads preprocessing up
+                                                    to 128 records each
+            modern: min_after_dequeue x R           the shuffle buffer of raw records
+                    + (3N + 1) x B x I              the prefetch buffer (autotuned;
+                                                    taken as 2 elements of N
+                                                    batches), the element the
+                                                    step holds, one being batched
+                    + C x B x P                     C parallel map calls (one
+                                                    per core), a batch each
+  towers    N x B x K x A   on CPU plans (logical CPU devices); on GPU plans the
+            towers' activations are in GPU memory and not counted here.
+
+N towers (--num_gpus), B images per tower (--batch_size), min_after_dequeue =
+40% of the training examples on disk, I = 24*24*3*4 + 4 bytes (a preprocessed
+image and its label), R = 3073 + 128 bytes (a raw record and its tensor in a
+tf.data buffer), P = 4 x 32*32*3*4 bytes (the float copies of an image being
+preprocessed), A = the forward activations of one image: the float32 outputs
+of conv1, pool1, norm1, conv2, norm2, pool2, local3, local4 and softmax_linear
+from `common.model_spec` (306,472 bytes), and K = 2.5: the activations kept for
+the backward pass, the gradient flowing back through them, and the kernels'
+temporaries.
+
+Calibration (CPU, this project's trainers, 5 steps): the towers' slope
+measured 0.55-0.65 MiB per image at batch 2048-4096, 0.95 MiB at batch 512
+(K x A = 0.73 MiB); the whole estimate is 1.2-1.7x the measured peak RSS of
+both trainers from batch 1 to 2048 and 1 to 8 towers (legacy also at 4096),
+never below it. The default run (batch 128) with up to 64 towers is estimated
+at under 8 GiB.
+
+What is compared: the estimate (host part) with the memory available to this
+process: the least of MemAvailable (/proc/meminfo) and the headroom under any
+cgroup memory limit (v2 memory.max, v1 memory.limit_in_bytes), plus what
+this process already holds (its RSS is part of the estimate). Where neither
+can be read (not Linux) nothing is checked.
+"""
+
+import dataclasses
+import os
+
+from common import cifar10_format as fmt
+from common import hparams
+from common import training
+
+GIB = 2 ** 30
+RUNTIME_BYTES = 1 * GIB  # TensorFlow's own footprint in a training process
+ACTIVATION_FACTOR = 2.5  # K: peak tower memory per image over its forward activations
+FLOAT_BYTES = 4
+IMAGE_BYTES = hparams.IMAGE_SIZE * hparams.IMAGE_SIZE * 3 * FLOAT_BYTES + 4  # I
+RAW_RECORD_BYTES = fmt.RECORD_BYTES + 128  # R
+PREPROCESS_BYTES = 4 * fmt.IMAGE_BYTES * FLOAT_BYTES  # P
+LEGACY_READ_RECORDS = 128  # records a legacy preprocessing thread reads at once
+_NO_LIMIT = 2 ** 60  # cgroup v1 reports "no limit" as a number near 2**63
+
+
+class NotEnoughMemory(training.TrainingError):
+  """The run would need more memory than this process can get; says what fits."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Peak memory of a training process, in bytes, by what holds it."""
+  runtime: int  # TensorFlow itself
+  variables: int  # variables, moving averages, gradients
+  inputs: int  # queues or tf.data buffers and preprocessing
+  towers: int  # the towers' activations and their gradients
+  towers_on_host: bool  # False on GPU plans: the towers' memory is on the GPUs
+
+  @property
+  def host(self):
+    """Bytes of host memory: what is checked."""
+    return (self.runtime + self.variables + self.inputs +
+            (self.towers if self.towers_on_host else 0))
+
+
+def activation_bytes_per_image():
+  """A: bytes of the float32 forward activations of one image.
+
+  From the layer shapes of `common.model_spec` (imported here, with
+  TensorFlow, so that importing this module stays cheap).
+  """
+  from common import model_spec  # pylint: disable=g-import-not-at-top
+  conv1, conv2, local3, local4, logits = model_spec.LAYERS
+  stride = hparams.POOL_STRIDE
+  size1 = hparams.IMAGE_SIZE  # conv1 keeps the size (SAME, stride 1)
+  size2 = -(-size1 // stride)  # pool1 (SAME): 24 -> 12
+  size3 = -(-size2 // stride)  # pool2: 12 -> 6
+  floats = (size1 * size1 * conv1.weight_shape[-1]  # conv1
+            + 2 * size2 * size2 * conv1.weight_shape[-1]  # pool1, norm1
+            + 2 * size2 * size2 * conv2.weight_shape[-1]  # conv2, norm2
+            + size3 * size3 * conv2.weight_shape[-1]  # pool2
+            + local3.weight_shape[-1] + local4.weight_shape[-1]
+            + logits.weight_shape[-1])
+  return floats * FLOAT_BYTES
+
+
+def estimate(impl, batch_size, num_towers, examples_per_epoch,
+             towers_on_host=True, num_cores=None):
+  """The peak memory of a training process (see the module docstring).
+
+  Args:
+    impl: 'legacy' or 'modern'.
+    batch_size: int, images per tower (B).
+    num_towers: int, towers (N).
+    examples_per_epoch: int, training records on disk.
+    towers_on_host: bool, False when the towers run on GPUs.
+    num_cores: int, cores for modern's parallel preprocessing; default all.
+
+  Returns:
+    Estimate.
+  """
+  from common import model_spec  # pylint: disable=g-import-not-at-top
+  b, n = batch_size, num_towers
+  min_after_dequeue = hparams.min_queue_examples(examples_per_epoch)
+  batches = (3 * n + 1) * b * IMAGE_BYTES
+  if impl == 'legacy':
+    inputs = ((min_after_dequeue + 3 * b) * IMAGE_BYTES + batches +
+              hparams.NUM_PREPROCESS_THREADS * LEGACY_READ_RECORDS *
+              PREPROCESS_BYTES)
+  elif impl == 'modern':
+    cores = num_cores or os.cpu_count() or 1
+    inputs = (max(1, min_after_dequeue) * RAW_RECORD_BYTES + batches +
+              cores * b * PREPROCESS_BYTES)
+  else:
+    raise ValueError('impl must be legacy or modern, got %r' % impl)
+  return Estimate(
+      runtime=RUNTIME_BYTES,
+      variables=FLOAT_BYTES * model_spec.NUM_PARAMETERS * (4 + n),
+      inputs=int(inputs),
+      towers=int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image()),
+      towers_on_host=towers_on_host)
+
+
+def _read_number(path):
+  try:
+    with open(path) as f:
+      text = f.read().strip()
+  except (OSError, UnicodeDecodeError):
+    return None
+  if text == 'max':
+    return _NO_LIMIT
+  return int(text) if text.isdigit() else None
+
+
+def _read_fields(path):
+  """'name value' lines (memory.stat, /proc/meminfo) as a dict of ints."""
+  fields = {}
+  try:
+    with open(path) as f:
+      for line in f:
+        parts = line.replace(':', ' ').split()
+        if len(parts) >= 2 and parts[1].isdigit():
+          fields[parts[0]] = int(parts[1]) * (1024 if parts[2:3] == ['kB'] else 1)
+  except (OSError, UnicodeDecodeError):
+    pass
+  return fields
+
+
+def _cgroup_headroom(proc, cgroup_root):
+  """Least headroom under the memory limits of this process's cgroups, and where.
+
+  Returns:
+    (bytes, directory) or (None, None) without a limit.
+  """
+  try:
+    with open(os.path.join(proc, 'self', 'cgroup')) as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return None, None
+  candidates = []  # (cgroup dir, limit file, usage file, inactive-file field)
+  for line in lines:
+    parts = line.split(':', 2)
+    if len(parts) != 3:
+      continue
+    hierarchy, controllers, path = parts
+    if hierarchy == '0' and controllers == '':  # v2: one unified hierarchy
+      base, files = cgroup_root, ('memory.max', 'memory.current', 'inactive_file')
+    elif 'memory' in controllers.split(','):  # v1
+      base = os.path.join(cgroup_root, 'memory')
+      files = ('memory.limit_in_bytes', 'memory.usage_in_bytes',
+               'total_inactive_file')
+    else:
+      continue
+    # This cgroup and every ancestor: each limit applies. In a container the
+    # mount's root is the container's own cgroup, whatever the path says.
+    rel = path.strip('/')
+    while True:
+      candidates.append((os.path.join(base, rel) if rel else base,) + files)
+      if not rel:
+        break
+      rel = os.path.dirname(rel)
+  best, where = None, None
+  for directory, limit_file, usage_file, inactive in candidates:
+    limit = _read_number(os.path.join(directory, limit_file))
+    if limit is None or limit >= _NO_LIMIT:
+      continue
+    usage = _read_number(os.path.join(directory, usage_file)) or 0
+    # Page cache the kernel reclaims before it kills counts as free.
+    usage -= _read_fields(os.path.join(directory, 'memory.stat')).get(inactive, 0)
+    headroom = max(0, limit - max(0, usage))
+    if best is None or headroom < best:
+      best, where = headroom, directory
+  return best, where
+
+
+def _own_rss(proc):
+  try:
+    with open(os.path.join(proc, 'self', 'statm')) as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
+def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
+  """Bytes of memory this process can reach, and where that figure comes from.
+
+  The least of MemAvailable and the headroom under every cgroup memory limit
+  above this process, plus this process's own RSS (already in use, and part
+  of any estimate).
+
+  Args:
+    proc, cgroup_root: where procfs and the cgroup filesystem are mounted.
+
+  Returns:
+    (bytes, str naming the source) or (None, None) when neither can be read.
+  """
+  mem_available = _read_fields(os.path.join(proc, 'meminfo')).get('MemAvailable')
+  headroom, cgroup_dir = _cgroup_headroom(proc, cgroup_root)
+  if mem_available is None and headroom is None:
+    return None, None
+  if headroom is not None and (mem_available is None or headroom < mem_available):
+    free, source = headroom, 'under the memory limit of cgroup %s' % cgroup_dir
+  else:
+    free, source = mem_available, 'MemAvailable in %s' % os.path.join(proc, 'meminfo')
+  return free + _own_rss(proc), source
+
+
+def _two_digits(n):
+  """n rounded down to two significant digits (24880 -> 24000), at least 1."""
+  scale = 10 ** max(0, len(str(n)) - 2)
+  return max(1, n // scale * scale)
+
+
+def check_training(impl, plan, batch_size, data_dir, read_available=None):
+  """Refuses a run whose step cannot fit in the memory available to this process.
+
+  Call before the trainer builds anything: it costs a stat of the data files.
+  On GPU plans only host memory is checked: the towers' activations and
+  gradients live in GPU memory, which TensorFlow cannot report before it
+  allocates, so whether a tower fits its GPU is not checked here.
+
+  Args:
+    impl: 'legacy' or 'modern'.
+    plan: common.devices.DevicePlan.
+    batch_size: int, images per tower.
+    data_dir: str, holds the training files (already validated).
+    read_available: callable returning (bytes, source) or (None, None);
+      default `available`.
+
+  Returns:
+    Estimate.
+
+  Raises:
+    NotEnoughMemory: one line with the estimate, what is available, and the
+      largest --batch_size (and --num_gpus) that would fit.
+  """
+  examples = fmt.num_examples(fmt.train_files(data_dir))
+  # Not checked on GPU plans: whether the towers' activations and gradients
+  # fit in GPU memory (TensorFlow cannot tell before it allocates there).
+  on_host = plan.kind != 'gpu'
+  towers = plan.num_towers
+
+  def host_bytes(b, n):
+    return estimate(impl, b, n, examples, towers_on_host=on_host).host
+
+  need = estimate(impl, batch_size, towers, examples, towers_on_host=on_host)
+  have, source = (read_available or available)()
+  if have is None or need.host <= have:
+    return need
+  advice = []
+  if host_bytes(1, towers) <= have:  # the estimate grows with the batch
+    low, high = 1, batch_size
+    while high - low > 1:
+      mid = (low + high) // 2
+      low, high = (mid, high) if host_bytes(mid, towers) <= have else (low, mid)
+    advice.append('--batch_size %d or less' % _two_digits(low))
+  fit_towers = max((n for n in range(1, towers) if host_bytes(batch_size, n) <= have),
+                   default=0)
+  if fit_towers:
+    advice.append('--num_gpus %d or fewer' % fit_towers)
+  if advice:
+    todo = 'Pass %s.' % ', or '.join(advice)
+  else:
+    todo = ('Not even batch 1 fits on %d tower(s): free memory (stop other '
+            'processes) or use a larger machine.' % towers)
+  raise NotEnoughMemory(
+      '%s training of %d tower(s) x batch %d needs about %.1f GiB of %smemory '
+      '(estimate), more than the %.1f GiB available to this process (%s). %s'
+      % (impl, towers, batch_size, need.host / GIB, '' if on_host else 'host ',
+         have / GIB, source, todo))
