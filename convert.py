@@ -43,32 +43,45 @@ def read_state(path):
     path: checkpoint prefix of either trainer, e.g. '<dir>/model.ckpt-1000'.
 
   Returns:
-    (kind, values, shadows, step): kind is checkpoints.LEGACY or MODERN;
-    values and shadows map 'conv1/weights' etc. to numpy arrays; step is int.
+    As `state_of`.
 
   Raises:
     common.checkpoints.CheckpointError: unreadable checkpoint.
     ConvertError: it lacks a variable of this model, or has a wrong shape.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  kind = checkpoints.kind(path)
-  reader = tf.train.load_checkpoint(path)
+  return state_of(checkpoints.read(path))
+
+
+def state_of(contents):
+  """The weights, moving averages and global step of a checkpoint read whole.
+
+  Args:
+    contents: common.checkpoints.Contents.
+
+  Returns:
+    (kind, values, shadows, step): kind is checkpoints.LEGACY or MODERN;
+    values and shadows map 'conv1/weights' etc. to numpy arrays; step is int
+    (upstream's float32 global step as the int it counts).
+
+  Raises:
+    ConvertError: it lacks a variable of this model, or has a wrong shape.
+  """
+  path, kind, tensors = contents
   values, shadows = {}, {}
   for name in model_spec.VARIABLE_NAMES:
     for target, legacy_name in ((values, name), (shadows, name + EMA_SUFFIX)):
       key = _key(kind, legacy_name)
-      if not reader.has_tensor(key):
+      if key not in tensors:
         raise ConvertError('%s (%s checkpoint) has no %s; it is not a '
                            'checkpoint of this model.' % (path, kind, key))
-      value = reader.get_tensor(key)
+      value = tensors[key]
       if value.shape != model_spec.variable_shape(name):
         raise ConvertError('%s: %s has shape %s, this model needs %s.'
                            % (path, key, value.shape, model_spec.variable_shape(name)))
       target[name] = value
-  step_key = _key(kind, 'global_step')
-  if not reader.has_tensor(step_key):
-    raise ConvertError('%s has no global step (%s).' % (path, step_key))
-  return kind, values, shadows, int(reader.get_tensor(step_key))
+  if _key(kind, 'global_step') not in tensors:
+    raise ConvertError('%s has no global step (%s).' % (path, _key(kind, 'global_step')))
+  return kind, values, shadows, checkpoints.global_step(contents)
 
 
 def write_modern(directory, values, shadows, step):
@@ -110,11 +123,20 @@ def write_legacy(directory, values, shadows, step):
                         global_step=step)
 
 
-def convert(from_dir, to_dir):
+def convert(from_dir, to_dir, warn=None):
   """Converts the newest checkpoint of `from_dir` into the other trainer's format.
 
-  `to_dir` must not hold a checkpoint yet; it is written in a temporary
-  directory beside it first, so a failure leaves nothing half-written.
+  The newest checkpoint must be intact and the `checkpoint` state file
+  readable (`common.checkpoints.for_conversion`): a damaged one is refused,
+  not passed over. `to_dir` must not hold a checkpoint yet; it is written in
+  a temporary directory beside it first, so a failure leaves nothing
+  half-written. Nothing in `from_dir` is changed.
+
+  Args:
+    from_dir: str, a train_dir of either trainer (or upstream's).
+    to_dir: str, a new or empty directory.
+    warn: optional callable(str), for what was passed over (an interrupted
+      save, a missing state file).
 
   Returns:
     (from_kind, to_kind, step, new checkpoint prefix).
@@ -122,8 +144,8 @@ def convert(from_dir, to_dir):
   Raises:
     ConvertError, common.checkpoints.CheckpointError: as the message says.
   """
-  path = checkpoints.latest(from_dir)
-  if path is None:
+  contents = checkpoints.for_conversion(from_dir, warn)
+  if contents is None:
     raise ConvertError('no checkpoint in %s; pass the --train_dir you trained into.'
                        % from_dir)
   if os.path.isfile(to_dir):
@@ -131,7 +153,7 @@ def convert(from_dir, to_dir):
   if os.path.isdir(to_dir) and os.listdir(to_dir):
     raise ConvertError('%s is not empty; pass a new or empty directory as '
                        '--to_dir (nothing there was changed).' % to_dir)
-  kind, values, shadows, step = read_state(path)
+  kind, values, shadows, step = state_of(contents)
   to_kind = checkpoints.MODERN if kind == checkpoints.LEGACY else checkpoints.LEGACY
   target = os.path.abspath(to_dir)
   staging = '%s.converting-%d' % (target, os.getpid())

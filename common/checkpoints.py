@@ -22,9 +22,19 @@ the temp files of an interrupted save are removed.
 A checkpoint the state file names was complete when it was named, so if it is
 damaged now, something else damaged it (the disk, a copy, a hand): training
 then stops with an error naming it and the newest intact older checkpoint,
-and changes nothing, rather than silently training over the evidence.
+and changes nothing, rather than silently training over the evidence. A named
+checkpoint whose files are all gone (deleted by hand) leaves nothing to
+protect: training resumes from the newest intact older one and says so.
+
+Eval and convert read (`newest_intact`) without changing anything: eval
+evaluates the newest intact checkpoint and says which it skipped; convert
+refuses a train_dir whose latest checkpoint or state file is damaged
+(`for_conversion`). A checkpoint is read whole into memory, with every
+checksum checked (`read`), so a trainer deleting it meanwhile (max_to_keep)
+cannot pull it from under an evaluation.
 """
 
+import collections
 import os
 import re
 
@@ -41,9 +51,26 @@ class CheckpointError(Exception):
   """A checkpoint is missing or unreadable; the message says which and what to do."""
 
 
+Contents = collections.namedtuple('Contents', [
+    'path',  # the checkpoint prefix, e.g. '<train_dir>/model.ckpt-1000'
+    'kind',  # LEGACY or MODERN
+    'tensors',  # dict checkpoint key -> numpy value: every tensor, checksums checked
+])
+
+
 def latest(directory):
-  """The newest checkpoint prefix in `directory`, or None."""
-  return tf.train.latest_checkpoint(directory)
+  """The checkpoint prefix the state file of `directory` names, or None.
+
+  None also when the state file is missing or unreadable, or names files
+  that are gone; `newest_intact` says which of these it is.
+  """
+  try:
+    named = _named_latest(directory)
+  except CheckpointError:
+    return None
+  if named is None or not tf.io.gfile.exists(named + '.index'):
+    return None
+  return named
 
 
 def kind(path):
@@ -54,10 +81,9 @@ def kind(path):
   """
   try:
     reader = tf.train.load_checkpoint(path)
-  except (tf.errors.NotFoundError, tf.errors.DataLossError,
-          tf.errors.InvalidArgumentError, ValueError) as e:
+  except (tf.errors.OpError, ValueError) as e:
     raise CheckpointError('cannot read checkpoint %s (%s); it is missing or '
-                          'corrupted.' % (path, str(e).strip().splitlines()[0])) from e
+                          'corrupted.' % (path, reason(e))) from e
   return MODERN if reader.has_tensor(OBJECT_GRAPH_KEY) else LEGACY
 
 
@@ -71,9 +97,22 @@ def step_of(path):
   return int(match.group(1)) if match else None
 
 
-def _reason(error):
-  """The first line of an error, without TensorFlow's op decorations."""
+def global_step(contents):
+  """The global step a checkpoint holds (int), else the one in its name, else None.
+
+  Upstream's float32 `global_step` is read as the int it counts.
+  """
+  for key in ('global_step', 'global_step' + _VALUE_SUFFIX):
+    if key in contents.tensors:
+      return int(round(float(contents.tensors[key])))
+  return step_of(contents.path)
+
+
+def reason(error):
+  """The first line of a TensorFlow error, without its op decorations."""
   text = getattr(error, 'message', None) or str(error)
+  if 'Original error:' in text:  # the Saver's restore wraps the cause
+    text = text.split('Original error:', 1)[1]
   lines = [line.strip() for line in text.splitlines() if line.strip()]
   if lines and lines[0].startswith('Graph execution error'):
     # A Session's error: the cause follows the "Node: '<name>'" line.
@@ -86,32 +125,95 @@ def _reason(error):
   return re.sub(r'^TensorBundle at \S+ shard \d+ \(\d+ bytes\): ', '', text)
 
 
-def _problem(path):
-  """What is wrong with a checkpoint's files ('damaged (...)'), or None if intact."""
-  if not tf.io.gfile.exists(path + '.index'):
-    return 'incomplete: %s.index is missing' % os.path.basename(path)
+GONE = 'gone'  # the start of the problem of a checkpoint none of whose files is left
+
+
+def _size(path):
+  try:
+    return tf.io.gfile.stat(path).length
+  except (tf.errors.OpError, OSError):
+    return None
+
+
+def _read(path):
+  """Every tensor of a checkpoint, or what is wrong with its files.
+
+  Returns:
+    (Contents, None) when every file is there and every checksum right, else
+    (None, problem): 'gone (...)', 'incomplete: ...' or 'damaged (...)',
+    naming the file at fault where the reader's error tells which.
+  """
+  name = os.path.basename(path)
+  index = path + '.index'
+  data_files = sorted(tf.io.gfile.glob(path + '.data-?????-of-?????'))
+  index_size = _size(index)
+  if index_size is None:
+    if not data_files:
+      return None, '%s (no %s.index or .data file is left)' % (GONE, name)
+    return None, 'incomplete: %s.index is missing' % name
+  if index_size == 0:
+    return None, 'damaged (%s.index is empty)' % name
+  if not data_files:
+    return None, 'incomplete: %s.index has no .data file' % name
   try:
     reader = tf.train.load_checkpoint(path)
-    for key in sorted(reader.get_variable_to_shape_map()):
-      reader.get_tensor(key)  # checks the CRC32C of the tensor's bytes
-  except (tf.errors.OpError, ValueError) as e:
-    return 'damaged (%s)' % _reason(e)
-  return None
+    # get_tensor checks the CRC32C of each tensor's bytes.
+    tensors = {key: reader.get_tensor(key)
+               for key in sorted(reader.get_variable_to_shape_map())}
+  except IndexError:
+    # The reader's 'Read less bytes than requested': a .data file ends early.
+    short = [(f, _size(f)) for f in data_files]
+    empty = [f for f, size in short if size == 0]
+    if empty:
+      return None, 'damaged (%s is empty)' % os.path.basename(empty[0])
+    if len(short) == 1:
+      return None, ('damaged (%s is truncated: %s bytes, a tensor reaches past '
+                    'its end)' % (os.path.basename(short[0][0]), short[0][1]))
+    return None, 'damaged (a .data file of %s is truncated)' % name
+  except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError) as e:
+    text = reason(e)
+    if 'sstable' in text:  # the index is a LevelDB table
+      return None, 'damaged (%s.index is not a checkpoint index: %s)' % (name, text)
+    return None, 'damaged (%s)' % text
+  kind_ = MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY
+  return Contents(path, kind_, tensors), None
 
 
-def verify(path):
+def _is_gone(problem):
+  return problem is not None and problem.startswith(GONE)
+
+
+def _problem(path):
+  """What is wrong with a checkpoint's files, or None if it is intact."""
+  return _read(path)[1]
+
+
+def read(path):
   """Reads every tensor of a checkpoint, so that each one's checksum is checked.
 
   Args:
     path: a checkpoint prefix, e.g. '<train_dir>/model.ckpt-1000'.
 
+  Returns:
+    Contents: the checkpoint whole, in memory.
+
   Raises:
     CheckpointError: a file is missing, truncated or fails its checksum; the
       message names the checkpoint and the first problem.
   """
-  problem = _problem(path)
+  contents, problem = _read(path)
   if problem:
     raise CheckpointError('checkpoint %s is %s' % (path, problem))
+  return contents
+
+
+def verify(path):
+  """Like `read`, for its checks only.
+
+  Raises:
+    CheckpointError: as `read`.
+  """
+  read(path)
 
 
 def _on_disk(directory, basename):
@@ -152,25 +254,46 @@ def _remove_temp_files(directory, basename, warn):
          % (removed, directory))
 
 
-def _named_latest(directory):
-  """The prefix the state file names as latest, inside `directory`, or None.
+def _read_state(directory):
+  """What the `checkpoint` state file of `directory` names as latest.
 
   The Saver records absolute paths; the checkpoint is looked up by its base
   name in `directory`, so a copied or moved train_dir resumes from its own
   files, not the original's.
 
+  Returns:
+    (prefix inside `directory` or None, problem or None): (None, None) when
+    there is no state file; problem says why an existing one is unreadable
+    (what a crash or a hand can leave: empty, not text, torn).
+  """
+  path = os.path.join(directory, STATE_FILE)
+  if not tf.io.gfile.exists(path):
+    return None, None
+  if _size(path) == 0:
+    return None, 'it is empty'
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except UnicodeDecodeError:
+    return None, 'it is not text'
+  except (ValueError, tf.errors.OpError):  # parsed, but names no checkpoint
+    state = None
+  if state is None or not state.model_checkpoint_path:
+    return None, 'it is not a checkpoint state file'
+  return os.path.join(directory,
+                      os.path.basename(state.model_checkpoint_path)), None
+
+
+def _named_latest(directory):
+  """The prefix the state file names as latest, inside `directory`, or None.
+
   Raises:
     CheckpointError: the state file exists but cannot be parsed (the caller
       decides whether that is fatal).
   """
-  if not tf.io.gfile.exists(os.path.join(directory, STATE_FILE)):
-    return None
-  state = tf.train.get_checkpoint_state(directory)
-  if state is None or not state.model_checkpoint_path:
-    raise CheckpointError('%s is unreadable'
-                          % os.path.join(directory, STATE_FILE))
-  return os.path.join(directory,
-                      os.path.basename(state.model_checkpoint_path))
+  named, problem = _read_state(directory)
+  if problem:
+    raise CheckpointError('%s is unreadable' % os.path.join(directory, STATE_FILE))
+  return named
 
 
 def resume_point(directory, warn=None,
@@ -190,25 +313,25 @@ def resume_point(directory, warn=None,
 
   Raises:
     CheckpointError: the checkpoint the state file names is damaged or
-      missing; the message names it, the newest intact older one, and what
-      to do. No checkpoint file is changed (only the temp files of an
-      interrupted save are removed, as on every call).
+      incomplete, or gone with no intact one left; the message names it, the
+      newest intact older one, and what to do. No checkpoint file is changed
+      (only the temp files of an interrupted save are removed, as on every
+      call).
   """
   warn = warn or (lambda _: None)
   if not tf.io.gfile.isdir(directory):
     return None
   _remove_temp_files(directory, basename, warn)
   on_disk = _on_disk(directory, basename)
-  try:
-    named = _named_latest(directory)
-  except CheckpointError as e:
-    warn('%s; resuming from the newest intact checkpoint found on disk.' % e)
-    named = None
-  named_step = step_of(named) if named else None
-  if named is None and on_disk and not tf.io.gfile.exists(
-      os.path.join(directory, STATE_FILE)):
+  named, state_problem = _read_state(directory)
+  state_path = os.path.join(directory, STATE_FILE)
+  if state_problem:
+    warn('%s is unreadable; resuming from the newest intact checkpoint found '
+         'on disk.' % state_path)
+  elif named is None and on_disk:
     warn('%s has checkpoints but no `%s` state file; resuming from the newest '
          'intact one found on disk.' % (directory, STATE_FILE))
+  named_step = step_of(named) if named else None
   # Newer than the named one: written by a run killed before it named them.
   for step in sorted(on_disk, reverse=True):
     if named_step is not None and step <= named_step:
@@ -225,24 +348,185 @@ def resume_point(directory, warn=None,
     return on_disk[step]
   if named is None:
     return None
-  try:
-    verify(named)
-  except CheckpointError as e:
-    older = [on_disk[s] for s in sorted(on_disk, reverse=True)
-             if named_step is None or s < named_step]
-    fallback = next((p for p in older if _problem(p) is None), None)
-    name = os.path.basename(named)
-    if fallback is None:
-      advice = ('there is no intact older checkpoint; use another --train_dir, '
-                'or move %s.* and `%s` out of %s to start from scratch'
-                % (name, STATE_FILE, directory))
+  problem = _problem(named)
+  if problem is None:
+    return named
+  older = [on_disk[s] for s in sorted(on_disk, reverse=True)
+           if named_step is None or s < named_step]
+  fallback = next((p for p in older if _problem(p) is None), None)
+  name = os.path.basename(named)
+  if _is_gone(problem) and fallback is not None:
+    # Deleted by hand, e.g. to go back to an older checkpoint: nothing of it
+    # is left to protect.
+    warn('`%s` names %s as the latest checkpoint, but none of its files is '
+         'left in %s; resuming from %s, the newest intact one.'
+         % (STATE_FILE, name, directory, os.path.basename(fallback)))
+    return fallback
+  if fallback is None:
+    advice = ('there is no intact older checkpoint; use another --train_dir, '
+              'or move %s.* and `%s` out of %s to start from scratch'
+              % (name, STATE_FILE, directory))
+  else:
+    advice = ('the newest intact one is %s: to resume from it, move %s.* and '
+              '`%s` out of %s; or use another --train_dir'
+              % (os.path.basename(fallback), name, STATE_FILE, directory))
+  raise CheckpointError('checkpoint %s is %s, and it is the latest checkpoint; '
+                        '%s.' % (named, problem, advice))
+
+
+def replace_unreadable_state(directory, prefix):
+  """Rewrites an unreadable `checkpoint` state file to name `prefix`; True if it did.
+
+  For a trainer about to resume from `prefix` (None: to start from scratch)
+  whose checkpoint manager reads the state file before its first save
+  (modern's CheckpointManager raises on an empty or non-text one). That save
+  rewrites the file anyway; this only does it first: naming `prefix`, or,
+  without one, removing the file. A readable state file is left alone.
+  """
+  if _read_state(directory)[1] is None:
+    return False
+  if prefix is None:
+    tf.io.gfile.remove(os.path.join(directory, STATE_FILE))
+  else:
+    name = os.path.basename(prefix)
+    tf.compat.v1.train.update_checkpoint_state(directory, name, [name])
+  return True
+
+
+Found = collections.namedtuple('Found', [
+    'contents',  # Contents of the newest intact checkpoint, or None
+    'skipped',  # [(prefix, problem)] newest first: the named one, or older, not intact
+    'unfinished',  # [(prefix, problem)]: newer than the named one, not intact
+    'state_problem',  # why the `checkpoint` state file is unreadable, or None
+    'named',  # the prefix the state file names, or None
+])
+
+
+def newest_intact(directory, basename=config_lib.CHECKPOINT_BASENAME):
+  """The newest intact checkpoint of `directory`, read whole, and what was passed over.
+
+  Reads only; changes nothing. The candidates are what the state file names
+  and every `<basename>-<step>.index` on disk, newest step first, as for
+  `resume_point`: a complete checkpoint newer than the named one (saved,
+  not yet named) counts; an incomplete one there is `unfinished` (a save in
+  progress, or an interrupted one). A checkpoint that vanishes while this
+  looks (deleted by the trainer's max_to_keep) is passed over silently,
+  unless it is the named one.
+
+  Args:
+    directory: str, a train_dir of either trainer.
+    basename: str, checkpoint file name before '-<step>'.
+
+  Returns:
+    Found.
+  """
+  if not tf.io.gfile.isdir(directory):
+    return Found(None, [], [], None, None)
+  on_disk = _on_disk(directory, basename)
+  named, state_problem = _read_state(directory)
+  named_step = step_of(named) if named else None
+  candidates = [on_disk[s] for s in sorted(on_disk, reverse=True)]
+  if named is not None and named not in candidates:
+    later = [p for p in candidates if named_step is None or step_of(p) > named_step]
+    candidates.insert(len(later), named)
+  skipped, unfinished = [], []
+  for prefix in candidates:
+    contents, problem = _read(prefix)
+    if contents is not None:
+      return Found(contents, skipped, unfinished, state_problem, named)
+    if _is_gone(problem) and prefix != named:
+      continue
+    if named_step is not None and prefix != named and step_of(prefix) > named_step:
+      unfinished.append((prefix, problem))
     else:
-      advice = ('the newest intact one is %s: to resume from it, move %s.* and '
-                '`%s` out of %s; or use another --train_dir'
-                % (os.path.basename(fallback), name, STATE_FILE, directory))
-    raise CheckpointError('%s, and it is the latest checkpoint; %s.'
-                          % (e, advice)) from e
-  return named
+      skipped.append((prefix, problem))
+  return Found(None, skipped, unfinished, state_problem, named)
+
+
+def skip_notes(found, directory, doing, unfinished=True):
+  """One line for each thing `newest_intact` passed over, for stderr.
+
+  Args:
+    found: Found.
+    directory: str, the train_dir.
+    doing: str, what happens instead, e.g. 'evaluating the newest intact
+      checkpoint'.
+    unfinished: bool, also note the unfinished newer checkpoints (an
+      ongoing save's, which a loop beside a trainer leaves unsaid).
+
+  Returns:
+    list of str.
+  """
+  notes = []
+  if found.state_problem:
+    notes.append('%s is unreadable (%s); %s found on disk.'
+                 % (os.path.join(directory, STATE_FILE), found.state_problem,
+                    doing))
+  for prefix, problem in found.unfinished if unfinished else []:
+    notes.append('skipping %s: it is %s, and newer than the latest checkpoint '
+                 '`%s` names (a save in progress or interrupted).'
+                 % (prefix, problem, STATE_FILE))
+  for prefix, problem in found.skipped:
+    if _is_gone(problem):
+      notes.append('skipping %s: `%s` names it as the latest checkpoint, but it '
+                   'is %s; %s.' % (prefix, STATE_FILE, problem, doing))
+    else:
+      notes.append('skipping %s: it is %s; %s.' % (prefix, problem, doing))
+  return notes
+
+
+def for_conversion(directory, warn=None):
+  """The checkpoint `convert` converts: the latest, which must be intact.
+
+  Unlike eval, convert passes over nothing that the state file (or its
+  damage) says is the latest: it refuses, and says what to move to convert
+  the newest intact one instead.
+
+  Args:
+    directory: str, a train_dir of either trainer.
+    warn: optional callable(str), for an interrupted newer save ignored, or
+      a train_dir without a state file.
+
+  Returns:
+    Contents, or None when `directory` holds no checkpoint at all.
+
+  Raises:
+    CheckpointError: the state file is unreadable, or the latest checkpoint
+      is damaged, incomplete or gone; one line naming the file and what to do.
+  """
+  warn = warn or (lambda _: None)
+  found = newest_intact(directory)
+  intact = found.contents.path if found.contents else None
+  if found.state_problem:
+    advice = ('The newest intact checkpoint is %s: to convert it, move `%s` out '
+              'of %s and run again.' % (os.path.basename(intact), STATE_FILE,
+                                         directory)
+              if intact else 'No intact checkpoint is left in %s.' % directory)
+    raise CheckpointError('%s is unreadable (%s); nothing was converted. %s'
+                          % (os.path.join(directory, STATE_FILE),
+                             found.state_problem, advice))
+  if found.skipped:
+    prefix, problem = found.skipped[0]
+    name = os.path.basename(prefix)
+    if intact is None:
+      advice = 'No intact older checkpoint is left in %s.' % directory
+    elif _is_gone(problem):
+      advice = ('The newest intact one is %s: to convert it, move `%s` out of '
+                '%s and run again.' % (os.path.basename(intact), STATE_FILE,
+                                       directory))
+    else:
+      advice = ('The newest intact one is %s: to convert it, move %s.* and `%s` '
+                'out of %s and run again.' % (os.path.basename(intact), name,
+                                              STATE_FILE, directory))
+    raise CheckpointError('checkpoint %s is %s, and it is the latest checkpoint; '
+                          'nothing was converted. %s' % (prefix, problem, advice))
+  for prefix, problem in found.unfinished:
+    warn('ignoring %s: it is %s, left by an interrupted save.' % (prefix, problem))
+  if intact and found.named is None:
+    warn('%s has no `%s` state file; converting %s, the newest intact '
+         'checkpoint found on disk.' % (directory, STATE_FILE,
+                                        os.path.basename(intact)))
+  return found.contents
 
 
 def _readable(key):
@@ -264,7 +548,7 @@ def check_fits(path, expected_shapes):
     saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
   except (tf.errors.OpError, ValueError) as e:
     raise CheckpointError('cannot read checkpoint %s (%s)'
-                          % (path, _reason(e))) from e
+                          % (path, reason(e))) from e
   missing = [k for k in expected_shapes if k not in saved]
   wrong = [k for k in expected_shapes
            if k in saved and tuple(saved[k]) != tuple(expected_shapes[k])]
@@ -292,7 +576,10 @@ def remove_partial(directory, step, basename=config_lib.CHECKPOINT_BASENAME):
   """
   prefix = os.path.join(directory, '%s-%d' % (basename, step))
   if tf.io.gfile.exists(os.path.join(directory, STATE_FILE)):
-    state = tf.train.get_checkpoint_state(directory)
+    try:
+      state = tf.train.get_checkpoint_state(directory)
+    except (ValueError, UnicodeDecodeError, tf.errors.OpError):
+      state = None
     if state is None:
       return  # leave everything as it is when the state is unclear
     named = {os.path.basename(p) for p in
@@ -333,7 +620,7 @@ def write_failed(directory, what, error):
   return CheckpointError(
       'could not write %s in %s (%s); training stopped. %s. Free space on that '
       'disk (or pass another --train_dir) and run again.'
-      % (what, directory, _reason(error).rsplit('; ', 1)[-1], kept))
+      % (what, directory, reason(error).rsplit('; ', 1)[-1], kept))
 
 
 def save_failed(directory, step, error,

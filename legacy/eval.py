@@ -6,54 +6,37 @@ batch wrapped around and counted up to batch - 1 records twice; here the input
 stops after one epoch and the last batch is smaller.
 """
 
-import collections
 import datetime
-import os
-import time
+import sys
 
 import tensorflow.compat.v1 as tf
 
 from common import checkpoints
 from common import cifar10_format
+from common import evaluation
 from common import hparams
+from common import training
 from legacy import inputs
 from legacy import model
 
 
-EvalCounts = collections.namedtuple('EvalCounts', [
-    'true_count',  # records whose top prediction is the label
-    'total_count',  # records evaluated, each once
-    'global_step',  # global step of the checkpoint
-])
+EvalCounts = evaluation.EvalCounts  # (true_count, total_count, global_step)
 
 
 class EvalError(Exception):
   """Evaluation cannot run; the message says why and what to do."""
 
 
-def _checkpoint_reader(checkpoint_path):
-  """A reader of a TF1 Saver checkpoint; EvalError for anything else."""
+def _stderr_print(message):
+  print(message, file=sys.stderr)
+
+
+def _read(checkpoint_path):
+  """The checkpoint's Contents; EvalError if it cannot be read whole."""
   try:
-    reader = tf.train.NewCheckpointReader(checkpoint_path)
-  except (tf.errors.NotFoundError, tf.errors.DataLossError) as e:
-    raise EvalError('cannot read checkpoint %s: %s'
-                    % (checkpoint_path, e.message.splitlines()[0])) from e
-  if reader.has_tensor(checkpoints.OBJECT_GRAPH_KEY):
-    # A name-based Saver would fall back to rebuilding itself from the object
-    # graph, which fails in a finalized graph; say what it is instead.
-    raise EvalError(
-        '%s is a modern (tf.train.Checkpoint) checkpoint; evaluate it with '
-        'the modern evaluator.' % checkpoint_path)
-  return reader
-
-
-def _checkpoint_step(reader, checkpoint_path):
-  """The global step saved in a checkpoint (or named in its file name)."""
-  if reader.has_tensor('global_step'):
-    return int(reader.get_tensor('global_step'))
-  # Upstream's way: the step is the suffix of `model.ckpt-<step>`.
-  suffix = os.path.basename(checkpoint_path).rsplit('-', 1)[-1]
-  return int(suffix) if suffix.isdigit() else None
+    return checkpoints.read(checkpoint_path)
+  except checkpoints.CheckpointError as e:
+    raise EvalError('cannot read checkpoint %s: %s' % (checkpoint_path, e)) from e
 
 
 def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -75,11 +58,34 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
     EvalError: the checkpoint cannot be read, is a modern one, or does not
       hold this model's moving averages.
   """
-  reader = _checkpoint_reader(checkpoint_path)
+  return evaluate_contents(_read(checkpoint_path), data_dir, batch_size,
+                           num_examples)
+
+
+def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
+                      num_examples=None, should_stop=None):
+  """`eval_once` of a checkpoint already read (`common.checkpoints.read`).
+
+  Args:
+    contents: common.checkpoints.Contents of a legacy checkpoint.
+    data_dir, batch_size, num_examples: as `eval_once`.
+    should_stop: optional callable() -> bool, asked between batches.
+
+  Returns:
+    EvalCounts, or None when should_stop() turned true first.
+
+  Raises:
+    As `eval_once`.
+  """
+  if contents.kind != checkpoints.LEGACY:
+    raise EvalError(
+        '%s is a modern (tf.train.Checkpoint) checkpoint; evaluate it with '
+        'the modern evaluator.' % contents.path)
   available = cifar10_format.num_examples(cifar10_format.eval_files(data_dir))
   if num_examples is not None and num_examples < 1:
     raise ValueError('num_examples must be >= 1, got %d' % num_examples)
   num_examples = min(num_examples or available, available)
+  should_stop = should_stop or (lambda: False)
 
   with tf.Graph().as_default() as graph:
     # One epoch in file order (one reader thread), the last batch smaller.
@@ -92,7 +98,7 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
     # Restore the moving-average (shadow) value of each variable into it.
     variable_averages = tf.train.ExponentialMovingAverage(
         hparams.MOVING_AVERAGE_DECAY)
-    saver = tf.train.Saver(variable_averages.variables_to_restore())
+    variables_to_restore = variable_averages.variables_to_restore()
     # The epoch counter of the input is a local variable.
     local_init = tf.local_variables_initializer()
     close_queues = [qr.queue.close(cancel_pending_enqueues=True)
@@ -101,20 +107,21 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
 
     with tf.Session() as sess:
       sess.run(local_init)
-      try:
-        saver.restore(sess, checkpoint_path)
-      except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
-        raise EvalError(
-            '%s does not hold the moving averages of this model (%s). Point '
-            '--checkpoint_dir at a train_dir written by `train`.'
-            % (checkpoint_path, e.message.splitlines()[0])) from e
-      global_step = _checkpoint_step(reader, checkpoint_path)
+      # Deviation from upstream: a Saver restored from the files; here the
+      # values were read (and their checksums checked) before the graph was
+      # built, so a checkpoint the trainer deletes meanwhile is still whole.
+      _load(sess, variables_to_restore, contents)
+      global_step = checkpoints.global_step(contents)
 
       coord = tf.train.Coordinator()
       threads = tf.train.start_queue_runners(sess=sess, coord=coord)
       true_count = total_count = 0
+      stopped = False
       try:
         while total_count < num_examples and not coord.should_stop():
+          if should_stop():
+            stopped = True
+            break
           predictions = sess.run(top_k_op)
           # Only the first num_examples records count.
           predictions = predictions[:num_examples - total_count]
@@ -124,10 +131,30 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
         pass  # the epoch is over: every record was seen once
       finally:
         inputs.stop_queue_threads(sess, coord, threads, close_queues)
+  if stopped:
+    return None
   if total_count != num_examples:
     raise EvalError('evaluated %d of %d test records from %s; the input '
                     'ended early.' % (total_count, num_examples, data_dir))
   return EvalCounts(true_count, total_count, global_step)
+
+
+def _load(sess, variables_to_restore, contents):
+  """Loads each variable from its checkpoint key (its shadow's name)."""
+  for key, variable in sorted(variables_to_restore.items()):
+    if key not in contents.tensors:
+      raise EvalError(
+          '%s does not hold the moving averages of this model (no %s). Point '
+          '--checkpoint_dir at a train_dir written by `legacy`.'
+          % (contents.path, key))
+    value = contents.tensors[key]
+    if tuple(value.shape) != tuple(variable.shape.as_list()):
+      raise EvalError(
+          '%s does not hold the moving averages of this model (%s has shape %s, '
+          'this model %s). Point --checkpoint_dir at a train_dir written by '
+          '`legacy`.' % (contents.path, key, list(value.shape),
+                         variable.shape.as_list()))
+    variable.load(value, sess)
 
 
 def _write_precision(eval_dir, precision, global_step):
@@ -146,7 +173,7 @@ def _write_precision(eval_dir, precision, global_step):
 
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
              num_examples=None, out=print, eval_dir=None):
-  """Evaluates the newest checkpoint of checkpoint_dir once.
+  """Evaluates the newest intact checkpoint of checkpoint_dir once.
 
   Args:
     checkpoint_dir: str, the train_dir of `legacy.train.train`.
@@ -162,15 +189,15 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
     (precision, global_step): float in [0, 1], int.
 
   Raises:
-    EvalError: checkpoint_dir has no checkpoint, or it does not fit.
+    EvalError: checkpoint_dir has no intact checkpoint, or it does not fit.
     common.cifar10_format.DataError: the test file is missing or malformed.
   """
-  checkpoint_path = tf.train.latest_checkpoint(checkpoint_dir)
-  if checkpoint_path is None:
+  found = checkpoints.newest_intact(checkpoint_dir)
+  if found.contents is None:
     raise EvalError('No checkpoint found in %s. Train first (`python cli.py '
-                    'train --train_dir %s`) or pass the train_dir as '
+                    'legacy --train_dir %s`) or pass the train_dir as '
                     '--checkpoint_dir.' % (checkpoint_dir, checkpoint_dir))
-  counts = eval_once(checkpoint_path, data_dir, batch_size, num_examples)
+  counts = evaluate_contents(found.contents, data_dir, batch_size, num_examples)
   precision = counts.true_count / counts.total_count
   out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
   if eval_dir is not None:
@@ -180,41 +207,33 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
                   num_examples=None, out=print, eval_dir=None,
-                  interval_secs=300, max_evals=None):
+                  interval_secs=300, max_evals=None,
+                  warn=_stderr_print):
   """Evaluates each new checkpoint of checkpoint_dir once, as it appears.
 
-  Polls every `interval_secs` seconds until KeyboardInterrupt (or until
-  `max_evals` checkpoints were evaluated).
+  Looks every `interval_secs` seconds until SIGINT or SIGTERM (or until
+  `max_evals` checkpoints were evaluated); see `common.evaluation.run`.
 
   Args:
     checkpoint_dir, data_dir, batch_size, num_examples, out, eval_dir: as
       for `evaluate`.
     interval_secs: float, seconds between looks at checkpoint_dir.
     max_evals: optional int, stop after this many evaluations.
+    warn: callable taking one line, for the checkpoints skipped.
 
   Returns:
     list of (precision, global_step), one per checkpoint evaluated.
   """
-  results = []
-  last_path = None
-  waiting_said = False
-  try:
-    while max_evals is None or len(results) < max_evals:
-      path = tf.train.latest_checkpoint(checkpoint_dir)
-      if path is None and not waiting_said:
-        out('Waiting for a checkpoint in %s.' % checkpoint_dir)
-        waiting_said = True
-      if path is not None and path != last_path:
-        counts = eval_once(path, data_dir, batch_size, num_examples)
-        precision = counts.true_count / counts.total_count
-        out('%s: precision @ 1 = %.3f (global step %s)'
-            % (datetime.datetime.now(), precision, counts.global_step))
-        if eval_dir is not None:
-          _write_precision(eval_dir, precision, counts.global_step)
-        results.append((precision, counts.global_step))
-        last_path = path
-        continue
-      time.sleep(interval_secs)
-  except KeyboardInterrupt:
-    out('Stopped evaluating; %d checkpoint(s) evaluated.' % len(results))
-  return results
+
+  def evaluate_one(contents, should_stop):
+    counts = evaluate_contents(contents, data_dir, batch_size, num_examples,
+                               should_stop)
+    if counts is not None and eval_dir is not None:
+      _write_precision(eval_dir, counts.true_count / counts.total_count,
+                       counts.global_step)
+    return counts
+
+  with training.StopRequest() as stop:
+    results = evaluation.run(checkpoint_dir, evaluate_one, stop, out, warn,
+                             interval_secs=interval_secs, max_evals=max_evals)
+  return [(r.precision, r.global_step) for r in results]

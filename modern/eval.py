@@ -6,12 +6,14 @@ test record is classified once.
 """
 
 import datetime
-import time
+import sys
 
 import tensorflow as tf
 
 from common import checkpoints
+from common import evaluation
 from common import hparams
+from common import training
 from modern import inputs
 from modern import model as model_lib
 from modern import train as train_lib
@@ -21,46 +23,60 @@ class EvalError(Exception):
   """Evaluation cannot run; the message says what to do."""
 
 
+def _stderr(message):
+  print(message, file=sys.stderr)
+
+
+def _model_of(contents):
+  """A Cifar10Model holding the moving averages in `contents`, and the step."""
+  if contents.kind != checkpoints.MODERN:
+    raise EvalError(
+        '%s is a legacy (tf.compat.v1 Saver) checkpoint; evaluate it with the '
+        'legacy evaluator.' % contents.path)
+  model = model_lib.Cifar10Model()
+  # The shadow (moving-average) value of each variable goes into the variable,
+  # as upstream eval's `variables_to_restore()`; the raw weights are not used.
+  for name, variable in model.variables_by_name().items():
+    key = train_lib.checkpoint_key('%s/%s' % (name, train_lib.EMA_SUFFIX))
+    value = contents.tensors.get(key)
+    if value is None or tuple(value.shape) != tuple(variable.shape):
+      raise EvalError('%s does not hold all 10 moving averages (%s: %s); is it '
+                      'a modern training checkpoint?'
+                      % (contents.path, key, 'missing' if value is None
+                         else 'shape %s' % list(value.shape)))
+    variable.assign(value)
+  return model, checkpoints.global_step(contents)
+
+
 def _restore_moving_averages(path):
   """A Cifar10Model holding the moving averages saved at `path`, and the step."""
   try:
-    is_modern = checkpoints.kind(path) == checkpoints.MODERN
+    contents = checkpoints.read(path)
   except checkpoints.CheckpointError as e:
     raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
-  if not is_modern:
-    raise EvalError(
-        '%s is a legacy (tf.compat.v1 Saver) checkpoint; evaluate it with the '
-        'legacy evaluator.' % path)
-  model = model_lib.Cifar10Model()
-  global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
-  checkpoint = train_lib.moving_average_checkpoint(model, global_step)
-  status = checkpoint.restore(path)
-  status.expect_partial()  # the raw weights under 'model' are not wanted
-  try:
-    status.assert_existing_objects_matched()
-  except AssertionError as e:
-    raise EvalError('%s does not hold all 10 moving averages (%s); is it a '
-                    'modern training checkpoint?' % (path, e)) from e
-  return model, int(global_step.numpy())
+  return _model_of(contents)
 
 
-def evaluate_checkpoint(path, data_dir, batch_size=128, num_examples=None,
-                        out=print):
-  """Precision @ 1 of the moving averages saved in one checkpoint.
+def evaluate_contents(contents, data_dir, batch_size=128, num_examples=None,
+                      should_stop=None):
+  """Counts the correct top-1 predictions of a checkpoint already read.
 
   Args:
-    path: str, a checkpoint prefix, e.g. '<train_dir>/model.ckpt-1000'.
-    data_dir, batch_size, num_examples, out: as `evaluate`.
+    contents: common.checkpoints.Contents of a modern checkpoint.
+    data_dir, batch_size, num_examples: as `evaluate`.
+    should_stop: optional callable() -> bool, asked between batches.
 
   Returns:
-    (precision float, global step int, number of test records evaluated int).
+    common.evaluation.EvalCounts, or None when should_stop() turned true
+    first.
 
   Raises:
-    EvalError: the checkpoint lacks the moving averages.
+    EvalError: the checkpoint lacks the moving averages, or is a legacy one.
     common.cifar10_format.DataError: the test file is missing or malformed.
   """
-  model, global_step = _restore_moving_averages(path)
+  model, global_step = _model_of(contents)
   size = hparams.IMAGE_SIZE
+  should_stop = should_stop or (lambda: False)
 
   @tf.function(input_signature=[
       tf.TensorSpec([None, size, size, 3], tf.float32),
@@ -75,18 +91,43 @@ def evaluate_checkpoint(path, data_dir, batch_size=128, num_examples=None,
     dataset = dataset.unbatch().take(num_examples).batch(batch_size)
   true_count, total = 0, 0
   for images, labels in dataset:
+    if should_stop():
+      return None
     true_count += int(count_correct(images, labels))
     total += int(labels.shape[0])
   if total == 0:
     raise EvalError('no test records were read from %s' % data_dir)
-  precision = true_count / total
+  return evaluation.EvalCounts(true_count, total, global_step)
+
+
+def evaluate_checkpoint(path, data_dir, batch_size=128, num_examples=None,
+                        out=print):
+  """Precision @ 1 of the moving averages saved in one checkpoint.
+
+  Args:
+    path: str, a checkpoint prefix, e.g. '<train_dir>/model.ckpt-1000'.
+    data_dir, batch_size, num_examples, out: as `evaluate`.
+
+  Returns:
+    (precision float, global step int, number of test records evaluated int).
+
+  Raises:
+    EvalError: the checkpoint cannot be read or lacks the moving averages.
+    common.cifar10_format.DataError: the test file is missing or malformed.
+  """
+  try:
+    contents = checkpoints.read(path)
+  except checkpoints.CheckpointError as e:
+    raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
+  counts = evaluate_contents(contents, data_dir, batch_size, num_examples)
+  precision = counts.true_count / counts.total_count
   out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
-  return precision, global_step, total
+  return precision, counts.global_step, counts.total_count
 
 
 def evaluate(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
              out=print):
-  """Precision @ 1 of the newest checkpoint's moving averages on the test set.
+  """Precision @ 1 of the newest intact checkpoint's moving averages on the test set.
 
   Args:
     checkpoint_dir: str, a modern train_dir (model.ckpt-<step> files).
@@ -100,50 +141,44 @@ def evaluate(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
     (precision float in [0, 1], global step of the checkpoint int).
 
   Raises:
-    EvalError: no (modern) checkpoint in checkpoint_dir.
+    EvalError: no intact (modern) checkpoint in checkpoint_dir.
     common.cifar10_format.DataError: the test file is missing or malformed.
   """
-  path = tf.train.latest_checkpoint(checkpoint_dir)
-  if path is None:
+  found = checkpoints.newest_intact(checkpoint_dir)
+  if found.contents is None:
     raise EvalError(
         'no checkpoint found in %s (expected model.ckpt-<step> files and a '
         '`checkpoint` state file). Train first, with this directory as '
         '--train_dir.' % checkpoint_dir)
-  precision, global_step, _ = evaluate_checkpoint(
-      path, data_dir, batch_size, num_examples, out)
-  return precision, global_step
+  counts = evaluate_contents(found.contents, data_dir, batch_size, num_examples)
+  precision = counts.true_count / counts.total_count
+  out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
+  return precision, counts.global_step
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
-                  interval_secs=300, out=print, max_evals=None):
-  """Evaluates each new checkpoint, polling every interval_secs (upstream's loop).
+                  interval_secs=300, out=print, max_evals=None, warn=_stderr):
+  """Evaluates each new checkpoint, looking every interval_secs (upstream's loop).
 
-  Runs until KeyboardInterrupt (or `max_evals` evaluations); waits for the
-  first checkpoint instead of failing when there is none yet.
+  Runs until SIGINT or SIGTERM (or `max_evals` evaluations); waits for the
+  first checkpoint instead of failing when there is none yet. See
+  `common.evaluation.run`.
 
   Args:
     checkpoint_dir, data_dir, batch_size, num_examples, out: as `evaluate`.
-    interval_secs: float, seconds between polls.
+    interval_secs: float, seconds between looks.
     max_evals: optional int, stop after this many evaluations.
+    warn: callable(str) for the checkpoints skipped.
 
   Returns:
     list of (precision, global_step), one per evaluated checkpoint.
   """
-  results, last_path, said_waiting = [], None, False
-  try:
-    while max_evals is None or len(results) < max_evals:
-      path = tf.train.latest_checkpoint(checkpoint_dir)
-      if path is not None and path != last_path:
-        precision, global_step, _ = evaluate_checkpoint(
-            path, data_dir, batch_size, num_examples, out)
-        results.append((precision, global_step))
-        last_path = path
-        continue
-      if path is None and not said_waiting:
-        out('No checkpoint in %s yet; checking every %g s.'
-            % (checkpoint_dir, interval_secs))
-        said_waiting = True
-      time.sleep(interval_secs)
-  except KeyboardInterrupt:
-    pass
-  return results
+
+  def evaluate_one(contents, should_stop):
+    return evaluate_contents(contents, data_dir, batch_size, num_examples,
+                             should_stop)
+
+  with training.StopRequest() as stop:
+    results = evaluation.run(checkpoint_dir, evaluate_one, stop, out, warn,
+                             interval_secs=interval_secs, max_evals=max_evals)
+  return [(r.precision, r.global_step) for r in results]
