@@ -28,6 +28,7 @@ class TrainConfig:
   worker_hosts: tuple = ()  # multiworker: 'host:port' of every worker; () = read TF_CONFIG
   task_index: int = 0  # multiworker: this worker's index in worker_hosts (0 = chief)
   peer_timeout: int = 60  # multiworker: seconds a step waits for its peers, then fails
+  startup_timeout: int = 600  # multiworker: seconds the workers wait for each other to start
 
   def __post_init__(self):
     if self.num_gpus < 1:

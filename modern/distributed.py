@@ -30,41 +30,55 @@ The global batch is batch_size x num_gpus x number of workers.
 
 `train()` is the training loop for both engines (`modern.train.train` hands
 over to it when `config.strategy` is not 'towers'). With several workers the
-chief (task 0, or the 'chief' task of TF_CONFIG) writes checkpoints and
-summaries to train_dir and prints progress; every other worker writes to
-`<train_dir>/workertemp_<id>` (TensorFlow's multi-worker convention: all
-workers save, only the chief's copy is kept), removes it when it ends, and
-prints only warnings and errors.
+chief (task 0, or the 'chief' task of TF_CONFIG) locks train_dir, writes
+checkpoints and summaries there and prints progress; every other worker
+locks and writes to `<train_dir>/workertemp_<id>` (TensorFlow's multi-worker
+convention: all workers save, only the chief's copy is kept), removes it when
+it ends, and prints only warnings and errors.
+
+The workers meet in Python before TensorFlow's start-up (`modern.cluster`:
+host names, this worker's port, a hello from every peer within
+--startup_timeout), because TensorFlow's own wait for them cannot be
+interrupted. After it, every wait for the peers (the first broadcast, each
+step, the final barrier) is watched (`_PeerWatchdog`): past --peer_timeout, or
+a few seconds after SIGINT/SIGTERM, the watchdog aborts it, and the worker
+saves what it completed and says so.
 """
 
 import contextlib
-import dataclasses
-import json
 import os
+import re
 import shutil
+import signal
 import sys
 import threading
 import time
+import types
 
 import tensorflow as tf
-# MultiWorkerMirroredStrategy has no public way to choose its local devices;
-# see _PlannedCollectiveExtended.
+# MultiWorkerMirroredStrategy has no public way to choose its local devices
+# (see _PlannedCollectiveExtended), to bound its start-up, or to abort a
+# collective that waits for a hung peer (see _configure_startup and
+# _abort_collectives).
+from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2  # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.distribute import collective_all_reduce_strategy  # pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import context as tf_context  # pylint: disable=g-direct-tensorflow-import
 
 from common import checkpoints
 from common import cifar10_format as fmt
 from common import config as config_lib
 from common import devices
 from common import hparams
+from common import lock
 from common import model_spec
 from common import training
+from modern import cluster as cluster_lib
 from modern import inputs
 from modern import train as train_lib
 
 DEFAULT_PEER_TIMEOUT_SECS = config_lib.TrainConfig.peer_timeout  # 60 s
-STARTUP_TIMEOUT_SECS = 600  # workers wait this long for each other to start
+DEFAULT_STARTUP_TIMEOUT_SECS = config_lib.TrainConfig.startup_timeout  # 600 s
 WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
-TF_CONFIG = 'TF_CONFIG'  # the environment variable naming the cluster
 
 # What a collective raises when a peer is gone: UnavailableError (the peer's
 # process is dead or unreachable, found by the coordination service's
@@ -74,127 +88,8 @@ PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                tf.errors.CancelledError, tf.errors.AbortedError)
 
 
-class ClusterError(Exception):
-  """The cluster description is missing or malformed; the message says what to do."""
-
-
 def _stderr(message):
   print(message, file=sys.stderr)
-
-
-# --- the cluster ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-  """The workers of a multi-worker run and which of them this process is."""
-  jobs: dict  # job name ('chief', 'worker') -> tuple of 'host:port'
-  task_type: str  # this process's job, 'worker' or 'chief'
-  task_id: int  # this process's index within its job
-
-  @property
-  def num_workers(self):
-    """Processes that train (the chief, if a 'chief' job is listed, and the workers)."""
-    return sum(len(self.jobs.get(job, ())) for job in ('chief', 'worker'))
-
-  @property
-  def worker_index(self):
-    """This process's place among the workers: 0 for the chief, then 1, 2, ...
-
-    It is TensorFlow's `id_in_cluster`: the replicas of worker w have the
-    global replica ids w * num_gpus ... (w + 1) * num_gpus - 1.
-    """
-    if self.task_type == 'chief':
-      return self.task_id
-    return len(self.jobs.get('chief', ())) + self.task_id
-
-  @property
-  def is_chief(self):
-    return self.worker_index == 0
-
-  def cluster_resolver(self):
-    """A `tf.distribute.cluster_resolver.ClusterResolver` of this cluster."""
-    return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({job: list(hosts) for job, hosts in self.jobs.items()}),
-        task_type=self.task_type, task_id=self.task_id, rpc_layer='grpc')
-
-
-def parse_worker_hosts(text):
-  """'h1:p1,h2:p2' -> ('h1:p1', 'h2:p2'), every item checked.
-
-  Raises:
-    ClusterError: an item is not host:port with a port in 1..65535, or a
-      host:port is listed twice.
-  """
-  hosts = tuple(item.strip() for item in text.split(',') if item.strip())
-  if not hosts:
-    raise ClusterError('--worker_hosts is empty; list the workers as '
-                       'host:port,host:port.')
-  for host in hosts:
-    name, _, port = host.rpartition(':')
-    if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
-      raise ClusterError('%r in --worker_hosts is not host:port (port 1..65535), '
-                         'e.g. 10.0.0.1:2222.' % host)
-  if len(set(hosts)) != len(hosts):
-    raise ClusterError('--worker_hosts lists a host:port twice: %s.' % ','.join(hosts))
-  return hosts
-
-
-def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
-  """The cluster of a multiworker run, from --worker_hosts or TF_CONFIG.
-
-  Args:
-    worker_hosts: tuple of 'host:port', one per worker, the same list and
-      order on every worker; empty to read TF_CONFIG.
-    task_index: int, this worker's index in worker_hosts (0 is the chief).
-    environ: mapping holding TF_CONFIG; default os.environ.
-
-  Returns:
-    Cluster.
-
-  Raises:
-    ClusterError: neither is given, TF_CONFIG is malformed, or the task is
-      not in the cluster.
-  """
-  environ = os.environ if environ is None else environ
-  if worker_hosts:
-    hosts = tuple(worker_hosts)
-    if not 0 <= task_index < len(hosts):
-      raise ClusterError('--task_index %d is not an index of the %d --worker_hosts '
-                         '(0..%d).' % (task_index, len(hosts), len(hosts) - 1))
-    return Cluster({'worker': hosts}, 'worker', task_index)
-  text = environ.get(TF_CONFIG, '').strip()
-  if not text:
-    raise ClusterError(
-        '--strategy multiworker needs the cluster: set TF_CONFIG (e.g. '
-        '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": '
-        '{"type": "worker", "index": 0}}) or pass --worker_hosts and --task_index.')
-  try:
-    tf_config = json.loads(text)
-  except ValueError as e:
-    raise ClusterError('TF_CONFIG is not valid JSON (%s): %r' % (e, text)) from None
-  cluster = tf_config.get('cluster') if isinstance(tf_config, dict) else None
-  task = tf_config.get('task') if isinstance(tf_config, dict) else None
-  if not isinstance(cluster, dict) or not isinstance(task, dict):
-    raise ClusterError('TF_CONFIG needs "cluster" and "task" objects, got %r.' % text)
-  jobs = {}
-  for job, hosts in cluster.items():
-    if job not in ('chief', 'worker'):
-      raise ClusterError('TF_CONFIG lists a %r job; MultiWorkerMirroredStrategy '
-                         'trains with "chief" and "worker" tasks only.' % job)
-    if isinstance(hosts, str) or not isinstance(hosts, list) or not all(
-        isinstance(h, str) for h in hosts):
-      raise ClusterError('TF_CONFIG cluster.%s must be a list of "host:port", got %r.'
-                         % (job, hosts))
-    jobs[job] = parse_worker_hosts(','.join(hosts)) if hosts else ()
-  if len(jobs.get('chief', ())) > 1:
-    raise ClusterError('TF_CONFIG lists %d chiefs; there can be one.'
-                       % len(jobs['chief']))
-  task_type, task_id = task.get('type'), task.get('index', 0)
-  if task_type not in jobs or not isinstance(task_id, int) or not (
-      0 <= task_id < len(jobs[task_type])):
-    raise ClusterError('TF_CONFIG task %r is not in its cluster %r.' % (task, cluster))
-  return Cluster(jobs, task_type, task_id)
 
 
 # --- the strategies ---------------------------------------------------------
@@ -252,7 +147,8 @@ def multi_worker_strategy(plan, cluster, collective_timeout=DEFAULT_PEER_TIMEOUT
 
   Must be called before any other TensorFlow op runs in this process (it
   starts the process's gRPC server); it returns once every worker has
-  started.
+  started, waiting inside TensorFlow, where no signal or Python thread runs
+  (`train` meets the workers first and bounds this wait: see `_start`).
 
   Args:
     plan: common.devices.DevicePlan, this worker's devices.
@@ -517,6 +413,112 @@ class MultiWorkerTrainer(StrategyTrainer):
                      decay_steps, jit=jit, worker_index=cluster.worker_index)
 
 
+# --- the start-up -------------------------------------------------------------
+
+# TensorFlow's own start-up follows the rendezvous (modern.cluster), when every
+# peer is up, and takes a second; its timeout is the start-up's time left, but
+# at least this, a backstop for a peer that fails between the two.
+STARTUP_BACKSTOP_MIN_SECS = 10
+
+
+def _configure_startup(cluster, seconds):
+  """Bounds TensorFlow's own wait for the workers to register: the backstop.
+
+  Call before the strategy exists: MultiWorkerMirroredStrategy configures the
+  coordination service only if nothing did. This is its configuration plus
+  `cluster_register_with_barrier`, without which the chief of a cluster whose
+  peer never comes waits (in WaitForAllTasks) with no deadline at all; with
+  it, the registration fails after `seconds` with DeadlineExceededError
+  naming the tasks that never registered (see `_startup_error`).
+  """
+  leader = 'chief' if cluster.jobs.get('chief') else 'worker'
+  context = tf_context.context()
+  context.configure_coordination_service(
+      service_type='standalone',
+      service_leader='/job:%s/replica:0/task:0' % leader,
+      coordinated_jobs=[
+          coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(hosts))
+          for job, hosts in ((j, cluster.jobs.get(j)) for j in ('chief', 'worker'))
+          if hosts],
+      cluster_register_timeout_in_ms=int(seconds * 1000))
+  context.coordination_service.cluster_register_with_barrier = True
+
+
+def _reclaim_sigterm(handler):
+  """Gives SIGTERM back to `handler`, Python's (the StopRequest's).
+
+  TensorFlow's start-up installs a SIGTERM handler of its own (the
+  coordination service's preemption notifier, which only records the signal
+  for TensorFlow's failure handling, unused here): without this, SIGTERM
+  would be ignored for the rest of the run.
+  """
+  if handler is not None and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _startup_error(cluster, error, seconds):
+  """The StartupError of a TensorFlow start-up that failed with `error` (OpError)."""
+  text = str(error)
+  if 'Could not start gRPC server' in text:
+    return cluster_lib.StartupError(
+        '%s: TensorFlow could not start its server on port %s: another process '
+        'took it after this worker found it free. Start this worker again, or '
+        'give it another port in %s (the same list on every worker).'
+        % (cluster.name(), cluster.address.rpartition(':')[2], cluster.source))
+  if isinstance(error, (tf.errors.DeadlineExceededError, tf.errors.UnavailableError)):
+    # The leader lists the tasks that never registered; a worker that could
+    # not reach the leader itself knows only that.
+    names = re.findall(r'/job:\w+/replica:\d+/task:\d+',
+                       text.partition('timed out task names:')[2])
+    missing = {cluster.hosts.index(a) for a in map(cluster.task_address, names)
+               if a in cluster.hosts}
+    if not missing and not cluster.is_chief and 'RegisterTask' in text:
+      missing = {0}
+    missing = missing or set(range(cluster.num_workers)) - {cluster.worker_index}
+    return cluster_lib.StartupError(
+        '%s: %s said hello but did not register with TensorFlow within %d s '
+        '(--startup_timeout): it failed or was stopped while starting (see its '
+        'output). Start every worker again.'
+        % (cluster.name(), cluster_lib.names(cluster, missing), seconds))
+  return cluster_lib.StartupError('%s: TensorFlow\'s start-up failed (%s: %s). Start every '
+                      'worker again with the same flags.'
+                      % (cluster.name(), type(error).__name__,
+                         text.strip().splitlines()[0] if text.strip() else ''))
+
+
+def _start(config, plan, cluster, decay_steps, warn):
+  """Meets the other workers, then starts TensorFlow's engine on this one.
+
+  The checks and the rendezvous of `modern.cluster` first, in Python, where a
+  signal stops them at once; then TensorFlow's start-up, which holds Python's
+  lock until it returns, bounded by `_configure_startup`.
+
+  Returns:
+    MultiWorkerTrainer.
+
+  Raises:
+    StartupError: a host name does not resolve, this worker's port is taken,
+      a peer did not answer within config.startup_timeout or was started
+      with another cluster, or TensorFlow's start-up failed.
+  """
+  started = time.monotonic()
+  cluster_lib.check_hosts(cluster)
+  cluster_lib.rendezvous(cluster, cluster_lib.listen(cluster),
+                         config.startup_timeout, warn)
+  seconds = max(STARTUP_BACKSTOP_MIN_SECS,
+                config.startup_timeout - (time.monotonic() - started))
+  _configure_startup(cluster, seconds)
+  sigterm = signal.getsignal(signal.SIGTERM)
+  try:
+    return MultiWorkerTrainer(
+        plan, decay_steps, cluster, jit=config.jit,
+        collective_timeout=COLLECTIVE_TIMEOUT_FACTOR * config.peer_timeout)
+  except tf.errors.OpError as e:
+    raise _startup_error(cluster, e, config.startup_timeout) from None
+  finally:
+    _reclaim_sigterm(sigterm)
+
+
 # --- the training loop -----------------------------------------------------
 
 # In `train` the collective timeout is this many peer timeouts: a backstop
@@ -524,59 +526,125 @@ class MultiWorkerTrainer(StrategyTrainer):
 COLLECTIVE_TIMEOUT_FACTOR = 2
 
 
+def _abort_collectives(message):
+  """Makes every collective of this process, waiting or to come, fail at once.
+
+  They raise UnavailableError with `message`; no collective can run in this
+  process afterwards, other ops (a checkpoint's save) still can.
+  """
+  tf_context.context().abort_collective_ops(tf.errors.UNAVAILABLE, message)
+
+
 class _PeerWatchdog:
-  """Ends this process with a clear error when a wait for the peers is too long.
+  """Ends a wait for the peers that lasts too long, or that a stop cuts short.
+
+  The guarded blocks are the waits for the peers (the first broadcast, each
+  step, the final barrier), where the main thread waits in C++ with Python's
+  lock released. A thread watches them:
+
+  - past a block's deadline (the peer timeout), or STOP_GRACE_SECS into a
+    block after a stop request (SIGINT, SIGTERM: `stop_requested`, the
+    StopRequest's `while_blocked` callback), it aborts this process's
+    collectives (`_abort_collectives`): the wait raises at once, and the loop
+    saves what it completed and says so (`_train_loop`);
+  - if the main thread has not finished EXIT_GRACE_SECS after that, it prints
+    the message itself, runs `cleanup` and ends the process: status 1, or
+    128 + the signal's number (os._exit: the main thread is stuck in C++).
 
   TensorFlow's collective timeout ends such a wait too, but TF 2.21 on CPU
   sometimes crashes (SIGABRT, SIGSEGV) while aborting the collective, which
-  leaves the user without a message; and while the workers start, the chief
-  waits for the others inside a C++ call with no deadline at all. So a thread
-  watches: when a guarded block (the start-up, a step) runs past its
-  deadline, it prints the message on stderr, runs `cleanup` and exits with
-  status 1. (os._exit: the main thread is blocked in C++, where no Python
-  exception can reach it.)
+  leaves the user without a message.
   """
 
   POLL_SECS = 0.25
+  STOP_GRACE_SECS = 2.0  # a step or barrier still waiting this long after a stop is hung
+  STOP_LIMIT_SECS = 6.0  # after a stop, no wait goes on past this
+  EXIT_GRACE_SECS = 3.0  # for the main thread to save and return after an abort
 
-  def __init__(self, warn, cleanup=None):
+  def __init__(self, cluster, warn, cleanup, abort=_abort_collectives):
+    self._cluster = cluster
     self._warn = warn
-    self._cleanup = cleanup or (lambda: None)
+    self._cleanup = cleanup
+    self._abort = abort
     self._lock = threading.Lock()
-    self._deadline = None
-    self._message = None
+    self._block = None  # (start, deadline, what, step, flag) of the guarded wait
+    self._stop = None  # (time, signal name) of the first stop request
+    self._aborted = None  # (time, message of a forced exit, exit status)
+    self.reason = None  # why it aborted the collectives, or None
     self._stopped = threading.Event()
     self._thread = threading.Thread(target=self._watch, name='peer-watchdog',
                                     daemon=True)
     self._thread.start()
 
   @contextlib.contextmanager
-  def guard(self, seconds, message):
-    """The block must end within `seconds`, or the process ends with `message`."""
+  def guard(self, seconds, what, step, flag):
+    """The block waits for the peers at most `seconds` (the value of `flag`)."""
+    now = time.monotonic()
     with self._lock:
-      self._deadline = time.monotonic() + seconds
-      self._message = message
+      self._block = (now, now + seconds, what, step, flag)
     try:
       yield
     finally:
       with self._lock:
-        self._deadline = None
+        self._block = None
+
+  def stop_requested(self, signal_name):
+    """A stop request came (SIGINT, SIGTERM): waits for the peers end soon."""
+    with self._lock:
+      if self._stop is None:
+        self._stop = (time.monotonic(), signal_name)
 
   def stop(self):
     self._stopped.set()
     self._thread.join()
 
+  def _expired(self, now):
+    """(reason, message of a forced exit, status) if the current wait must end."""
+    if self._block is None:
+      return None
+    start, deadline, what, step, flag = self._block
+    name = self._cluster.name()
+    if self._stop is not None:
+      since, signal_name = self._stop
+      if now > min(max(start, since) + self.STOP_GRACE_SECS,
+                   since + self.STOP_LIMIT_SECS):
+        return ('%s: stopped by %s at global step %d, ending %s after %d s of '
+                'waiting for the other workers' % (name, signal_name, step, what,
+                                                   now - max(start, since)),
+                '%s: stopped by %s at global step %d while %s waited for the '
+                'other workers, without saving: the newest checkpoint in '
+                '--train_dir is kept. %s' % (name, signal_name, step, what, _RESTART),
+                training.exit_status(signal_name))
+    if now > deadline:
+      reason = ('%s lost its peers in %s after global step %d: no answer within '
+                '%d s (%s); a worker stopped, hung or is unreachable.'
+                % (name, what, step, round(deadline - start), flag))
+      return (reason, 'Error: %s Nothing was saved. %s' % (reason, _RESTART), 1)
+    return None
+
   def _watch(self):
     while not self._stopped.wait(self.POLL_SECS):
+      now = time.monotonic()
+      abort = None
       with self._lock:
-        expired = self._deadline is not None and time.monotonic() > self._deadline
-        message = self._message
-      if expired:
-        self._warn('Error: ' + message)
+        if self._aborted is None:
+          expired = self._expired(now)
+          if expired is not None:
+            self.reason, message, status = expired
+            self._aborted = (now, message, status)
+            abort = self.reason
+        aborted = self._aborted
+      if abort is not None:
+        try:
+          self._abort(abort)
+        except Exception:  # pylint: disable=broad-except
+          pass  # the forced exit below still ends the wait
+      elif aborted is not None and now > aborted[0] + self.EXIT_GRACE_SECS:
+        self._warn(aborted[1])
         sys.stdout.flush()
         sys.stderr.flush()
         self._cleanup()
-        os._exit(1)  # pylint: disable=protected-access
+        os._exit(aborted[2])  # pylint: disable=protected-access
 
 
 _RESTART = ('Restart every worker with the same flags: they resume from the '
@@ -594,10 +662,12 @@ def _peer_error(cluster, step, error, saved):
         reason += ' ' + lines[i + 1]
       break
   return training.TrainingError(
-      'worker %d of %d lost its peers at global step %d (%s: %s). %s %s'
-      % (cluster.worker_index, cluster.num_workers, step, type(error).__name__,
-         reason, ('Saved %s.' % saved) if saved else 'This worker saved no checkpoint.',
-         _RESTART))
+      '%s lost its peers at global step %d (%s: %s). %s %s'
+      % (cluster.name(), step, type(error).__name__, reason, _saved(saved), _RESTART))
+
+
+def _saved(saved):
+  return ('Saved %s.' % saved) if saved else 'This worker saved no checkpoint.'
 
 
 def _silent(_):
@@ -609,13 +679,15 @@ def train(config, plan, out=print, warn=_stderr):
 
   As modern.train.train (resumes from train_dir, logs every log_every steps,
   summaries, checkpoints, stops at a step boundary on SIGINT/SIGTERM), plus,
-  with several workers: only the chief prints progress and keeps checkpoints
-  and summaries in train_dir; the chief restores and broadcasts its state;
-  each worker reads its own shard of the training records; a stop request on
-  any worker stops all after the same step; and a worker whose peers do not
-  answer within config.peer_timeout seconds (STARTUP_TIMEOUT_SECS while the
-  workers start and take their first step) exits with status 1 and an error
-  on stderr, or raises TrainingError when TensorFlow reports the loss first.
+  with several workers: the workers meet first (config.startup_timeout); only
+  the chief prints progress and keeps checkpoints and summaries in train_dir;
+  the chief restores and broadcasts its state; each worker reads its own
+  shard of the training records; a stop request on any worker stops all
+  after the same step; a stop request while the peers do not answer stops
+  this worker within seconds, with what it completed saved; and a worker whose
+  peers do not answer within config.peer_timeout seconds (config.startup_timeout
+  for the first broadcast and step) raises TrainingError, or, if it cannot,
+  exits with status 1 and the error on stderr.
 
   Args:
     config: common.config.TrainConfig with strategy 'mirrored' or 'multiworker'.
@@ -624,12 +696,20 @@ def train(config, plan, out=print, warn=_stderr):
     warn: callable(str) for diagnostics (stderr).
 
   Returns:
-    int, the global step reached.
+    int, the global step reached (less than max_steps when a signal stopped
+    this process).
 
   Raises:
     ClusterError: the multiworker cluster is missing or malformed.
-    common.training.TrainingError: the loss diverged, a peer was lost, or
-      train_dir holds a checkpoint this trainer cannot resume.
+    StartupError (a TrainingError): the workers could not start together; the
+      message names the hosts and ports.
+    common.training.TrainingError: the loss diverged, a peer was lost,
+      another worker was stopped, or train_dir holds a checkpoint this
+      trainer cannot resume.
+    common.training.Stopped: SIGINT or SIGTERM before TensorFlow's engine
+      was up; nothing was written.
+    common.lock.LockError: another run trains in train_dir (this worker's
+      own directory for a non-chief).
     common.checkpoints.CheckpointError: as modern.train.train.
     ValueError: bad config or plan.
   """
@@ -641,9 +721,8 @@ def train(config, plan, out=print, warn=_stderr):
                      'got %r' % config.strategy)
   cluster = None
   if config.strategy == 'multiworker':
-    cluster = resolve_cluster(config.worker_hosts, config.task_index)
+    cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
   num_workers = cluster.num_workers if cluster else 1
-  worker_index = cluster.worker_index if cluster else 0
   filenames = fmt.train_files(config.data_dir)
   examples_per_epoch = fmt.num_examples(filenames)
   # All replicas of all workers count, as upstream's num_gpus counted its towers.
@@ -664,9 +743,14 @@ def train(config, plan, out=print, warn=_stderr):
     if config.log_device_placement:
       tf.debugging.set_log_device_placement(True)
     tf.io.gfile.makedirs(config.train_dir)
-    return _train_loop(config, trainer, None, config.train_dir, decay_steps,
-                       None, out, warn)
+    with training.StopRequest() as stop:
+      return _train_loop(config, trainer, None, config.train_dir, decay_steps,
+                         None, stop, out, warn)
+  return _train_workers(config, plan, cluster, decay_steps, out, warn)
 
+
+def _train_workers(config, plan, cluster, decay_steps, out, warn):
+  """`train` with MultiWorkerMirroredStrategy, this process one of the workers."""
   # Deviation from upstream: train_dir is never deleted; training resumes
   # from its latest checkpoint. A non-chief writes to a temporary dir that it
   # removes at the end (left over only if it was killed: cleared here).
@@ -675,46 +759,60 @@ def train(config, plan, out=print, warn=_stderr):
   if not is_chief:
     out = _silent  # progress and logs come from the chief only
     write_dir = os.path.join(config.train_dir,
-                             '%s%d' % (WORKER_TEMP_PREFIX, worker_index))
-    shutil.rmtree(write_dir, ignore_errors=True)
+                             '%s%d' % (WORKER_TEMP_PREFIX, cluster.worker_index))
   cleanup = (lambda: None) if is_chief else (
       lambda: shutil.rmtree(write_dir, ignore_errors=True))
-  watchdog = _PeerWatchdog(warn, cleanup)
-  startup = max(STARTUP_TIMEOUT_SECS, config.peer_timeout)
-  hosts = ','.join(h for job in ('chief', 'worker') for h in cluster.jobs.get(job, ()))
-  try:
-    # MultiWorkerMirroredStrategy must come before any other op (it starts
-    # this process's gRPC server); it returns when every worker is up, and
-    # creating the variables broadcasts the chief's initial values.
-    with watchdog.guard(startup, (
-        'worker %d of %d: the other workers of %s did not start within %d s. '
-        'Start every worker (the same --worker_hosts or TF_CONFIG cluster, '
-        'each with its own index) within that time.'
-        % (worker_index, num_workers, hosts, startup))):
-      try:
-        trainer = MultiWorkerTrainer(
-            plan, decay_steps, cluster, jit=config.jit,
-            collective_timeout=COLLECTIVE_TIMEOUT_FACTOR * config.peer_timeout)
-      except PEER_ERRORS as e:
-        raise _peer_error(cluster, 0, e, None) from e
-    if config.log_device_placement:
-      tf.debugging.set_log_device_placement(True)
-    tf.io.gfile.makedirs(write_dir)
-    return _train_loop(config, trainer, cluster, write_dir, decay_steps,
-                       watchdog, out, warn)
-  finally:
-    watchdog.stop()
-    cleanup()
+  with training.StopRequest() as stop:
+    try:
+      # One run at a time: the chief locks train_dir, any other worker its own
+      # dir in it (the workers of one machine share train_dir), before the
+      # start-up, so that a second run fails at once, naming the first.
+      with lock.exclusive(write_dir, what='multiworker training as %s'
+                          % cluster.name()):
+        if not is_chief:
+          _clear(write_dir)
+        # Nothing is written until the first step: a stop (signal) ends the
+        # start-up at once. TensorFlow's part of it (a second, once every peer
+        # has said hello) holds Python's lock: a SIGINT there takes effect
+        # when it returns; a SIGTERM there goes to TensorFlow's own handler
+        # and is lost (see _reclaim_sigterm).
+        with stop.raising():
+          trainer = _start(config, plan, cluster, decay_steps, warn)
+        if config.log_device_placement:
+          tf.debugging.set_log_device_placement(True)
+        watchdog = _PeerWatchdog(cluster, warn, cleanup)
+        try:
+          return _train_loop(config, trainer, cluster, write_dir, decay_steps,
+                             watchdog, stop, out, warn)
+        finally:
+          watchdog.stop()
+    finally:
+      cleanup()
+
+
+def _clear(directory):
+  """Removes what a killed run left in `directory`, but for the lock file."""
+  for name in os.listdir(directory):
+    if name != lock.LOCK_FILE:
+      path = os.path.join(directory, name)
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        try:
+          os.remove(path)
+        except OSError:
+          pass
 
 
 def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
-                out, warn):
+                stop, out, warn):
   """The loop of `train` once the engine exists (see there).
 
   Args:
     cluster: Cluster, or None for one process (MirroredStrategy).
     write_dir: where this worker writes checkpoints and summaries.
     watchdog: _PeerWatchdog, or None for one process.
+    stop: common.training.StopRequest, entered.
   """
   is_chief = cluster is None or cluster.is_chief
 
@@ -722,112 +820,176 @@ def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
     """No wait for the peers longer than the peer timeout (first: the start-up's)."""
     if watchdog is None:
       return contextlib.nullcontext()
-    seconds = max(STARTUP_TIMEOUT_SECS, config.peer_timeout) if first else (
-        config.peer_timeout)
-    return watchdog.guard(seconds, (
-        'worker %d of %d lost its peers in %s after global step %d: no answer '
-        'within %d s (--peer_timeout); a worker stopped, hung or is unreachable. %s'
-        % (cluster.worker_index, cluster.num_workers, what, step, seconds, _RESTART)))
+    if first and config.startup_timeout > config.peer_timeout:
+      return watchdog.guard(config.startup_timeout, what, step, '--startup_timeout')
+    return watchdog.guard(config.peer_timeout, what, step, '--peer_timeout')
 
   checkpoint = train_lib.checkpoint_object(trainer)
-  manager = tf.train.CheckpointManager(
+  # Only the chief restores; the others take its state in the broadcast below.
+  resume_from = (train_lib.restore_latest(config.train_dir, checkpoint, warn)
+                 if is_chief else None)
+  manager = tf.train.CheckpointManager(  # after restore_latest: see there
       checkpoint, write_dir, max_to_keep=train_lib.MAX_TO_KEEP,
       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
   save = train_lib.StepSaver(trainer, manager, write_dir)
+  # The last global step completed (None before the broadcast), for a save
+  # after a failed wait; the step this run began at.
+  progress = types.SimpleNamespace(step=None, first_step=None)
 
   try:
-    resume_from = (train_lib.restore_latest(config.train_dir, checkpoint, warn)
-                   if is_chief else None)
-    if cluster is not None:
-      # Synchronization point: every worker takes the chief's state (fresh or
-      # restored), so all resume from the chief's checkpoint.
-      with guard('the start-up', 0, first=True):
-        trainer.broadcast_from_chief()
-    step = int(trainer.global_step.numpy())
-    if resume_from:
-      out('Resuming from %s at global step %d.' % (resume_from, step))
-      save.last_saved = step
-    if step >= config.max_steps:
-      warn('global step %d in %s is already >= max_steps %d: nothing to train.'
-           % (step, config.train_dir, config.max_steps))
-      return step
-
-    # Each worker reads its own records: worker w takes records w, w + W, ...
-    # of the training files, so no two workers train on the same record.
-    dataset = inputs.distorted_inputs(config.data_dir, config.batch_size,
-                                      config.num_gpus, seed=config.seed,
-                                      num_shards=trainer.num_workers,
-                                      shard_index=trainer.worker_index)
-    # tf.data's autotuning thread can hold up the deletion of the iterator at
-    # the end for tens of seconds (TF 2.21), while the other workers wait at
-    # the final barrier; without it AUTOTUNE means one parallel call per core.
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    iterator = iter(dataset.with_options(options))
-    writer = tf.summary.create_file_writer(write_dir)
-    global_batch = config.batch_size * trainer.num_towers  # all replicas, all workers
-    first_step, stopped_by, batches = step, None, None
-    with writer.as_default(), training.StopRequest() as stop:
-      try:
-        while step < config.max_steps:
-          batches = next(iterator)
-          start_time = time.time()
-          with guard('the step', step, first=step == first_step):
-            # A stop request rides on the step's all-reduce: every worker
-            # learns of it and stops after this same step.
-            tower_losses, stop_agreed = trainer.train_step_and_vote(
-                batches, stop.requested)
-          duration = time.time() - start_time
-          step = int(trainer.global_step.numpy())
-          training.check_finite(step, tower_losses)
-          if step % config.log_every == 0:
-            # Deviation from upstream: the mean over all replicas' losses.
-            out(training.log_line(step, float(tower_losses.mean()),
-                                  global_batch / duration, duration))
-          if step % config.summary_every == 0:
-            # The learning rate the step just taken used (read before the increment).
-            lr = float(model_spec.learning_rate(step - 1, decay_steps))
-            try:
-              train_lib._write_summaries(  # pylint: disable=protected-access
-                  trainer, step, tower_losses, lr)
-            except (tf.errors.OpError, OSError) as e:
-              raise checkpoints.write_failed(write_dir, 'TensorBoard summaries',
-                                             e) from e
-          if step % config.save_every == 0:
-            save()
-          if stop_agreed:
-            stopped_by = stop.signal_name or 'a stop request of another worker'
-            break
-      except KeyboardInterrupt:
-        stopped_by = 'KeyboardInterrupt'
-      path = save()  # every worker saves: the chief's copy is the one kept
-      try:
-        writer.flush()
-      except (tf.errors.OpError, OSError) as e:
-        warn('could not write the last TensorBoard summaries to %s (%s).'
-             % (write_dir, str(e).strip().splitlines()[0]))
-    step = int(trainer.global_step.numpy())
-    # Release the input pipeline and the writer now: deleting them runs ops,
-    # which after the barrier could wait (~10 s) for the coordination service
-    # to declare an already finished peer dead.
-    del iterator, batches, writer, dataset
-    if cluster is not None:
-      # Synchronization point: no worker leaves before all have saved, and no
-      # op runs after it (see above).
-      with guard('the final barrier', step):
-        trainer.barrier()
+    # A stop request while the main thread waits for the peers in C++: the
+    # watchdog ends that wait if it goes on (see _PeerWatchdog).
+    with (stop.while_blocked(watchdog.stop_requested) if watchdog
+          else contextlib.nullcontext()):
+      if cluster is not None:
+        # Synchronization point: every worker takes the chief's state (fresh or
+        # restored), so all resume from the chief's checkpoint.
+        with guard('the start-up', int(trainer.global_step.numpy()), first=True):
+          trainer.broadcast_from_chief()
+      step = progress.step = progress.first_step = int(trainer.global_step.numpy())
+      if resume_from:
+        out('Resuming from %s at global step %d.' % (resume_from, step))
+        save.last_saved = step
+      if step >= config.max_steps:
+        warn(training.nothing_to_train(step, config.max_steps, config.train_dir))
+        return step
+      step, stopped_by, path = _steps(config, trainer, write_dir, decay_steps,
+                                      guard, save, stop, progress, out, warn)
+      if cluster is not None:
+        # Synchronization point: no worker leaves before all have saved, and no
+        # op runs after it (see _steps).
+        with guard('the final barrier', step):
+          trainer.barrier()
   except PEER_ERRORS as e:
     if cluster is None:
       raise
-    saved = None
-    if is_chief:
-      # The failed step changed nothing (its update needs the all-reduce), so
-      # the chief holds the last completed step's state: keep it if it can.
-      try:
-        saved = save()
-      except (checkpoints.CheckpointError, tf.errors.OpError, OSError):
-        saved = None
-    raise _peer_error(cluster, int(trainer.global_step.numpy()), e, saved) from e
-  if stopped_by:
+    return _lost_peers(cluster, trainer, save, progress, e, watchdog, stop, warn)
+  if stopped_by and not is_chief:
+    # Its own copy is removed at the end: the chief's is the one kept.
+    path = os.path.join(config.train_dir, '%s-%d' % (config_lib.CHECKPOINT_BASENAME,
+                                                     step))
+  if stopped_by == _ANOTHER_WORKER:
+    # Not a signal of this process, so not its exit status: the run did not
+    # end, and every worker must be started again.
+    raise training.TrainingError(
+        '%s stopped at global step %d because another worker was stopped '
+        '(SIGINT or SIGTERM); %s saved %s. %s'
+        % (cluster.name(), step, 'it' if is_chief else 'the chief', path, _RESTART))
+  if stopped_by and is_chief:
     out('Stopped by %s at global step %d; saved %s.' % (stopped_by, step, path))
+  elif stopped_by:
+    warn('%s: stopped by %s at global step %d; the chief saved %s.'
+         % (cluster.name(), stopped_by, step, path))
   return step
+
+
+_ANOTHER_WORKER = 'a stop request of another worker'
+
+
+def _steps(config, trainer, write_dir, decay_steps, guard, save, stop, progress,
+           out, warn):
+  """The steps of `_train_loop`, until max_steps or a stop, then the last save.
+
+  Sets progress.step to the global step after each step completed.
+
+  Returns:
+    (global step reached, what stopped it or None, path of the last save).
+  """
+  step = int(trainer.global_step.numpy())
+  # Each worker reads its own records: worker w takes records w, w + W, ...
+  # of the training files, so no two workers train on the same record.
+  dataset = inputs.distorted_inputs(config.data_dir, config.batch_size,
+                                    config.num_gpus, seed=config.seed,
+                                    num_shards=trainer.num_workers,
+                                    shard_index=trainer.worker_index)
+  # tf.data's autotuning thread can hold up the deletion of the iterator at
+  # the end for tens of seconds (TF 2.21), while the other workers wait at
+  # the final barrier; without it AUTOTUNE means one parallel call per core.
+  options = tf.data.Options()
+  options.autotune.enabled = False
+  iterator = iter(dataset.with_options(options))
+  writer = tf.summary.create_file_writer(write_dir)
+  global_batch = config.batch_size * trainer.num_towers  # all replicas, all workers
+  first_step, stopped_by, batches = step, None, None
+  with writer.as_default():
+    try:
+      while step < config.max_steps:
+        batches = next(iterator)
+        start_time = time.time()
+        with guard('the step', step, first=step == first_step):
+          # A stop request rides on the step's all-reduce: every worker
+          # learns of it and stops after this same step.
+          tower_losses, stop_agreed = trainer.train_step_and_vote(
+              batches, stop.requested)
+        duration = time.time() - start_time
+        step = progress.step = int(trainer.global_step.numpy())
+        training.check_divergence(step, tower_losses)
+        if step % config.log_every == 0:
+          # Deviation from upstream: the mean over all replicas' losses.
+          out(training.log_line(step, float(tower_losses.mean()),
+                                global_batch / duration, duration))
+        if step % config.summary_every == 0:
+          # The learning rate the step just taken used (read before the increment).
+          lr = float(model_spec.learning_rate(step - 1, decay_steps))
+          try:
+            train_lib._write_summaries(  # pylint: disable=protected-access
+                trainer, step, tower_losses, lr)
+          except (tf.errors.OpError, OSError) as e:
+            raise checkpoints.write_failed(write_dir, 'TensorBoard summaries',
+                                           e) from e
+        if step % config.save_every == 0:
+          save()
+        if stop_agreed:
+          stopped_by = stop.signal_name or _ANOTHER_WORKER
+          break
+    except KeyboardInterrupt:
+      stopped_by = 'KeyboardInterrupt'
+    path = save()  # every worker saves: the chief's copy is the one kept
+    try:
+      writer.flush()
+    except (tf.errors.OpError, OSError) as e:
+      warn('could not write the last TensorBoard summaries to %s (%s).'
+           % (write_dir, str(e).strip().splitlines()[0]))
+  step = int(trainer.global_step.numpy())
+  # Release the input pipeline and the writer now: deleting them runs ops,
+  # which after the barrier could wait (~10 s) for the coordination service
+  # to declare an already finished peer dead.
+  del iterator, batches, writer, dataset
+  return step, stopped_by, path
+
+
+def _lost_peers(cluster, trainer, save, progress, error, watchdog, stop, warn):
+  """After a wait for the peers failed: saves what can be kept, says so.
+
+  The chief saves the last step completed in this run (the failed step's
+  update needed the all-reduce, so the variables hold that step's values).
+
+  Returns:
+    int, the global step, when a stop request (signal) of this worker ended
+    the wait: the run stopped.
+
+  Raises:
+    common.training.TrainingError: the peers were lost.
+  """
+  saved = None
+  step = progress.step
+  if cluster.is_chief and step is not None and step > progress.first_step:
+    try:
+      # The failed step incremented the global step before its all-reduce
+      # failed (the increment does not depend on it): back to the last one.
+      trainer.global_step.assign(step)
+      saved = save()
+    except (checkpoints.CheckpointError, tf.errors.OpError, OSError):
+      saved = None
+  step = step if step is not None else int(trainer.global_step.numpy())
+  if stop.requested:
+    reason = (watchdog.reason if watchdog.reason and 'stopped by' in watchdog.reason
+              else '%s: stopped by %s at global step %d while waiting for the '
+              'other workers' % (cluster.name(), stop.signal_name, step))
+    warn('%s; %s' % (reason, ('saved %s.' % saved) if saved else
+                     'this worker saved no checkpoint.'))
+    return step
+  if watchdog.reason:
+    raise training.TrainingError('%s %s %s' % (watchdog.reason, _saved(saved),
+                                               _RESTART)) from error
+  raise _peer_error(cluster, step, error, saved) from error

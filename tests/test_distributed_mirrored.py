@@ -19,6 +19,7 @@ from common import cifar10_format as fmt
 from common import config as config_lib
 from common import devices
 from common import model_spec
+from modern import cluster as cluster_lib
 from modern import distributed
 from modern import eval as eval_lib
 from modern import inputs
@@ -190,25 +191,25 @@ def test_workers_read_disjoint_shards_of_the_records(tmp_path, num_workers):
 
 
 def test_cluster_from_worker_hosts():
-  cluster = distributed.resolve_cluster(('a:1', 'b:2', 'c:3'), 2, environ={})
+  cluster = cluster_lib.resolve_cluster(('a:1', 'b:2', 'c:3'), 2, environ={})
   assert (cluster.num_workers, cluster.worker_index, cluster.is_chief) == (3, 2, False)
-  assert distributed.resolve_cluster(('a:1', 'b:2'), 0, environ={}).is_chief
-  with pytest.raises(distributed.ClusterError, match='--task_index 2'):
-    distributed.resolve_cluster(('a:1', 'b:2'), 2, environ={})
+  assert cluster_lib.resolve_cluster(('a:1', 'b:2'), 0, environ={}).is_chief
+  with pytest.raises(cluster_lib.ClusterError, match='--task_index 2'):
+    cluster_lib.resolve_cluster(('a:1', 'b:2'), 2, environ={})
 
 
 def test_cluster_from_tf_config():
   environ = {'TF_CONFIG': json.dumps({
       'cluster': {'chief': ['c:1'], 'worker': ['w:1', 'w:2']},
       'task': {'type': 'worker', 'index': 1}})}
-  cluster = distributed.resolve_cluster(environ=environ)
+  cluster = cluster_lib.resolve_cluster(environ=environ)
   # A 'chief' job is worker 0; the workers follow it.
   assert (cluster.num_workers, cluster.worker_index, cluster.is_chief) == (3, 2, False)
   spec = cluster.cluster_resolver().cluster_spec().as_dict()
   assert spec == {'chief': ['c:1'], 'worker': ['w:1', 'w:2']}
   environ['TF_CONFIG'] = json.dumps({'cluster': {'worker': ['w:1', 'w:2']},
                                      'task': {'type': 'worker', 'index': 0}})
-  assert distributed.resolve_cluster(environ=environ).is_chief
+  assert cluster_lib.resolve_cluster(environ=environ).is_chief
 
 
 @pytest.mark.parametrize('tf_config,match', [
@@ -224,8 +225,8 @@ def test_cluster_from_tf_config():
      'must be a list'),
 ])
 def test_bad_tf_config_is_named(tf_config, match):
-  with pytest.raises(distributed.ClusterError, match=match):
-    distributed.resolve_cluster(environ={'TF_CONFIG': tf_config})
+  with pytest.raises(cluster_lib.ClusterError, match=match):
+    cluster_lib.resolve_cluster(environ={'TF_CONFIG': tf_config})
 
 
 @pytest.mark.parametrize('args,match', [

@@ -98,8 +98,9 @@ def _worker_main(in_path, out_path, num_local, local_batches):
   sys.path.insert(0, ROOT)
   from common import devices  # pylint: disable=g-import-not-at-top
   plan = devices.plan_devices(num_local, warn=lambda _: None)
+  from modern import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from modern import distributed  # pylint: disable=g-import-not-at-top
-  cluster = distributed.resolve_cluster()  # from TF_CONFIG
+  cluster = cluster_lib.resolve_cluster()  # from TF_CONFIG
   trainer = distributed.MultiWorkerTrainer(plan, DECAY_STEPS, cluster)
   data = np.load(in_path)
   trainer.assign_variables({name[len('init/'):]: data[name]
@@ -277,23 +278,25 @@ def test_a_worker_that_loses_its_peer_stops_with_a_clear_error(
   procs = _cli_workers(flags + ['--max_steps', '1000000'], hosts, train_dir,
                        synth_data_dir, peer_timeout)
   lines = queue.Queue()
-  threading.Thread(target=lambda: [lines.put(l) for l in procs[0].stdout],
-                   daemon=True).start()
+  reader = threading.Thread(target=lambda: [lines.put(l) for l in procs[0].stdout],
+                            daemon=True)
+  reader.start()
   try:
     # Wait until the two train together: the chief has logged step 2 (the
     # first step may take the start-up's longer allowance).
     deadline = time.time() + STARTUP_SLACK
-    line = ''
+    line, seen = '', []
     while ': step 2, ' not in line:
       assert time.time() < deadline, 'no step logged'
       assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
       try:
         line = lines.get(timeout=1)
+        seen.append(line)
       except queue.Empty:
         pass
     procs[1].send_signal(how)
     lost = time.time()
-    _, err = procs[0].communicate(timeout=peer_timeout + 60)
+    out, err = procs[0].communicate(timeout=peer_timeout + 60)
     elapsed = time.time() - lost
   finally:
     for proc in procs:
@@ -304,18 +307,31 @@ def test_a_worker_that_loses_its_peer_stops_with_a_clear_error(
   # Within the peer timeout, plus the watchdog's poll and the exit.
   assert elapsed <= peer_timeout + 5, elapsed
   message = err.strip().splitlines()[-1]
-  assert message.startswith('Error: worker 0 of 2 lost its peers '), message
+  assert message.startswith('Error: worker 0 of 2 (%s) lost its peers ' % hosts[0]), (
+      message)
   assert 'Restart every worker with the same flags' in message
   assert 'Traceback' not in err
-  if how != signal.SIGKILL:
-    return
-
-  # The chief saved the last step both had finished; restarting both resumes
-  # from it.
+  # The chief saved the last step both had finished (a frozen peer's wait is
+  # aborted, so the chief saves then too).
   saved = re.search(r'Saved (\S+-(\d+))\.', message)
   assert saved, message
   step = int(saved.group(2))
   assert step >= 2
+  # It is the last step the chief logged (log_every 1), by name and by its
+  # global step: the failed step's increment is not in it.
+  reader.join(timeout=10)
+  while not lines.empty():
+    seen.append(lines.get())
+  out = ''.join(seen) + out
+  assert step == max(_steps_logged(out)), (step, out[-2000:])
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from modern import train  # pylint: disable=g-import-not-at-top
+  assert tf.train.load_variable(saved.group(1),
+                                train.checkpoint_key('global_step')) == step
+  if how != signal.SIGKILL:
+    return
+
+  # Restarting both resumes from it.
   hosts = ['localhost:%d' % p for p in _free_ports(2)]
   results = _wait_all(_cli_workers(flags + ['--max_steps', str(step + 3)], hosts,
                                    train_dir, synth_data_dir), STARTUP_SLACK)

@@ -1,0 +1,436 @@
+"""The workers of a multiworker run, and their start-up before TensorFlow's.
+
+No TensorFlow here, so that the CLI checks its flags at once and the checks
+below run where a signal still reaches Python.
+
+TensorFlow's own start-up (`tf.distribute.MultiWorkerMirroredStrategy`, which
+starts this process's gRPC server and waits for every worker to register)
+runs inside one C++ call that holds Python's global interpreter lock: while
+it waits, no Python thread runs (no watchdog, no signal handler), and
+TensorFlow's preemption notifier takes SIGTERM for itself. A worker started
+alone waited there for good. So the workers first meet here, in Python:
+
+  check_hosts    every host name resolves (this worker's and its peers');
+  listen         this worker's port is free: the bind test, on a socket that
+                 then answers the peers' hellos;
+  rendezvous     every peer has said hello with the same cluster, or
+                 StartupError names the ones that never answered.
+
+Only then does TensorFlow's start-up begin, with all workers up: it takes a
+second, and its own timeout (see `modern.distributed`) remains a backstop.
+"""
+
+import dataclasses
+import errno
+import json
+import os
+import socket
+import threading
+import time
+
+from common import training
+
+TF_CONFIG = 'TF_CONFIG'  # the environment variable naming the cluster
+HELLO = 'cifar10-towers multiworker hello'  # first word of the start-up handshake
+CONNECT_SECS = 1.0  # one attempt to reach a peer's port
+RETRY_SECS = 0.5  # between attempts to reach a peer
+
+
+class ClusterError(Exception):
+  """The cluster description is missing or malformed; the message says what to do."""
+
+
+class StartupError(training.TrainingError):
+  """The workers could not start together; the message names the hosts and ports."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """The workers of a multi-worker run and which of them this process is."""
+  jobs: dict  # job name ('chief', 'worker') -> tuple of 'host:port'
+  task_type: str  # this process's job, 'worker' or 'chief'
+  task_id: int  # this process's index within its job
+  source: str = '--worker_hosts'  # where it came from: '--worker_hosts' or 'TF_CONFIG'
+
+  @property
+  def hosts(self):
+    """'host:port' of every worker in worker_index order (the chief first)."""
+    return tuple(h for job in ('chief', 'worker') for h in self.jobs.get(job, ()))
+
+  @property
+  def num_workers(self):
+    """Processes that train (the chief, if a 'chief' job is listed, and the workers)."""
+    return len(self.hosts)
+
+  @property
+  def worker_index(self):
+    """This process's place among the workers: 0 for the chief, then 1, 2, ...
+
+    It is TensorFlow's `id_in_cluster`: the replicas of worker w have the
+    global replica ids w * num_gpus ... (w + 1) * num_gpus - 1.
+    """
+    if self.task_type == 'chief':
+      return self.task_id
+    return len(self.jobs.get('chief', ())) + self.task_id
+
+  @property
+  def is_chief(self):
+    return self.worker_index == 0
+
+  @property
+  def address(self):
+    """This worker's 'host:port'."""
+    return self.hosts[self.worker_index]
+
+  def name(self):
+    """'worker 1 of 2 (host:port)', for messages."""
+    return 'worker %d of %d (%s)' % (self.worker_index, self.num_workers, self.address)
+
+  def task_address(self, task_name):
+    """'host:port' of a TensorFlow task name such as '/job:worker/replica:0/task:1'."""
+    parts = dict(p.split(':', 1) for p in task_name.strip('/').split('/') if ':' in p)
+    try:
+      return self.jobs[parts['job']][int(parts['task'])]
+    except (KeyError, IndexError, ValueError):
+      return task_name
+
+  def cluster_resolver(self):
+    """A `tf.distribute.cluster_resolver.ClusterResolver` of this cluster."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({job: list(hosts) for job, hosts in self.jobs.items()}),
+        task_type=self.task_type, task_id=self.task_id, rpc_layer='grpc')
+
+
+def parse_worker_hosts(text):
+  """'h1:p1,h2:p2' -> ('h1:p1', 'h2:p2'), every item checked.
+
+  Raises:
+    ClusterError: an item is not host:port with a port in 1..65535, or a
+      host:port is listed twice.
+  """
+  hosts = tuple(item.strip() for item in text.split(',') if item.strip())
+  if not hosts:
+    raise ClusterError('--worker_hosts is empty; list the workers as '
+                       'host:port,host:port.')
+  for host in hosts:
+    name, _, port = host.rpartition(':')
+    if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
+      raise ClusterError('%r in --worker_hosts is not host:port (port 1..65535), '
+                         'e.g. 10.0.0.1:2222.' % host)
+  if len(set(hosts)) != len(hosts):
+    raise ClusterError('--worker_hosts lists a host:port twice: %s.' % ','.join(hosts))
+  return hosts
+
+
+def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
+  """The cluster of a multiworker run, from --worker_hosts or TF_CONFIG.
+
+  Args:
+    worker_hosts: tuple of 'host:port', one per worker, the same list and
+      order on every worker; empty to read TF_CONFIG.
+    task_index: int, this worker's index in worker_hosts (0 is the chief).
+    environ: mapping holding TF_CONFIG; default os.environ.
+
+  Returns:
+    Cluster.
+
+  Raises:
+    ClusterError: neither is given or both are, TF_CONFIG is malformed, or
+      the task is not in the cluster.
+  """
+  environ = os.environ if environ is None else environ
+  text = environ.get(TF_CONFIG, '').strip()
+  if worker_hosts:
+    if text:
+      raise ClusterError(both_given())
+    hosts = tuple(worker_hosts)
+    if not 0 <= task_index < len(hosts):
+      raise ClusterError('--task_index %d is not an index of the %d --worker_hosts '
+                         '(0..%d).' % (task_index, len(hosts), len(hosts) - 1))
+    return Cluster({'worker': hosts}, 'worker', task_index)
+  if not text:
+    raise ClusterError(
+        '--strategy multiworker needs the cluster: set TF_CONFIG (e.g. '
+        '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": '
+        '{"type": "worker", "index": 0}}) or pass --worker_hosts and --task_index.')
+  try:
+    tf_config = json.loads(text)
+  except ValueError as e:
+    raise ClusterError('TF_CONFIG is not valid JSON (%s): %r' % (e, text)) from None
+  cluster = tf_config.get('cluster') if isinstance(tf_config, dict) else None
+  task = tf_config.get('task') if isinstance(tf_config, dict) else None
+  if not isinstance(cluster, dict) or not isinstance(task, dict):
+    raise ClusterError('TF_CONFIG needs "cluster" and "task" objects, got %r.' % text)
+  jobs = {}
+  for job, hosts in cluster.items():
+    if job not in ('chief', 'worker'):
+      raise ClusterError('TF_CONFIG lists a %r job; MultiWorkerMirroredStrategy '
+                         'trains with "chief" and "worker" tasks only.' % job)
+    if isinstance(hosts, str) or not isinstance(hosts, list) or not all(
+        isinstance(h, str) for h in hosts):
+      raise ClusterError('TF_CONFIG cluster.%s must be a list of "host:port", got %r.'
+                         % (job, hosts))
+    jobs[job] = parse_worker_hosts(','.join(hosts)) if hosts else ()
+  if len(jobs.get('chief', ())) > 1:
+    raise ClusterError('TF_CONFIG lists %d chiefs; there can be one.'
+                       % len(jobs['chief']))
+  if len(set(h for hosts in jobs.values() for h in hosts)) != sum(map(len, jobs.values())):
+    raise ClusterError('TF_CONFIG lists a host:port twice: %r.' % (cluster,))
+  task_type, task_id = task.get('type'), task.get('index', 0)
+  if task_type not in jobs or not isinstance(task_id, int) or not (
+      0 <= task_id < len(jobs[task_type])):
+    raise ClusterError('TF_CONFIG task %r is not in its cluster %r.' % (task, cluster))
+  return Cluster(jobs, task_type, task_id, source=TF_CONFIG)
+
+
+def both_given():
+  """The message of TF_CONFIG set together with --worker_hosts."""
+  return ('TF_CONFIG is set and --worker_hosts is given: name the cluster once. '
+          'Unset TF_CONFIG (`unset TF_CONFIG`), or drop --worker_hosts and '
+          '--task_index.')
+
+
+# --- the start-up -------------------------------------------------------------
+
+
+def _split(address):
+  host, _, port = address.rpartition(':')
+  return host.strip('[]'), int(port)
+
+
+def check_hosts(cluster):
+  """Every worker's host name resolves, or StartupError names the first that does not.
+
+  Raises:
+    StartupError: getaddrinfo failed for this worker's host or a peer's.
+  """
+  for index, address in enumerate(cluster.hosts):
+    host, port = _split(address)
+    try:
+      socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+      whose = ('this worker' if index == cluster.worker_index
+               else 'worker %d' % index)
+      raise StartupError(
+          '%s: cannot resolve %r, the host of %s (%s): %s. Fix the name in %s '
+          '(the same list on every worker), or use an IP address.'
+          % (cluster.name(), host, whose, address,
+             getattr(e, 'strerror', None) or e, cluster.source)) from None
+
+
+def listen(cluster):
+  """A socket listening on this worker's port: the proof that the port is free.
+
+  It listens on all interfaces, as TensorFlow's gRPC server will, and answers
+  the peers' hellos until `rendezvous` closes it.
+
+  Returns:
+    socket.socket, listening.
+
+  Raises:
+    StartupError: the port is taken, or not this user's to bind.
+  """
+  _, port = _split(cluster.address)
+  # IPv6 and IPv4 on one socket where the machine has IPv6, else IPv4 alone.
+  for family, host in ((socket.AF_INET6, '::'), (socket.AF_INET, '')):
+    try:
+      sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+      continue
+    try:
+      # As gRPC does: a port whose last connections are in TIME_WAIT is free.
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+      sock.bind((host, port))
+      sock.listen(16)
+      return sock
+    except OSError as e:
+      sock.close()
+      if e.errno in (errno.EADDRINUSE, errno.EACCES) or family == socket.AF_INET:
+        raise StartupError(
+            '%s: port %d is not free on this machine (%s): another process '
+            'listens on it, or an earlier run of this worker still does. Stop '
+            'that process, or give this worker another port in %s (the same '
+            'list on every worker).'
+            % (cluster.name(), port, e.strerror or e, cluster.source)) from None
+  raise StartupError('%s: no IPv4 or IPv6 socket can be opened on this machine.'
+                     % cluster.name())
+
+
+def _hello(cluster):
+  return (json.dumps([HELLO, cluster.worker_index, list(cluster.hosts)]) + '\n').encode()
+
+
+def _read_hello(sock):
+  """(worker index, host list) of the hello line on `sock`.
+
+  None when the other end is not a worker of this program (another program,
+  or a worker already past the start-up: TensorFlow's server on its port).
+  """
+  data = b''
+  while not data.endswith(b'\n') and len(data) < 65536:
+    chunk = sock.recv(4096)
+    if not chunk:
+      return None
+    data += chunk
+  try:
+    word, index, hosts = json.loads(data.decode())
+  except (ValueError, UnicodeError, TypeError):
+    return None
+  if word != HELLO or not isinstance(index, int) or not isinstance(hosts, list):
+    return None
+  return index, hosts
+
+
+def _check_hello(cluster, address, hello, expected=None):
+  """The peer's worker index from its hello; StartupError if it is not one of ours.
+
+  Args:
+    cluster: Cluster.
+    address: the peer's address, for messages.
+    hello: (worker index, host list) from `_read_hello`.
+    expected: int, the worker index listed at `address`; None for a peer
+      that connected to us (it connects from another port than its own).
+  """
+  index, hosts = hello
+  if hosts != list(cluster.hosts):
+    raise StartupError(
+        '%s: the worker at %s was started with another cluster: it lists %s, this '
+        'worker %s. Start every worker with the same %s list, each with its own '
+        'index.' % (cluster.name(), address, ','.join(map(str, hosts)),
+                    ','.join(cluster.hosts), cluster.source))
+  if expected not in (None, index) or index == cluster.worker_index:
+    raise StartupError(
+        '%s: the worker at %s says it is worker %d%s. Give each worker the index '
+        'of its own host:port in %s.'
+        % (cluster.name(), address, index,
+           ', but %s lists it as worker %d' % (cluster.source, expected)
+           if expected not in (None, index) else ' too', cluster.source))
+  return index
+
+
+class _Answering:
+  """Answers the peers' hellos on the listening socket, on a thread of its own.
+
+  A hello from worker j, answered, tells both that the other is up.
+  """
+
+  def __init__(self, cluster, listener):
+    self._cluster = cluster
+    self._listener = listener
+    self._seen = set()  # worker indices that said hello here
+    self._errors = []  # StartupErrors found here, for the main thread to raise
+    self._lock = threading.Lock()
+    self._closing = threading.Event()
+    self._thread = threading.Thread(target=self._serve, name='startup-hello',
+                                    daemon=True)
+    self._thread.start()
+
+  def _serve(self):
+    self._listener.settimeout(0.2)
+    while not self._closing.is_set():
+      try:
+        conn, peer = self._listener.accept()
+      except socket.timeout:
+        continue
+      except OSError:
+        return  # closed
+      with conn:
+        conn.settimeout(CONNECT_SECS)
+        try:
+          hello = _read_hello(conn)
+          if hello is not None:
+            # Answered even if it is not one of ours, so that it learns why.
+            conn.sendall(_hello(self._cluster))
+            index, hosts = hello
+            where = hosts[index] if 0 <= index < len(hosts) else peer[0]
+            index = _check_hello(self._cluster, where, hello)
+            with self._lock:
+              self._seen.add(index)
+        except StartupError as e:
+          with self._lock:
+            self._errors.append(e)
+        except OSError:
+          pass  # a peer that went away mid-hello tries again
+
+  def results(self):
+    """(set of worker indices that said hello here, list of StartupErrors)."""
+    with self._lock:
+      return set(self._seen), list(self._errors)
+
+  def close(self):
+    self._closing.set()
+    self._thread.join(timeout=2)
+    self._listener.close()
+
+
+def _say_hello(cluster, index):
+  """True once worker `index` answered our hello; StartupError on another cluster."""
+  address = cluster.hosts[index]
+  try:
+    with socket.create_connection(_split(address), timeout=CONNECT_SECS) as sock:
+      sock.settimeout(CONNECT_SECS)
+      sock.sendall(_hello(cluster))
+      hello = _read_hello(sock)
+  except OSError:  # refused, unreachable, timed out: not up yet
+    return False
+  return hello is not None and _check_hello(cluster, address, hello, index) == index
+
+
+def rendezvous(cluster, listener, timeout, warn):
+  """Returns once every other worker has said hello; closes `listener`.
+
+  Each worker calls it with its own listening socket (`listen`). A worker
+  counts a peer as up once either of the two has answered the other's hello,
+  so both learn it at the same moment, and none waits for one that moved on.
+  Python code throughout: a signal stops it at once.
+
+  Args:
+    cluster: Cluster.
+    listener: socket from `listen(cluster)`.
+    timeout: seconds to wait for all (--startup_timeout).
+    warn: callable(str) for the one line saying what this worker waits for.
+
+  Raises:
+    StartupError: a peer did not answer within `timeout` (the message names
+      every one that did not), or one was started with another cluster.
+  """
+  answering = _Answering(cluster, listener)
+  try:
+    pending = set(range(cluster.num_workers)) - {cluster.worker_index}
+    if not pending:
+      return
+    warn('%s: waiting up to %d s (--startup_timeout) for %s.'
+         % (cluster.name(), timeout, names(cluster, pending)))
+    deadline = time.monotonic() + timeout
+    while True:
+      seen, errors = answering.results()
+      if errors:
+        raise errors[0]
+      pending -= seen
+      for index in sorted(pending):
+        if _say_hello(cluster, index):
+          pending.discard(index)
+      if not pending:
+        return
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise StartupError(not_started(cluster, pending, timeout))
+      time.sleep(min(RETRY_SECS, left))
+  finally:
+    answering.close()
+
+
+def names(cluster, indices):
+  """'host:port (worker i), ...' of the workers `indices`, for messages."""
+  return ', '.join('%s (worker %d)' % (cluster.hosts[i], i) for i in sorted(indices))
+
+
+def not_started(cluster, indices, timeout):
+  """The message of a start-up whose peers `indices` never answered."""
+  return ('%s: no answer from %s within %d s (--startup_timeout). Start every '
+          'worker within that time of the others, with the same %s list and '
+          'each its own index, and check that their ports are reachable from here.'
+          % (cluster.name(), names(cluster, indices), timeout, cluster.source))

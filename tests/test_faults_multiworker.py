@@ -1,0 +1,547 @@
+"""Multiworker faults: start-up failures and stops end promptly, with one line.
+
+Real `python cli.py modern --strategy multiworker` workers on loopback ports
+with short timeouts. Every case that needs no partner runs at the same time as
+the others (a module fixture starts them all, each worker costing a
+TensorFlow import); each test then checks one case's outcome: the exit
+status, no traceback, the facts of its message (host:port, port, host name,
+flag), how long it took, and that no checkpoint in train_dir changed. Every
+worker is killed if it outlives HARD_TIMEOUT_SECS, so nothing hangs CI.
+
+The in-process tests below them cover modern.cluster's rendezvous and
+`_PeerWatchdog` without subprocesses.
+"""
+
+import collections
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import faults_support as fs
+
+STARTUP_TIMEOUT = 15  # --startup_timeout of the lone workers
+PEER_TIMEOUT = 10  # --peer_timeout of every worker here
+SIGNAL_EXIT_SECS = 10  # a signal ends a worker within this (measured: 0.3-3 s)
+# A start-up failure ends a worker within this after its cause (the timeout,
+# the second hello): measured 2-4 s, and up to 12 s while the other cases'
+# workers import TensorFlow on the same 2 cores.
+TIMEOUT_SLACK_SECS = 20
+HARD_TIMEOUT_SECS = 240  # any worker still running then is killed: a failure
+FLAGS = ('--batch_size', '8', '--log_every', '1', '--summary_every', '1000',
+         '--peer_timeout', str(PEER_TIMEOUT))
+WAITING = 'waiting up to'  # the stderr line of a worker that waits for its peers
+
+
+def _free_ports(count):
+  sockets = [socket.socket() for _ in range(count)]
+  try:
+    for s in sockets:
+      s.bind(('127.0.0.1', 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
+def _loopback(ports):
+  return ['127.0.0.1:%d' % port for port in ports]
+
+
+class _Worker:
+  """One `python cli.py modern --strategy multiworker` process, lines read as they come."""
+
+  def __init__(self, hosts, index, train_dir, data_dir, *flags, env=None):
+    args = [sys.executable, fs.CLI, 'modern', '--strategy', 'multiworker',
+            '--data_dir', data_dir, '--train_dir', str(train_dir)] + list(FLAGS)
+    if hosts is not None:
+      args += ['--worker_hosts', ','.join(hosts), '--task_index', str(index)]
+    environ = fs.cli_env(env)
+    if not env or 'TF_CONFIG' not in env:
+      environ.pop('TF_CONFIG', None)
+    self.proc = subprocess.Popen(args + list(flags), cwd=fs.ROOT, env=environ,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+    self.started = time.monotonic()
+    self.lines = queue.Queue()  # (stream, line) as they come
+    self.out, self.err = [], []
+    self._readers = [threading.Thread(target=self._read, args=(s, sink, name),
+                                      daemon=True)
+                     for s, sink, name in ((self.proc.stdout, self.out, 'out'),
+                                           (self.proc.stderr, self.err, 'err'))]
+    for reader in self._readers:
+      reader.start()
+
+  def _read(self, stream, sink, name):
+    for line in stream:
+      sink.append(line.rstrip('\n'))
+      self.lines.put((name, line.rstrip('\n')))
+
+  def wait_for(self, text, timeout=HARD_TIMEOUT_SECS):
+    """Seconds (monotonic) when a line holding `text` came; None if the worker ended first."""
+    deadline = self.started + timeout
+    while True:
+      try:
+        _, line = self.lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+      except queue.Empty:
+        if self.proc.poll() is not None and self.lines.empty():
+          return None
+        if time.monotonic() >= deadline:
+          return None
+        continue
+      if text in line:
+        return time.monotonic()
+
+  def finish(self):
+    """(exit status, stdout, stderr, monotonic time of the exit); kills at the hard timeout."""
+    try:
+      self.proc.wait(timeout=max(1.0, self.started + HARD_TIMEOUT_SECS - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
+    ended = time.monotonic()
+    for reader in self._readers:
+      reader.join(timeout=10)
+    return self.proc.returncode, '\n'.join(self.out), '\n'.join(self.err), ended
+
+  def kill(self):
+    if self.proc.poll() is None:
+      self.proc.kill()
+    return self.finish()
+
+
+Outcome = collections.namedtuple(
+    'Outcome', 'code out err secs train_dir facts before')
+
+
+def _outcome(worker, since, train_dir, facts, before):
+  code, out, err, ended = worker.finish()
+  return Outcome(code, out, err, ended - since if since else None, train_dir,
+                 facts, before)
+
+
+def _checkpoint_files(train_dir):
+  return {path: digest for path, digest in fs.snapshot(str(train_dir)).items()
+          if os.path.basename(path).startswith(('model.ckpt', 'checkpoint'))}
+
+
+# --- the cases: each starts its workers, acts, and returns Outcomes ---------------
+
+
+def _lone(index):
+  """A worker whose only peer never starts: it gives up after --startup_timeout."""
+  def run(train_dir, data_dir):
+    hosts = _loopback(_free_ports(2))
+    worker = _Worker(hosts, index, train_dir, data_dir,
+                     '--startup_timeout', str(STARTUP_TIMEOUT))
+    since = worker.wait_for(WAITING)
+    peer = 1 - index
+    return [_outcome(worker, since, train_dir, [
+        'worker %d of 2 (%s)' % (index, hosts[index]),
+        'no answer from %s (worker %d)' % (hosts[peer], peer),
+        'within %d s (--startup_timeout)' % STARTUP_TIMEOUT], None)]
+  return run
+
+
+def _signal_during_startup(sig):
+  """A lone worker stopped by a signal while it waits for its peer."""
+  def run(train_dir, data_dir):
+    worker = _Worker(_loopback(_free_ports(2)), 0, train_dir, data_dir)
+    assert worker.wait_for(WAITING), worker.kill()
+    since = time.monotonic()
+    worker.proc.send_signal(sig)
+    return [_outcome(worker, since, train_dir, ['Stopped by %s' % sig.name], None)]
+  return run
+
+
+def _locked_then_sigterm(train_dir, data_dir):
+  """A chief waits for its peer (holding train_dir); a second chief of another
+  cluster on the same train_dir is refused; then SIGTERM ends the first."""
+  first = _Worker(_loopback(_free_ports(2)), 0, train_dir, data_dir)
+  assert first.wait_for(WAITING), first.kill()
+  started = time.monotonic()
+  second = _Worker(_loopback(_free_ports(2)), 0, train_dir, data_dir)
+  refused = _outcome(second, started, train_dir, [
+      '%s is in use by another run' % train_dir, 'PID %d ' % first.proc.pid,
+      '--train_dir'], None)
+  since = time.monotonic()
+  first.proc.send_signal(signal.SIGTERM)
+  return [refused, _outcome(first, since, train_dir, ['Stopped by SIGTERM'], None)]
+
+
+def _port_taken(train_dir, data_dir):
+  with socket.socket() as holder:
+    # Held from the start (port 0: the system picks a free one), so no case
+    # running beside this one can take it in between.
+    holder.bind(('127.0.0.1', 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    hosts = _loopback([port] + _free_ports(1))
+    worker = _Worker(hosts, 0, train_dir, data_dir)
+    result = _outcome(worker, worker.started, train_dir, [
+        'worker 0 of 2 (%s)' % hosts[0], 'port %d is not free' % port,
+        '--worker_hosts'], None)
+  return [result]
+
+
+def _unresolvable(index):
+  """A host name that never resolves (the reserved .invalid TLD): this worker's or its peer's."""
+  def run(train_dir, data_dir):
+    ports = _free_ports(2)
+    name = 'nosuchworker.invalid'
+    hosts = _loopback(ports)
+    hosts[index] = '%s:%d' % (name, ports[index])
+    worker = _Worker(hosts, 0, train_dir, data_dir)
+    whose = 'this worker' if index == 0 else 'worker %d' % index
+    return [_outcome(worker, worker.started, train_dir, [
+        "cannot resolve '%s', the host of %s (%s)" % (name, whose, hosts[index]),
+        '--worker_hosts'], None)]
+  return run
+
+
+def _tf_config_and_worker_hosts(train_dir, data_dir):
+  hosts = _loopback(_free_ports(2))
+  tf_config = json.dumps({'cluster': {'worker': hosts},
+                          'task': {'type': 'worker', 'index': 0}})
+  worker = _Worker(hosts, 0, train_dir, data_dir, env={'TF_CONFIG': tf_config})
+  return [_outcome(worker, worker.started, train_dir,
+                   ['TF_CONFIG is set and --worker_hosts is given', 'unset TF_CONFIG'],
+                   None)]
+
+
+def _different_clusters(train_dir, data_dir):
+  """Two workers given different --worker_hosts lists: both say so, at once."""
+  a, b, c = _loopback(_free_ports(3))
+  workers = [_Worker([a, b], 0, train_dir, data_dir, '--startup_timeout', '60'),
+             _Worker([a, b, c], 1, train_dir, data_dir, '--startup_timeout', '60')]
+  since = [w.wait_for(WAITING) for w in workers]
+  facts = ['was started with another cluster', 'it lists', '%s,%s,%s' % (a, b, c),
+           '--worker_hosts']
+  return [_outcome(w, max(s for s in since if s), train_dir, facts, None)
+          for w in workers]
+
+
+def _sigterm_while_peer_hangs(train_dir, data_dir):
+  """Two workers train; worker 1 freezes (SIGSTOP); SIGTERM to the chief, which
+  waits for it in a step: it stops within seconds, saving its last step."""
+  hosts = _loopback(_free_ports(2))
+  workers = [_Worker(hosts, i, train_dir, data_dir, '--save_every', '1000')
+             for i in range(2)]
+  try:
+    assert workers[0].wait_for(': step 2, '), workers[0].kill()
+    workers[1].proc.send_signal(signal.SIGSTOP)
+    time.sleep(1.0)  # the chief is in the next step, waiting
+    since = time.monotonic()
+    workers[0].proc.send_signal(signal.SIGTERM)
+    result = _outcome(workers[0], since, train_dir, [
+        'worker 0 of 2 (%s): stopped by SIGTERM at global step' % hosts[0],
+        'of waiting for the other workers', 'saved %s' % os.path.join(
+            str(train_dir), 'model.ckpt-')], None)
+  finally:
+    workers[1].kill()  # also ends a stopped process
+  return [result]
+
+
+def _sigterm_to_a_training_non_chief(train_dir, data_dir):
+  """Two workers train; SIGTERM to worker 1: both stop after the same step, the
+  chief saving it; worker 1 exits 143, the chief 1 (its run did not end)."""
+  hosts = _loopback(_free_ports(2))
+  workers = [_Worker(hosts, i, train_dir, data_dir, '--save_every', '1000')
+             for i in range(2)]
+  try:
+    assert workers[0].wait_for(': step 2, '), workers[0].kill()
+    since = time.monotonic()
+    workers[1].proc.send_signal(signal.SIGTERM)
+    saved = os.path.join(str(train_dir), 'model.ckpt-')
+    stopped = _outcome(workers[1], since, train_dir, [
+        'worker 1 of 2 (%s): stopped by SIGTERM at global step' % hosts[1],
+        'the chief saved %s' % saved], None)
+    chief = _outcome(workers[0], since, train_dir, [
+        'worker 0 of 2 (%s) stopped at global step' % hosts[0],
+        'because another worker was stopped', 'it saved %s' % saved,
+        'Restart every worker'], None)
+  finally:
+    for worker in workers:
+      worker.kill()
+  return [stopped, chief]
+
+
+# name: (case, index of its Outcome, exit status)
+CASES = {
+    'lone chief past --startup_timeout': (_lone(0), 0, 1),
+    'lone non-chief past --startup_timeout': (_lone(1), 0, 1),
+    'SIGTERM during the start-up': (_signal_during_startup(signal.SIGTERM), 0, 143),
+    'SIGINT during the start-up': (_signal_during_startup(signal.SIGINT), 0, 130),
+    'second chief on a locked train_dir': (_locked_then_sigterm, 0, 1),
+    'SIGTERM to the lock holder': (_locked_then_sigterm, 1, 143),
+    'port taken': (_port_taken, 0, 1),
+    'unresolvable own host': (_unresolvable(0), 0, 1),
+    'unresolvable peer': (_unresolvable(1), 0, 1),
+    'TF_CONFIG and --worker_hosts': (_tf_config_and_worker_hosts, 0, 2),
+    'different clusters, worker 0': (_different_clusters, 0, 1),
+    'different clusters, worker 1': (_different_clusters, 1, 1),
+    'SIGTERM while a peer hangs': (_sigterm_while_peer_hangs, 0, 143),
+    'SIGTERM to a training non-chief': (_sigterm_to_a_training_non_chief, 0, 143),
+    'the chief of a stopped non-chief': (_sigterm_to_a_training_non_chief, 1, 1),
+}
+# How long each may take, from its `since` (None: not timed).
+MAX_SECS = {
+    'lone chief past --startup_timeout': STARTUP_TIMEOUT + TIMEOUT_SLACK_SECS,
+    'lone non-chief past --startup_timeout': STARTUP_TIMEOUT + TIMEOUT_SLACK_SECS,
+    'SIGTERM during the start-up': SIGNAL_EXIT_SECS,
+    'SIGINT during the start-up': SIGNAL_EXIT_SECS,
+    'SIGTERM to the lock holder': SIGNAL_EXIT_SECS,
+    'different clusters, worker 0': TIMEOUT_SLACK_SECS,
+    'different clusters, worker 1': TIMEOUT_SLACK_SECS,
+    'SIGTERM while a peer hangs': SIGNAL_EXIT_SECS,
+    'SIGTERM to a training non-chief': SIGNAL_EXIT_SECS,
+    'the chief of a stopped non-chief': SIGNAL_EXIT_SECS,
+}
+# Cases where the chief saves the step reached, named in the message.
+WRITES_CHECKPOINT = {'SIGTERM while a peer hangs', 'SIGTERM to a training non-chief',
+                     'the chief of a stopped non-chief'}
+
+
+@pytest.fixture(scope='module')
+def outcomes(synth_data_dir, tmp_path_factory):
+  """Runs every case at once; {case function: [Outcome, ...]}."""
+  runs = {}
+  for case, _, _ in CASES.values():
+    if case not in runs:
+      train_dir = str(tmp_path_factory.mktemp('mw') / 'train')
+      if case not in (_sigterm_while_peer_hangs, _sigterm_to_a_training_non_chief):
+        # A checkpoint that must survive untouched.
+        fs.copy_trained('modern', synth_data_dir, train_dir)
+      runs[case] = train_dir
+  befores = {case: _checkpoint_files(d) for case, d in runs.items()}
+  results = {}
+
+  def run(case, train_dir):
+    try:
+      results[case] = [o._replace(before=befores[case])
+                       for o in case(train_dir, synth_data_dir)]
+    except BaseException as e:  # pylint: disable=broad-except
+      results[case] = e
+
+  threads = [threading.Thread(target=run, args=item) for item in runs.items()]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(HARD_TIMEOUT_SECS + 60)
+  return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', list(CASES))
+def test_fault(outcomes, name):
+  case, index, status = CASES[name]
+  result = outcomes.get(case)
+  assert result is not None, 'the case was still running after %d s' % HARD_TIMEOUT_SECS
+  if isinstance(result, BaseException):
+    raise result
+  outcome = result[index]
+  context = 'stdout:\n%s\nstderr:\n%s' % (outcome.out[-2000:], outcome.err[-3000:])
+  assert outcome.code == status, context
+  assert 'Traceback' not in outcome.err, context
+  # The message: stdout's last line for a stop before any step (the CLI's),
+  # stderr's last line for everything else; one line with every fact.
+  stream = outcome.out if 'Stopped by' in outcome.facts[0] else outcome.err
+  lines = stream.strip().splitlines()
+  assert lines, context
+  for fact in outcome.facts:
+    assert fact in lines[-1], (fact, context)
+  if name in MAX_SECS:
+    assert outcome.secs is not None, context
+    assert outcome.secs <= MAX_SECS[name], (outcome.secs, context)
+  names = os.listdir(outcome.train_dir) if os.path.isdir(outcome.train_dir) else []
+  if name != 'SIGTERM while a peer hangs':  # there the frozen worker is killed
+    assert not [n for n in names if n.startswith('workertemp_')], names
+  after = _checkpoint_files(outcome.train_dir)
+  if name in WRITES_CHECKPOINT:
+    # The chief's last completed step, named in its line, is kept whole.
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from modern import train  # pylint: disable=import-outside-toplevel
+    saved = lines[-1].rpartition('saved ')[2].split()[0].rstrip('.')
+    step = int(saved.rpartition('-')[2])
+    assert step >= 2 and tf.train.latest_checkpoint(outcome.train_dir) == saved
+    assert tf.train.load_variable(saved, train.checkpoint_key('global_step')) == step
+    logged = [int(m) for m in re.findall(r': step (\d+), loss = ', outcome.out)]
+    if logged:  # the chief's: the last step it logged (log_every 1), no later
+      assert step == max(logged), outcome.out[-2000:]
+  else:
+    assert fs.changed(outcome.before, after) == [], context
+    assert set(after) == set(outcome.before), context
+
+
+# --- in-process: modern.cluster and the watchdog --------------------------------
+
+
+def _cluster(hosts, index):
+  from modern import cluster  # pylint: disable=import-outside-toplevel
+  return cluster.resolve_cluster(tuple(hosts), index, environ={})
+
+
+def test_workers_meet_whichever_starts_first():
+  from modern import cluster  # pylint: disable=import-outside-toplevel
+  hosts = _loopback(_free_ports(3))
+  lines, errors = [], []
+
+  def worker(index, delay):
+    time.sleep(delay)
+    me = _cluster(hosts, index)
+    try:
+      cluster.rendezvous(me, cluster.listen(me), 20, lines.append)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=worker, args=(i, d))
+             for i, d in ((2, 0.0), (0, 0.5), (1, 1.5))]
+  start = time.monotonic()
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(30)
+  assert not errors
+  assert time.monotonic() - start < 10
+  assert len(lines) == 3 and all(WAITING in line for line in lines)
+  # Every port is free again, for TensorFlow's server.
+  for host in hosts:
+    with socket.socket() as s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      s.bind(('127.0.0.1', int(host.rpartition(':')[2])))
+
+
+def test_a_worker_listed_at_the_wrong_index_is_named():
+  from modern import cluster  # pylint: disable=import-outside-toplevel
+  hosts = _loopback(_free_ports(2))
+  errors = []
+  # The process listening at hosts[1] believes it is worker 0 (as on another
+  # machine with the same port numbers): both workers 0 refuse.
+  impostor = cluster.Cluster({'worker': tuple(hosts)}, 'worker', 0)
+  sock = socket.socket()
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind(('127.0.0.1', int(hosts[1].rpartition(':')[2])))
+  sock.listen(4)
+
+  def run(me, listener):
+    try:
+      cluster.rendezvous(me, listener, 5, lambda _: None)
+    except cluster.StartupError as e:
+      errors.append(str(e))
+
+  threads = [threading.Thread(target=run, args=(impostor, sock)),
+             threading.Thread(target=run, args=(_cluster(hosts, 0),
+                                                cluster.listen(_cluster(hosts, 0))))]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(30)
+  assert len(errors) == 2, errors
+  assert any('the worker at %s says it is worker 0, but --worker_hosts lists it '
+             'as worker 1' % hosts[1] in e for e in errors), errors
+
+
+def test_tensorflow_registration_timeout_names_the_missing_workers():
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from modern import distributed  # pylint: disable=import-outside-toplevel
+  hosts = _loopback(_free_ports(3))
+  text = ('Barrier timed out. Id: [Init]Wait_for_all_tasks_to_register::0.\n'
+          '# of tasks that reached the barrier: 1/3.\nThe first task at the '
+          'barrier: /job:worker/replica:0/task:0. Some timed out task names:\n'
+          '/job:worker/replica:0/task:2\n')
+  error = distributed._startup_error(  # pylint: disable=protected-access
+      _cluster(hosts, 0), tf.errors.DeadlineExceededError(None, None, text), 30)
+  message = str(error)
+  assert '%s (worker 2) said hello but did not register' % hosts[2] in message
+  assert hosts[1] not in message and '--startup_timeout' in message
+  # A worker that never reached the leader knows only that.
+  error = distributed._startup_error(  # pylint: disable=protected-access
+      _cluster(hosts, 2), tf.errors.DeadlineExceededError(
+          None, None, 'Deadline Exceeded\nRPC: /tensorflow.CoordinationService/'
+          'RegisterTask'), 30)
+  assert '%s (worker 0) said hello' % hosts[0] in str(error)
+  error = distributed._startup_error(  # pylint: disable=protected-access
+      _cluster(hosts, 1), tf.errors.UnknownError(None, None,
+                                                 'Could not start gRPC server'), 30)
+  assert 'on port %s' % hosts[1].rpartition(':')[2] in str(error)
+
+
+class _FakeAbort:
+
+  def __init__(self):
+    self.calls = []
+    self.event = threading.Event()
+
+  def __call__(self, message):
+    self.calls.append((time.monotonic(), message))
+    self.event.set()
+
+
+@pytest.mark.parametrize('stop', [False, True], ids=['peer timeout', 'stop request'])
+def test_the_watchdog_aborts_a_wait_that_goes_on(stop, monkeypatch):
+  from modern import distributed  # pylint: disable=import-outside-toplevel
+  abort, exits = _FakeAbort(), []
+  monkeypatch.setattr(distributed.os, '_exit', exits.append)
+  watchdog = distributed._PeerWatchdog(  # pylint: disable=protected-access
+      _cluster(_loopback(_free_ports(2)), 0), lambda _: None, lambda: None,
+      abort=abort)
+  try:
+    with watchdog.guard(60 if stop else 1, 'the step', 7, '--peer_timeout'):
+      start = time.monotonic()
+      if stop:
+        watchdog.stop_requested('SIGTERM')
+      assert abort.event.wait(10)
+  finally:
+    watchdog.stop()
+  waited = abort.calls[0][0] - start
+  if stop:
+    assert watchdog.STOP_GRACE_SECS <= waited < watchdog.STOP_GRACE_SECS + 1
+    assert 'stopped by SIGTERM at global step 7' in watchdog.reason
+  else:
+    assert 1 <= waited < 2
+    assert 'no answer within 1 s (--peer_timeout)' in watchdog.reason
+  assert len(abort.calls) == 1 and not exits
+
+
+def test_the_watchdog_leaves_a_stop_alone_when_the_wait_ends():
+  from modern import distributed  # pylint: disable=import-outside-toplevel
+  abort = _FakeAbort()
+  watchdog = distributed._PeerWatchdog(  # pylint: disable=protected-access
+      _cluster(_loopback(_free_ports(2)), 0), lambda _: None, lambda: None,
+      abort=abort)
+  try:
+    watchdog.stop_requested('SIGINT')
+    for step in range(4):  # steps of half the grace each: the stop rides on them
+      with watchdog.guard(60, 'the step', step, '--peer_timeout'):
+        time.sleep(watchdog.STOP_GRACE_SECS / 2)
+    time.sleep(watchdog.POLL_SECS * 2)
+  finally:
+    watchdog.stop()
+  assert abort.calls == []
+
+
+@pytest.mark.parametrize('args,match', [
+    (['--startup_timeout', '30'], '--startup_timeout is for --strategy multiworker'),
+    (['--strategy', 'multiworker', '--worker_hosts', 'a:1,b:2', '--startup_timeout',
+      '0'], '--startup_timeout'),
+    (['--strategy', 'multiworker', '--worker_hosts', 'a:1,b:2'],
+     'TF_CONFIG is set and --worker_hosts is given'),
+])
+def test_cli_rejects_bad_startup_flags(args, match, tmp_path):
+  tf_config = json.dumps({'cluster': {'worker': ['a:1', 'b:2']},
+                          'task': {'type': 'worker', 'index': 0}})
+  code, out, err, exception = fs.invoke_cli(
+      ['modern', '--data_dir', tmp_path / 'none', '--train_dir', tmp_path / 't'] + args,
+      env={'TF_CONFIG': tf_config if 'TF_CONFIG' in match else ''})
+  assert exception is None
+  assert code == 2, out + err
+  assert match in err
+  assert not (tmp_path / 't').exists()  # nothing started
