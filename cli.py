@@ -38,10 +38,11 @@ def _user_errors():
   from common.cifar10_format import DataError
   from common.devices import DeviceError
   from common.download import DownloadError
+  from common.lock import LockError
   from common.training import TrainingError
   try:
     yield
-  except (DataError, DownloadError, TrainingError) as e:
+  except (DataError, DownloadError, LockError, TrainingError) as e:
     raise click.ClickException(_first_line(e)) from None
   except DeviceError as e:
     raise click.UsageError(_first_line(e)) from None
@@ -99,8 +100,11 @@ def _ensure_train_data(data_dir):
         '(%d unexpected .bin file(s)). Move it out of %s; `python cli.py data '
         'check` lists every problem.' % (extra[0], len(extra),
                                          fmt.batches_dir(data_dir)))
-  for path in paths:  # fail before building a graph: sizes and label bytes
-    fmt.read_records(path)
+  # Fail before building a graph on sizes and label bytes; say which files
+  # cannot be real data (all one image, one label, copies), and go on.
+  for line in fmt.judge_files(paths):
+    _warn('Warning: %s. Training goes on; `python cli.py data check --data_dir '
+          '%s` lists every problem.' % (line, data_dir))
   return fmt.num_examples(paths)
 
 
@@ -177,38 +181,49 @@ def _train_options(f):
 def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every,
            summary_every, save_every, log_device_placement, seed, run_crosscheck,
            **distribution):
-  _check_train_dir(train_dir)
-  if distribution:
-    _check_distribution(run_crosscheck=run_crosscheck, **distribution)
-  with _user_errors():
-    _ensure_train_data(data_dir)
-    from common import devices
-    plan = devices.plan_devices(num_gpus, warn=_warn)
-    config = config_lib.TrainConfig(
-        data_dir=data_dir, train_dir=train_dir, num_gpus=num_gpus,
-        batch_size=batch_size, max_steps=max_steps, log_every=log_every,
-        summary_every=summary_every, save_every=save_every,
-        log_device_placement=log_device_placement, seed=seed, **distribution)
-    if run_crosscheck:
-      _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
-                  data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
-                  engines=('towers', 'mirrored') if config.strategy == 'mirrored'
-                  else ('towers',))
-    if impl == 'legacy':
-      from legacy import train as trainer
-    else:
-      from modern import train as trainer
-    from common import training
-    training.StopRequest.last_signal = None
-    step = trainer.train(config, plan, out=click.echo, warn=_warn)
-  if step < max_steps:
-    # Stopped by Ctrl-C or SIGTERM, with a checkpoint (the trainer said which):
-    # exit 128 + the signal's number, as if killed by it, so `train && eval`
-    # stops here; `main` then exits at once (see _stopped_by_signal).
+  from common import training
+  # Held for the whole command, and shared by the trainer's own: a signal at
+  # any phase is a request to stop. Until the first step nothing is written,
+  # so there it ends the run at once (training.Stopped).
+  with training.StopRequest() as stop:
+    try:
+      with stop.raising():
+        _check_train_dir(train_dir)
+        if distribution:
+          _check_distribution(run_crosscheck=run_crosscheck, **distribution)
+        with _user_errors():
+          _ensure_train_data(data_dir)
+          from common import devices
+          plan = devices.plan_devices(num_gpus, warn=_warn)
+          from common import memory  # refuse what cannot fit, before building
+          memory.check_training(impl, plan, batch_size, data_dir)
+          config = config_lib.TrainConfig(
+              data_dir=data_dir, train_dir=train_dir, num_gpus=num_gpus,
+              batch_size=batch_size, max_steps=max_steps, log_every=log_every,
+              summary_every=summary_every, save_every=save_every,
+              log_device_placement=log_device_placement, seed=seed,
+              **distribution)
+          if run_crosscheck:
+            _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
+                        data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
+                        engines=('towers', 'mirrored')
+                        if config.strategy == 'mirrored' else ('towers',))
+          if impl == 'legacy':
+            from legacy import train as trainer
+          else:
+            from modern import train as trainer
+      with _user_errors():
+        trainer.train(config, plan, out=click.echo, warn=_warn)
+    except training.Stopped as stopped:
+      click.echo(str(stopped))
+  if stop.requested:
+    # Stopped by Ctrl-C or SIGTERM (the trainer, or the line above, said what
+    # was saved): exit 128 + the signal's number, as if killed by it, so
+    # `train && eval` stops here; `main` then exits at once (see
+    # _stopped_by_signal).
     global _stopped_by_signal  # pylint: disable=global-statement
     _stopped_by_signal = True
-    click.get_current_context().exit(
-        training.exit_status(training.StopRequest.last_signal or 'SIGINT'))
+    click.get_current_context().exit(training.exit_status(stop.signal_name))
 
 
 @click.group(context_settings={'help_option_names': ['-h', '--help']})
@@ -249,6 +264,12 @@ def _strategy_options(f):
                    default=config_lib.TrainConfig.peer_timeout, show_default=True,
                    help='Seconds a multiworker step waits for the other workers; '
                         'then the worker stops with an error instead of hanging.'),
+      click.option('--startup_timeout', type=click.IntRange(min=1),
+                   default=config_lib.TrainConfig.startup_timeout,
+                   show_default=True,
+                   help='Seconds a multiworker worker waits for the others to '
+                        'start; then it stops with an error naming those that '
+                        'did not answer.'),
   ]
   for option in reversed(options):
     f = option(f)
@@ -258,19 +279,20 @@ def _strategy_options(f):
 def _parse_worker_hosts(ctx, param, value):  # pylint: disable=unused-argument
   if not value:
     return ()
-  from modern import distributed
+  from modern import cluster  # no TensorFlow: usage errors come at once
   try:
-    return distributed.parse_worker_hosts(value)
-  except distributed.ClusterError as e:
+    return cluster.parse_worker_hosts(value)
+  except cluster.ClusterError as e:
     raise click.BadParameter(_first_line(e)) from None
 
 
 def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
-                        run_crosscheck):
+                        startup_timeout, run_crosscheck):
   """Bad combinations of the strategy flags are usage errors (exit 2)."""
-  del peer_timeout  # any value >= 1 is fine
+  del peer_timeout, startup_timeout  # any values >= 1 are fine
+  from modern import cluster  # no TensorFlow: usage errors come at once
   source = click.get_current_context().get_parameter_source
-  given = [name for name in ('worker_hosts', 'task_index')
+  given = [name for name in ('worker_hosts', 'task_index', 'startup_timeout')
            if source(name) != click.core.ParameterSource.DEFAULT]
   if strategy != 'multiworker':
     if given:
@@ -286,12 +308,10 @@ def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
   if 'task_index' in given and not worker_hosts:
     raise click.UsageError('--task_index needs --worker_hosts (or set TF_CONFIG '
                            'instead of both).')
-  if not worker_hosts:
-    from modern import distributed
-    try:
-      distributed.resolve_cluster()
-    except distributed.ClusterError as e:
-      raise click.UsageError(_first_line(e)) from None
+  try:
+    cluster.resolve_cluster(worker_hosts, task_index)
+  except cluster.ClusterError as e:
+    raise click.UsageError(_first_line(e)) from None
 
 
 @cli.command()
@@ -300,6 +320,29 @@ def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
 def modern(**options):
   """Train with the TF2 rewrite: tf.data input, one tf.function tower per device."""
   _train('modern', **options)
+
+
+def _evaluate_by_kind(data_dir, batch_size, num_examples):
+  """What `common.evaluation.run` calls: each checkpoint by its own trainer's evaluator.
+
+  Chosen per checkpoint, not once: one train_dir can hold either trainer's
+  checkpoints over time. legacy/ and modern/ never import each other; the
+  dispatch is here.
+  """
+  from common import checkpoints
+
+  def evaluate(contents, should_stop):
+    if contents.kind == checkpoints.LEGACY:
+      from legacy import eval as evaluator
+    else:
+      from modern import eval as evaluator
+    try:
+      return evaluator.evaluate_contents(contents, data_dir, batch_size,
+                                         num_examples, should_stop)
+    except evaluator.EvalError as e:
+      raise click.ClickException(_first_line(e)) from None
+
+  return evaluate
 
 
 @cli.command(name='eval')
@@ -321,47 +364,34 @@ def modern(**options):
               show_default=True, help='How often to look for a new checkpoint.')
 def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
                  eval_interval_secs):
-  """Print precision @ 1 on the test set with the moving-average weights."""
-  with _user_errors():
-    from common import checkpoints
+  """Print precision @ 1 on the test set with the moving-average weights.
+
+  Evaluates the newest intact checkpoint (saying which it skipped, and why),
+  then, without --run_once, each new one as training writes it, until Ctrl-C.
+  """
+  from common import training
+  # Held for the whole command: a signal while TensorFlow loads or a batch
+  # runs is a request to stop, answered with one line and 128 + its number.
+  with training.StopRequest() as stop, _user_errors():
     from common import cifar10_format as fmt
-    for path in fmt.eval_files(data_dir):
-      fmt.read_records(path)
-    latest = checkpoints.latest(checkpoint_dir)
-    if latest is None and run_once:
-      raise click.ClickException(
-          'no checkpoint in %s. Train first (`python cli.py legacy` or `modern` '
-          'with --train_dir %s), or pass the --checkpoint_dir you trained into.'
-          % (checkpoint_dir, checkpoint_dir))
-    if latest is not None:
-      try:
-        checkpoints.verify(latest)  # every tensor against its checksum
-      except checkpoints.CheckpointError as e:
-        raise click.ClickException(
-            '%s. Evaluate an older one by naming it in %s, or train again.'
-            % (_first_line(e), os.path.join(checkpoint_dir, checkpoints.STATE_FILE))
-        ) from None
-    try:
-      # A directory without a checkpoint yet is waited on with the legacy
-      # evaluator, which (like modern's) refuses the other kind when it comes.
-      kind = checkpoints.kind(latest) if latest else checkpoints.LEGACY
-    except checkpoints.CheckpointError as e:
-      raise click.ClickException(_first_line(e) + ' Evaluate an older one by '
-                                 'editing the `checkpoint` file, or retrain.') from None
-    if kind == checkpoints.LEGACY:
-      from legacy import eval as evaluator
-    else:
-      from modern import eval as evaluator
-    try:
-      if run_once:
-        evaluator.evaluate(checkpoint_dir, data_dir, batch_size=batch_size,
-                           num_examples=num_examples, out=click.echo)
-      else:
-        evaluator.evaluate_loop(checkpoint_dir, data_dir, batch_size=batch_size,
-                                num_examples=num_examples, out=click.echo,
-                                interval_secs=eval_interval_secs)
-    except evaluator.EvalError as e:
-      raise click.ClickException(_first_line(e)) from None
+    from common import evaluation
+    paths = fmt.eval_files(data_dir)
+    for line in fmt.judge_files(paths):  # reads and validates every record
+      _warn('Warning: %s; a precision measured on it means nothing.' % line)
+    available = fmt.num_examples(paths)
+    if num_examples is not None and num_examples > available:
+      _warn('--num_examples %d is more than the %d records of the test set in '
+            '%s; evaluating all %d.' % (num_examples, available, data_dir,
+                                        available))
+    evaluation.run(checkpoint_dir,
+                   _evaluate_by_kind(data_dir, batch_size, num_examples),
+                   stop, out=click.echo, warn=_warn,
+                   interval_secs=None if run_once else eval_interval_secs)
+  if stop.requested:
+    # The stop line said what was evaluated; exit as if killed by the signal.
+    global _stopped_by_signal  # pylint: disable=global-statement
+    _stopped_by_signal = True
+    click.get_current_context().exit(training.exit_status(stop.signal_name))
 
 
 def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
@@ -443,10 +473,11 @@ def convert(from_dir, to_dir):
   continues from the converted checkpoint and eval gives the same precision.
   """
   import convert as convert_lib
-  from common import checkpoints
   with _user_errors():
+    from common import checkpoints
     try:
-      from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir)
+      from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir,
+                                                           warn=_warn)
     except (convert_lib.ConvertError, checkpoints.CheckpointError) as e:
       raise click.ClickException(_first_line(e)) from None
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
@@ -610,10 +641,11 @@ def digits(data_dir, seed):
     raise click.ClickException('%s already holds data; choose another --data_dir.'
                                % data_dir)
   from common import digits as digits_lib
-  try:
-    counts = digits_lib.convert_digits(data_dir, seed=seed)
-  except ImportError as e:
-    raise click.ClickException(_first_line(e)) from None
+  with _user_errors():
+    try:
+      counts = digits_lib.convert_digits(data_dir, seed=seed)
+    except ImportError as e:
+      raise click.ClickException(_first_line(e)) from None
   click.echo('Wrote %d training and %d test records of digits to %s.'
              % (sum(v for k, v in counts.items() if k.startswith('data_batch')),
                 counts.get('test_batch.bin', 0), data_dir))

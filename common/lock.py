@@ -3,7 +3,9 @@
 `flock` on `<train_dir>/.train.lock`: the kernel releases it when the holder's
 process ends in any way (exit, crash, kill -9), so a dead run never leaves a
 stale lock behind. The file also records who holds it, for the message the
-second run prints. Readers (eval, convert) take no lock.
+second run prints. The holder removes it before letting go, so a finished run
+leaves no file behind (one killed with -9 leaves it, unlocked and harmless).
+Readers (eval, convert) take no lock.
 """
 
 import contextlib
@@ -15,6 +17,7 @@ import socket
 import sys
 
 LOCK_FILE = '.train.lock'
+_held = {}  # lock file path -> the open handle holding it, in this process
 
 
 class LockError(Exception):
@@ -25,6 +28,34 @@ def _holder(handle):
   handle.seek(0)
   text = handle.read().strip()
   return text or 'a process that did not say which'
+
+
+def _lock(path, directory):
+  """Opens and locks the file at `path`; the handle.
+
+  The holder before removes the file while it still holds it: a handle opened
+  before that refers to the removed file, so its lock would guard nothing.
+  Such a lock is dropped and the file now at `path` locked instead.
+  """
+  while True:
+    handle = open(path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+    try:
+      fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      holder = _holder(handle)
+      handle.close()
+      if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+        raise
+      raise LockError(
+          '%s is in use by another run (%s). Wait for it to end, or pass another '
+          '--train_dir; two runs in one train_dir would overwrite each other\'s '
+          'checkpoints.' % (directory, holder)) from None
+    try:
+      if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+        return handle
+    except FileNotFoundError:
+      pass
+    handle.close()
 
 
 @contextlib.contextmanager
@@ -42,25 +73,55 @@ def exclusive(directory, what='training'):
   """
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, LOCK_FILE)
-  handle = open(path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+  handle = _lock(path, directory)
+  _held[path] = handle
   try:
     try:
-      fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-        raise
-      raise LockError(
-          '%s is in use by another run (%s). Wait for it to end, or pass another '
-          '--train_dir; two runs in one train_dir would overwrite each other\'s '
-          'checkpoints.' % (directory, _holder(handle))) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write('PID %d on host %s, %s, since %s (%s)\n' % (
-        os.getpid(), socket.gethostname(), what,
-        datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S'),
-        ' '.join(os.path.basename(a) if i == 0 else a
-                 for i, a in enumerate(sys.argv))[:200]))
-    handle.flush()
+      handle.seek(0)
+      handle.truncate()
+      handle.write('PID %d on host %s, %s, since %s (%s)\n' % (
+          os.getpid(), socket.gethostname(), what,
+          datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S'),
+          ' '.join(os.path.basename(a) if i == 0 else a
+                   for i, a in enumerate(sys.argv))[:200]))
+      handle.flush()
+    except OSError:
+      pass  # e.g. a full disk: the lock holds without the note of who holds it
     yield path
   finally:
-    handle.close()  # releases the lock
+    if _held.get(path) is handle:
+      del _held[path]
+    try:
+      # While still held (see _lock), and only if it is still ours: if the
+      # directory was removed under the run, another run may hold a new one.
+      if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+        os.remove(path)
+    except OSError:
+      pass
+    try:
+      handle.close()  # releases the lock
+    except OSError:
+      pass  # a note that could not be written; the descriptor is closed
+
+
+def check(directory):
+  """Raises LockError if this process's lock of `directory` went away.
+
+  Removing the directory (or its lock file) while a run holds it takes the
+  lock with it: a second run could start there and both would write. Call
+  before writing into it; a no-op where this process holds no lock.
+  """
+  path = os.path.join(directory, LOCK_FILE)
+  handle = _held.get(path)
+  if handle is None:
+    return
+  try:
+    if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+      return
+  except FileNotFoundError:
+    pass
+  raise LockError(
+      '%s was removed, or its lock file %s, while this run trained in it; '
+      'stopped without writing there again, as another run may have started in '
+      'it since. Train again to start anew, or pass another --train_dir.'
+      % (directory, LOCK_FILE))

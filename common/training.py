@@ -27,14 +27,73 @@ def log_line(step, loss, examples_per_sec, sec_per_batch):
           % (datetime.datetime.now(), step, loss, examples_per_sec, sec_per_batch))
 
 
-def check_finite(step, tower_losses):
-  """Raises TrainingError naming the step and tower whose loss is NaN or inf."""
+# What a tower's loss can be: its batch's mean cross-entropy plus the weight
+# decay of local3 and local4 (0.004 * sum(w**2) / 2 each). A fresh model
+# predicts nearly uniformly (softmax_linear's weights have stddev 1/192), so
+# its cross-entropy is ln(10) = 2.30; its weight decay is the expectation over
+# the truncated-normal initial weights (stddev 0.04, cut at 2 stddevs, which
+# keeps 0.774 of the variance): 0.002 * 0.774 * 0.04**2 * (2304*384 + 384*192)
+# = 2.37. So a run starts at ~4.68, the loss both trainers log at step 1.
+_TRUNCATED_NORMAL_VARIANCE = 0.7737  # variance / stddev**2, cut at 2 stddevs
+INITIAL_LOSS = math.log(10) + 0.004 / 2 * _TRUNCATED_NORMAL_VARIANCE * (
+    0.04 ** 2 * (2304 * 384 + 384 * 192))
+# Training lowers it from there: healthy runs at upstream's learning rate stay
+# under 3 times INITIAL_LOSS even at batches of 2 (the worst step of 3600
+# measured: 12.8). 100 times INITIAL_LOSS needs the true class's logit ~460
+# below another one, or local3/local4 weights 14 times their initial norm: the
+# model has diverged, though its loss may stay finite for thousands of steps
+# (weight decay shrinks weights of 1e17, a loss of 1e34, by 0.04% a step).
+# Divergent runs grow by orders of magnitude a step (30, 1.4e4, 1.2e7, ...),
+# so a tighter bound would catch them at most a step or two sooner.
+DIVERGED_LOSS = 100 * INITIAL_LOSS  # ~468
+
+
+def check_divergence(step, tower_losses):
+  """Raises TrainingError naming the step and tower whose loss diverged.
+
+  A loss diverged when it is NaN, infinite, or above DIVERGED_LOSS (see
+  above). Call it before anything of the step is saved.
+
+  Args:
+    step: int, the global step just taken.
+    tower_losses: the towers' total losses at that step, floats.
+  """
   for i, value in enumerate(tower_losses):
-    if not math.isfinite(float(value)):
-      raise TrainingError(
-          'Model diverged with loss = %s at step %d in tower %d; the last good '
-          'checkpoint is kept. Lower the learning rate or check the input data.'
-          % (value, step, i))
+    value = float(value)
+    if math.isfinite(value) and value <= DIVERGED_LOSS:
+      continue
+    bound = '' if not math.isfinite(value) else (
+        ' (above %.0f, 100 times a fresh model\'s loss of %.2f)'
+        % (DIVERGED_LOSS, INITIAL_LOSS))
+    raise TrainingError(
+        'Model diverged with loss = %.4g at step %d in tower %d%s; the last good '
+        'checkpoint is kept. Lower the learning rate or check the input data.'
+        % (value, step, i, bound))
+
+
+def nothing_to_train(step, max_steps, train_dir):
+  """The line of a run whose train_dir already holds max_steps steps."""
+  return ('Global step %d in %s already reached max_steps %d; nothing to train '
+          '(--max_steps counts from step 0, not from the resumed step: pass a '
+          'larger one to train on).' % (step, train_dir, max_steps))
+
+
+class Stopped(BaseException):
+  """A stop request ended the run before its first step: nothing was written.
+
+  Raised by `StopRequest.raising` blocks (and by the trainers when the stop
+  came while their first step waited for input). A BaseException, like
+  KeyboardInterrupt, so that no `except Exception` on the way swallows it.
+  str() is the line to print.
+  """
+
+  def __init__(self, signal_name):
+    super().__init__(signal_name)
+    self.signal_name = signal_name
+
+  def __str__(self):
+    return ('Stopped by %s before the first step; nothing was saved.'
+            % self.signal_name)
 
 
 class StopRequest:
@@ -55,6 +114,10 @@ class StopRequest:
   A second signal while stopping ends the process at once, with 128 + the
   signal's number and a line saying that the steps since the last checkpoint
   are lost.
+
+  Before a run's first step nothing is written that a stop would have to
+  save, so there (`raising`) a stop ends the run at once: the handler raises
+  `Stopped` in the main thread, as Ctrl-C raises KeyboardInterrupt.
 
   Re-entrant: the CLI holds one for a whole command, so a signal during data
   checks or graph building is a stop request too; a trainer's own
@@ -112,15 +175,18 @@ class StopRequest:
     """Runs `callback(signal_name)` at once if a stop comes during the block.
 
     For a block where the main thread may wait inside TensorFlow for long
-    (longer than a scheduler's grace period): the callback runs on the
-    watcher thread while the main thread still waits, and must make that
+    (longer than a scheduler's grace period): the callback runs on a
+    thread of the watcher while the main thread still waits, and must make that
     wait end (close a queue) or end the process itself (os._exit after a
     message). If a stop was requested before the block, the callback runs
-    here first, in the calling thread.
+    here first, in the calling thread. The callback never outlives the
+    block: leaving it waits for a callback still running, so the callback
+    may use what the block's owner closes after the block (a Session).
     """
     state = self._state
     if state.event.is_set():
-      _run_callback(callback, state.signal_name, state.warn)
+      with state.running:
+        _run_callback(callback, state.signal_name, state.warn)
     with state.lock:
       state.callbacks.append(callback)
     try:
@@ -128,6 +194,29 @@ class StopRequest:
     finally:
       with state.lock:
         state.callbacks.remove(callback)
+      with state.running:  # a callback started before the removal has ended
+        pass
+
+  @contextlib.contextmanager
+  def raising(self):
+    """A block that a stop ends at once, raising `Stopped` in the main thread.
+
+    For work before a run's first step (data checks, imports, building the
+    graph, restoring, the first step's tracing), where nothing is written
+    yet: waiting for it to finish (tens of seconds on a busy machine) would
+    outlast a scheduler's grace period. Python runs the handler between two
+    bytecodes of the main thread, so the exception comes at once there, or
+    as soon as a call into C++ returns. Raises at entry if a stop came
+    before. Blocks nest; outside the main thread nothing is raised.
+    """
+    state = self._state
+    if state.event.is_set():
+      raise Stopped(state.signal_name)
+    state.raising += 1
+    try:
+      yield
+    finally:
+      state.raising -= 1
 
 
 def _stderr(message):
@@ -148,9 +237,12 @@ class _State:
     self.warn = warn
     self.event = threading.Event()
     self.lock = threading.Lock()
+    self.running = threading.Lock()  # held while while_blocked callbacks run
     self.signal_name = None
     self.callbacks = []  # while_blocked callbacks, innermost last
+    self.raising = 0  # depth of `raising` blocks (main thread only)
     self._received = 0  # signals the watcher has seen
+    self._raised = False  # a `raising` block has raised Stopped
     self._previous_handlers = {}
     self._previous_wakeup_fd = -1
     self._reader = self._writer = None
@@ -187,11 +279,15 @@ class _State:
       self.event.set()
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
-    # The main thread's handler: only marks the request (the watcher counts
-    # signals and runs callbacks; it saw this one already or is about to).
+    # The main thread's handler: marks the request, and raises in a
+    # `raising` block (the watcher counts signals and runs callbacks; it saw
+    # this one already or is about to).
     name = signal.Signals(signum).name
     StopRequest.last_signal = StopRequest.last_signal or name
     self.stop(name)
+    if self.raising and not self._raised:  # once: not again in its unwinding
+      self._raised = True
+      raise Stopped(self.signal_name)
 
   def _watch(self):
     while True:
@@ -214,10 +310,17 @@ class _State:
           os._exit(128 + signum)  # pylint: disable=protected-access
         StopRequest.last_signal = StopRequest.last_signal or name
         self.stop(name)
-        with self.lock:
-          callbacks = list(self.callbacks)
-        for callback in reversed(callbacks):
-          _run_callback(callback, name, self.warn)
+        # On a thread of their own, so that this one stays free to end the
+        # process on a second signal even if a callback blocks.
+        threading.Thread(target=self._run_callbacks, args=(name,),
+                         name='stop-callbacks', daemon=True).start()
+
+  def _run_callbacks(self, name):
+    with self.running:
+      with self.lock:
+        callbacks = list(self.callbacks)
+      for callback in reversed(callbacks):
+        _run_callback(callback, name, self.warn)
 
 
 def exit_status(signal_name):

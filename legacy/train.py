@@ -21,6 +21,7 @@ from common import checkpoints
 from common import cifar10_format
 from common import devices
 from common import hparams
+from common import lock
 from common import lrn as lrn_lib
 from common import training
 from legacy import inputs
@@ -210,6 +211,7 @@ def train(config, plan, out=print, warn=_stderr_print,
 
   Returns:
     int, the final global step; `<train_dir>/model.ckpt-<step>` holds it.
+    Less than `config.max_steps` when SIGINT or SIGTERM stopped the run.
 
   Raises:
     common.cifar10_format.DataError: the training data is missing or bad.
@@ -217,37 +219,47 @@ def train(config, plan, out=print, warn=_stderr_print,
       train_dir is a modern one or does not fit the model.
     common.checkpoints.CheckpointError: the latest checkpoint is damaged or
       of another model, or a write into train_dir failed (e.g. disk full).
+    common.lock.LockError: another run trains in train_dir.
+    common.training.Stopped: SIGINT or SIGTERM came before the first step;
+      nothing was written.
     ValueError: the plan does not have `config.num_gpus` towers.
   """
   if plan.num_towers != config.num_gpus:
     raise ValueError('the device plan has %d towers, the config asks for %d'
                      % (plan.num_towers, config.num_gpus))
-  # Deviation from upstream: train_dir is never deleted; training resumes from
-  # its newest checkpoint.
-  os.makedirs(config.train_dir, exist_ok=True)
-  examples_per_epoch = cifar10_format.num_examples(
-      cifar10_format.train_files(config.data_dir))
-  decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
-                                    config.num_gpus)
-  if config.jit and plan.kind == 'cpu' and (
-      '--tf_xla_cpu_global_jit' not in os.environ.get('TF_XLA_FLAGS', '')):
-    warn('--jit: the legacy trainer asks for XLA auto-clustering, which on the '
-         'CPU only happens with TF_XLA_FLAGS=--tf_xla_cpu_global_jit.')
+  # Deviation from upstream: train_dir is never deleted (the lock creates it
+  # if missing); training resumes from its newest checkpoint. One run at a
+  # time: a second one would write the same steps and overwrite the first's
+  # checkpoints.
+  with training.StopRequest() as stop, lock.exclusive(config.train_dir,
+                                                      what='legacy training'):
+    # Until the first step nothing is written: a stop ends the run at once.
+    with stop.raising():
+      examples_per_epoch = cifar10_format.num_examples(
+          cifar10_format.train_files(config.data_dir))
+      decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
+                                        config.num_gpus)
+      if config.jit and plan.kind == 'cpu' and (
+          '--tf_xla_cpu_global_jit' not in os.environ.get('TF_XLA_FLAGS', '')):
+        warn('--jit: the legacy trainer asks for XLA auto-clustering, which on '
+             'the CPU only happens with TF_XLA_FLAGS=--tf_xla_cpu_global_jit.')
 
-  with tf.Graph().as_default() as graph:
-    graph_parts = build_train_graph(config, plan, decay_steps, num_threads)
-    graph.finalize()
-    with tf.Session(config=session_config(config, plan)) as sess:
-      step = _restore_or_initialize(sess, graph_parts, config.train_dir, out,
-                                    warn)
-      if step >= config.max_steps:
-        out('Global step %d already reached max_steps %d; nothing to train.'
-            % (step, config.max_steps))
-        return step
-      out('Filling the queue with %d CIFAR images before starting to train. '
-          'This may take a while.'
-          % hparams.min_queue_examples(examples_per_epoch))
-      return _train_loop(sess, config, graph_parts, step, out, warn)
+    with tf.Graph().as_default() as graph:
+      with stop.raising():
+        graph_parts = build_train_graph(config, plan, decay_steps, num_threads)
+        graph.finalize()
+      with tf.Session(config=session_config(config, plan)) as sess:
+        with stop.raising():
+          step = _restore_or_initialize(sess, graph_parts, config.train_dir,
+                                        out, warn)
+        if step >= config.max_steps:
+          out(training.nothing_to_train(step, config.max_steps,
+                                        config.train_dir))
+          return step
+        out('Filling the queue with %d CIFAR images before starting to train. '
+            'This may take a while.'
+            % hparams.min_queue_examples(examples_per_epoch))
+        return _train_loop(sess, config, graph_parts, step, stop, out, warn)
 
 
 def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
@@ -311,6 +323,10 @@ def build_train_graph(config, plan, decay_steps,
 def _restore_or_initialize(sess, graph_parts, train_dir, out, warn):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
+  A train_dir of the upstream script resumes too: its `global_step` is
+  float32 (ours int64), so its values are loaded variable by variable
+  instead of through the Saver, which cannot convert a dtype.
+
   Raises:
     common.checkpoints.CheckpointError: the latest checkpoint is damaged, or
       is one of another model (names or shapes differ).
@@ -321,23 +337,40 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn):
   sess.run(graph_parts.init_op)
   if checkpoint is None:
     return 0
-  if checkpoints.kind(checkpoint) == checkpoints.MODERN:
+  contents = checkpoints.read(checkpoint)
+  if contents.kind == checkpoints.MODERN:
     # The Saver would try to rebuild itself for this object-based checkpoint,
     # which fails in the finalized graph; say what it is instead.
     raise training.TrainingError(
         '%s is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer '
-        'cannot resume from it. Use another --train_dir.' % checkpoint)
+        'cannot resume from it. Use another --train_dir, or convert it: '
+        '`python cli.py convert --from_dir %s --to_dir NEW_DIR`.'
+        % (checkpoint, train_dir))
   checkpoints.check_fits(checkpoint, {
       v.op.name: tuple(v.shape.as_list()) for v in tf.global_variables()})
+  upstream = contents.tensors['global_step'].dtype.kind == 'f'
   try:
-    graph_parts.saver.restore(sess, checkpoint)
-  except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+    if upstream:
+      # Deviation from upstream: its train_dir resumes (upstream deleted it).
+      # Each value is fed into its variable's initializer: no new op in the
+      # finalized graph.
+      for variable in tf.global_variables():
+        value = contents.tensors[variable.op.name]
+        variable.load(value.astype(variable.dtype.base_dtype.as_numpy_dtype),
+                      sess)
+    else:
+      graph_parts.saver.restore(sess, checkpoint)
+  except (tf.errors.OpError, ValueError) as e:
     raise training.TrainingError(
         '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (checkpoint, e.message.splitlines()[0])
-    ) from e
+        'its checkpoints away.' % (checkpoint, checkpoints.reason(e))) from e
   step = int(sess.run(graph_parts.towers.global_step))
-  out('Resuming from %s at global step %d.' % (checkpoint, step))
+  if upstream:
+    out('Resuming an upstream train_dir from %s at global step %d (float32 '
+        'global_step); new checkpoints are named by the global step.'
+        % (checkpoint, step))
+  else:
+    out('Resuming from %s at global step %d.' % (checkpoint, step))
   return step
 
 
@@ -346,28 +379,56 @@ def _save(saver, sess, config, step):
 
   The Saver names a checkpoint latest only after writing it whole, so a
   failure leaves the previous one in place; its partial files are removed.
+  Nothing is written if train_dir was removed under the run (LockError).
   """
+  lock.check(config.train_dir)
   try:
     saver.save(sess, config.checkpoint_prefix(), global_step=step)
   except (tf.errors.OpError, OSError) as e:
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _train_loop(sess, config, graph_parts, step, out, warn):
+def _train_loop(sess, config, graph_parts, step, stop, out, warn):
   """Runs the steps with the queue threads, and always stops them.
+
+  A stop request (`stop`, a common.training.StopRequest) ends the loop at the
+  next step boundary, with a checkpoint of that step. A step waiting for its
+  batch (the first one waits while the shuffle queue fills: tens of seconds
+  with CIFAR-10) is ended at once by closing the input queues under it.
 
   Returns:
     int, the final global step.
+
+  Raises:
+    common.training.Stopped: the stop came before this run's first step.
   """
   towers, saver = graph_parts.towers, graph_parts.saver
-  coord = tf.train.Coordinator()
+  # Input threads end with CancelledError when a stop closes the queues
+  # under them: that is a clean stop, not an error to re-raise.
+  coord = tf.train.Coordinator(clean_stop_exception_types=(
+      tf.errors.OutOfRangeError, tf.errors.CancelledError))
   threads = tf.train.start_queue_runners(sess=sess, coord=coord)
-  summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
-  last_saved = step
+  summary_writer = None  # opened after the first step: a stop before it writes nothing
+  first_step = last_saved = step
   error = None
+
+  def close_queues(signal_name):  # pylint: disable=unused-argument
+    # On the stop request's own thread, while this one may wait in sess.run
+    # for a batch: the dequeue then fails with OutOfRangeError. The towers'
+    # queue first: a shuffle queue still filling hands out what it holds
+    # once closed, and no such batch must reach a tower. (Not
+    # coord.request_stop() first: the input threads would close the shuffle
+    # queue themselves as they stop.)
+    for close in reversed(graph_parts.close_queues):
+      try:
+        sess.run(close)
+      except (tf.errors.OpError, RuntimeError):
+        pass  # closed already
+
   try:
-    with training.StopRequest() as stop:
-      while step < config.max_steps and not coord.should_stop():
+    with stop.while_blocked(close_queues):
+      while (step < config.max_steps and not stop.requested
+             and not coord.should_stop()):
         fetches = [towers.train_op, towers.mean_loss, towers.tower_losses]
         write_summary = (step + 1) % config.summary_every == 0
         if write_summary:
@@ -375,14 +436,21 @@ def _train_loop(sess, config, graph_parts, step, out, warn):
           # upstream ran them separately, dequeuing batches it never trained on.
           fetches.append(graph_parts.summary_op)
         start_time = time.time()
-        results = sess.run(fetches)
+        try:
+          results = sess.run(fetches)
+        except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
+          if not stop.requested:
+            raise
+          break  # the stop closed the queues under this step: it did not run
         duration = time.time() - start_time
         step += 1  # this process is the only one moving global_step
         loss_value, tower_loss_values = results[1], results[2]
 
         # Raise before anything of this step is saved.
-        training.check_finite(step, tower_loss_values)
+        training.check_divergence(step, tower_loss_values)
 
+        if summary_writer is None:
+          summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
         if step % config.log_every == 0:
           examples_per_sec = config.global_batch_size / duration
           # Deviation from upstream: sec/batch is the time of one step
@@ -397,18 +465,9 @@ def _train_loop(sess, config, graph_parts, step, out, warn):
         if step % config.save_every == 0 or step == config.max_steps:
           _save(saver, sess, config, step)
           last_saved = step
-        if stop.requested:
-          if last_saved != step:
-            _save(saver, sess, config, step)
-          out('Stopped by %s at global step %d; saved %s-%d.'
-              % (stop.signal_name, step, config.checkpoint_prefix(), step))
-          break
-  except KeyboardInterrupt:
-    step = int(sess.run(towers.global_step))
-    if last_saved != step:
-      _save(saver, sess, config, step)
-    out('Interrupted at global step %d; saved %s-%d.'
-        % (step, config.checkpoint_prefix(), step))
+      if stop.requested and last_saved != step:
+        _save(saver, sess, config, step)
+        last_saved = step
   except Exception as e:  # pylint: disable=broad-except
     # The first recorded error wins: if an input thread failed first (and so
     # closed the queues under this loop), join re-raises the thread's error.
@@ -419,7 +478,8 @@ def _train_loop(sess, config, graph_parts, step, out, warn):
       inputs.stop_queue_threads(sess, coord, threads, graph_parts.close_queues)
     finally:
       try:
-        summary_writer.close()
+        if summary_writer is not None:
+          summary_writer.close()
       except (RuntimeError, OSError) as e:  # e.g. disk full; checkpoints decide
         warn('could not write the last TensorBoard summaries to %s (%s).'
              % (config.train_dir, str(e).strip().splitlines()[0]))
@@ -427,4 +487,9 @@ def _train_loop(sess, config, graph_parts, step, out, warn):
     # Only reached when the coordinator did not record it (it ignores
     # OutOfRangeError and CancelledError).
     raise error
+  if stop.requested:
+    if step == first_step:
+      raise training.Stopped(stop.signal_name)
+    out('Stopped by %s at global step %d; saved %s-%d.'
+        % (stop.signal_name, step, config.checkpoint_prefix(), step))
   return step

@@ -31,6 +31,7 @@ given the legacy values with `assign_variables(values, shadow_values)` and
 `global_step.assign(...)`, saved through `checkpoint_object(trainer)`.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ from common import cifar10_format as fmt
 from common import config as config_lib
 from common import devices
 from common import hparams
+from common import lock
 from common import model_spec
 from common import training
 from common import lrn
@@ -356,7 +358,9 @@ class StepSaver:
   Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
   already saved, and returns the checkpoint's path. A failed write is a
   one-line `common.checkpoints` error: the manager names a checkpoint latest
-  only after writing it whole, so the previous one stays in place.
+  only after writing it whole, so the previous one stays in place. Nothing
+  is written if the directory, locked by this process, was removed under it
+  (`common.lock.LockError`).
   """
 
   def __init__(self, trainer, manager, directory, last_saved=None):
@@ -368,6 +372,7 @@ class StepSaver:
   def __call__(self):
     current = int(self.trainer.global_step.numpy())
     if current != self.last_saved:
+      lock.check(self.directory)
       try:
         self.manager.save(checkpoint_number=current)
       except (tf.errors.OpError, OSError) as e:
@@ -410,6 +415,12 @@ def restore_latest(train_dir, checkpoint, warn):
     checkpoint: `checkpoint_object(trainer)`.
     warn: callable taking one message (skipped damaged checkpoints).
 
+  An unreadable `checkpoint` state file (empty, not text), which
+  resume_point passed over, is rewritten to name the restored checkpoint
+  (removed when there is none): the CheckpointManager reads it before its
+  first save, which would rewrite it anyway. So call this before creating
+  the manager.
+
   Returns:
     The restored checkpoint's path, or None when train_dir has none.
 
@@ -419,20 +430,30 @@ def restore_latest(train_dir, checkpoint, warn):
   """
   resume_from = checkpoints.resume_point(train_dir, warn)
   if not resume_from:
+    checkpoints.replace_unreadable_state(train_dir, None)
     return None
-  if checkpoints.kind(resume_from) != checkpoints.MODERN:
+  contents = checkpoints.read(resume_from)
+  if contents.kind != checkpoints.MODERN:
+    step = contents.tensors.get('global_step')
+    what = ('a checkpoint of the upstream script (float32 global_step)'
+            if step is not None and step.dtype.kind == 'f'
+            else 'a legacy (tf.compat.v1 Saver) checkpoint')
     raise training.TrainingError(
-        '%s is a legacy (tf.compat.v1 Saver) checkpoint; the modern trainer '
-        'resumes only its own checkpoints. Use another --train_dir, or train '
-        'this one with the legacy trainer.' % resume_from)
+        '%s is %s; the modern trainer resumes only its own checkpoints. Use '
+        'another --train_dir, or convert this one (`python cli.py convert '
+        '--from_dir %s --to_dir NEW_DIR`) and train NEW_DIR, or train it with '
+        'the legacy trainer.' % (resume_from, what, train_dir))
   checkpoints.check_fits(resume_from, checkpoint_shapes())
   try:
     checkpoint.restore(resume_from).assert_existing_objects_matched()
   except (AssertionError, ValueError, tf.errors.OpError) as e:
     raise training.TrainingError(
         '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (resume_from, str(e).strip().splitlines()[0])
+        'its checkpoints away.' % (resume_from, checkpoints.reason(e))
     ) from e
+  # The CheckpointManager cannot read an empty or non-text state file;
+  # resume_point said it skipped it, and the next save replaces it anyway.
+  checkpoints.replace_unreadable_state(train_dir, resume_from)
   return resume_from
 
 
@@ -526,6 +547,9 @@ def train(config, plan, out=print, warn=_stderr):
       checkpoint this trainer cannot resume.
     common.checkpoints.CheckpointError: the latest checkpoint is damaged or
       of another model, or a write into train_dir failed (e.g. disk full).
+    common.lock.LockError: another run trains in train_dir.
+    common.training.Stopped: SIGINT or SIGTERM came before the first step
+      was done; nothing was written.
     ValueError: the plan does not match config.num_gpus.
   """
   if plan.num_towers != config.num_gpus:
@@ -541,81 +565,102 @@ def train(config, plan, out=print, warn=_stderr):
   if config.log_device_placement:
     tf.debugging.set_log_device_placement(True)
 
-  filenames = fmt.train_files(config.data_dir)
-  examples_per_epoch = fmt.num_examples(filenames)
-  decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
-                                    config.num_gpus)
-  if decay_steps < 1:
-    raise training.TrainingError(
-        'decay_steps = int(%d examples / %d batch / %d towers * %g epochs) = 0: '
-        'too few training examples for this batch size. Use more data or a '
-        'smaller --batch_size.' % (examples_per_epoch, config.batch_size,
-                                   config.num_gpus, hparams.NUM_EPOCHS_PER_DECAY))
+  # Deviation from upstream: train_dir is never deleted (the lock creates it
+  # if missing); training resumes from its latest checkpoint. One run at a
+  # time: a second one would write the same steps and overwrite the first's
+  # checkpoints.
+  with training.StopRequest() as stop, lock.exclusive(config.train_dir,
+                                                      what='modern training'):
+    # Until the first step nothing is written: a stop ends the run at once.
+    with stop.raising():
+      filenames = fmt.train_files(config.data_dir)
+      examples_per_epoch = fmt.num_examples(filenames)
+      decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
+                                        config.num_gpus)
+      if decay_steps < 1:
+        raise training.TrainingError(
+            'decay_steps = int(%d examples / %d batch / %d towers * %g epochs) '
+            '= 0: too few training examples for this batch size. Use more data '
+            'or a smaller --batch_size.'
+            % (examples_per_epoch, config.batch_size, config.num_gpus,
+               hparams.NUM_EPOCHS_PER_DECAY))
+      trainer = Trainer(plan, decay_steps, jit=config.jit)
+      checkpoint = checkpoint_object(trainer)
+      resume_from = restore_latest(config.train_dir, checkpoint, warn)
+      manager = tf.train.CheckpointManager(  # after restore_latest: see there
+          checkpoint, config.train_dir, max_to_keep=MAX_TO_KEEP,
+          checkpoint_name=config_lib.CHECKPOINT_BASENAME)
+      step = int(trainer.global_step.numpy())
+      if resume_from:
+        out('Resuming from %s at global step %d.' % (resume_from, step))
+      if step >= config.max_steps:
+        warn(training.nothing_to_train(step, config.max_steps,
+                                       config.train_dir))
+        return step
+      iterator = iter(inputs.distorted_inputs(
+          config.data_dir, config.batch_size, config.num_gpus,
+          seed=config.seed))
+    save = StepSaver(trainer, manager, config.train_dir,
+                     last_saved=step if resume_from else None)
+    return _train_loop(config, trainer, iterator, save, decay_steps, stop, out,
+                       warn)
 
-  # Deviation from upstream: train_dir is never deleted; training resumes
-  # from its latest checkpoint.
-  tf.io.gfile.makedirs(config.train_dir)
-  trainer = Trainer(plan, decay_steps, jit=config.jit)
-  checkpoint = checkpoint_object(trainer)
-  manager = tf.train.CheckpointManager(
-      checkpoint, config.train_dir, max_to_keep=MAX_TO_KEEP,
-      checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-  resume_from = restore_latest(config.train_dir, checkpoint, warn)
-  if resume_from:
-    out('Resuming from %s at global step %d.'
-        % (resume_from, int(trainer.global_step.numpy())))
-  step = int(trainer.global_step.numpy())
-  if step >= config.max_steps:
-    warn('global step %d in %s is already >= max_steps %d: nothing to train.'
-         % (step, config.train_dir, config.max_steps))
-    return step
 
-  dataset = inputs.distorted_inputs(config.data_dir, config.batch_size,
-                                    config.num_gpus, seed=config.seed)
-  iterator = iter(dataset)
-  writer = tf.summary.create_file_writer(config.train_dir)
-  save = StepSaver(trainer, manager, config.train_dir,
-                   last_saved=step if resume_from else None)
-  stopped_by = None
+def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn):
+  """The steps, with log lines, summaries and checkpoints, until max_steps or a stop.
 
-  with writer.as_default(), training.StopRequest() as stop:
-    try:
-      while step < config.max_steps:
-        if stop.requested:
-          stopped_by = stop.signal_name
-          break
-        start_time = time.time()
-        tower_losses = trainer.train_step(next(iterator)).numpy()
-        duration = time.time() - start_time
-        # Deviation from upstream: steps are counted by the global step after
-        # the update (upstream logged and saved its 0-based loop index), so
-        # 'step N' and model.ckpt-N both mean N steps done.
-        step = int(trainer.global_step.numpy())
-        training.check_finite(step, tower_losses)
+  A stop request (`stop`, a common.training.StopRequest) ends the loop at the
+  next step boundary, with a checkpoint of that step.
 
-        if step % config.log_every == 0:
-          # Deviation from upstream: the mean over towers, not the last tower's loss.
-          out(training.log_line(step, float(tower_losses.mean()),
-                                config.global_batch_size / duration, duration))
-        if step % config.summary_every == 0:
-          # The learning rate the step just taken used (read before the increment).
-          lr = float(model_spec.learning_rate(step - 1, decay_steps))
-          try:
-            _write_summaries(trainer, step, tower_losses, lr)
-          except (tf.errors.OpError, OSError) as e:  # e.g. disk full
-            raise checkpoints.write_failed(
-                config.train_dir, 'TensorBoard summaries', e) from e
-        if step % config.save_every == 0:
-          save()
-    except KeyboardInterrupt:
-      stopped_by = 'KeyboardInterrupt'
-    path = save()
-    try:
-      writer.flush()
-    except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-      warn('could not write the last TensorBoard summaries to %s (%s).'
-           % (config.train_dir, str(e).strip().splitlines()[0]))
-  if stopped_by:
+  Returns:
+    int, the global step reached.
+
+  Raises:
+    common.training.Stopped: the stop came before or during this run's
+      first step.
+  """
+  step = first_step = int(trainer.global_step.numpy())
+  writer = None  # opened after the first step: a stop before it writes nothing
+  while step < config.max_steps and not stop.requested:
+    # The first step traces and compiles the step function and fills the
+    # shuffle buffer: seconds, tens of seconds on a busy machine, with nothing
+    # written yet, so a stop ends it at once.
+    with stop.raising() if step == first_step else contextlib.nullcontext():
+      start_time = time.time()
+      tower_losses = trainer.train_step(next(iterator)).numpy()
+    duration = time.time() - start_time
+    # Deviation from upstream: steps are counted by the global step after
+    # the update (upstream logged and saved its 0-based loop index), so
+    # 'step N' and model.ckpt-N both mean N steps done.
+    step = int(trainer.global_step.numpy())
+    training.check_divergence(step, tower_losses)
+
+    if writer is None:
+      writer = tf.summary.create_file_writer(config.train_dir)
+    if step % config.log_every == 0:
+      # Deviation from upstream: the mean over towers, not the last tower's loss.
+      out(training.log_line(step, float(tower_losses.mean()),
+                            config.global_batch_size / duration, duration))
+    if step % config.summary_every == 0:
+      # The learning rate the step just taken used (read before the increment).
+      lr = float(model_spec.learning_rate(step - 1, decay_steps))
+      try:
+        with writer.as_default():
+          _write_summaries(trainer, step, tower_losses, lr)
+      except (tf.errors.OpError, OSError) as e:  # e.g. disk full
+        raise checkpoints.write_failed(
+            config.train_dir, 'TensorBoard summaries', e) from e
+    if step % config.save_every == 0:
+      save()
+  if step == first_step:  # the stop came before the first step
+    raise training.Stopped(stop.signal_name)
+  path = save()
+  try:
+    writer.flush()
+  except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
+    warn('could not write the last TensorBoard summaries to %s (%s).'
+         % (config.train_dir, str(e).strip().splitlines()[0]))
+  if stop.requested:
     out('Stopped by %s at global step %d; saved %s.'
-        % (stopped_by, int(trainer.global_step.numpy()), path))
-  return int(trainer.global_step.numpy())
+        % (stop.signal_name, step, path))
+  return step

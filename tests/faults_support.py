@@ -225,3 +225,187 @@ def remount(path, options):
 
 def umount(path):
   subprocess.run(['umount', path], capture_output=True, timeout=30, check=False)
+
+
+# --- a train_dir as the upstream script left it ------------------------------
+
+UPSTREAM_STEP = 30  # the global step saved in upstream_train_dir's checkpoint
+
+
+def upstream_train_dir(path, step=UPSTREAM_STEP, seed=0):
+  """A train_dir as upstream's cifar10_multi_gpu_train.py wrote it.
+
+  A tf.compat.v1 graph with a float32 `global_step` (ours is int64), the ten
+  model variables and their `<name>/ExponentialMovingAverage` shadows, saved
+  by a v1 Saver under upstream's name: the 0-based loop index, so
+  `model.ckpt-<step - 1>` holds global_step `step`; the `checkpoint` state
+  file holds absolute paths, as upstream's Saver wrote them.
+
+  Returns:
+    str, the checkpoint prefix.
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from common import model_spec  # pylint: disable=import-outside-toplevel
+  tf1 = tf.compat.v1
+  os.makedirs(path, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  with tf.Graph().as_default():
+    for name in model_spec.VARIABLE_NAMES:
+      value = rng.normal(0.0, 0.05, model_spec.variable_shape(name))
+      tf1.Variable(value.astype(np.float32), name=name)
+      tf1.Variable((0.9 * value).astype(np.float32),
+                   name=name + '/ExponentialMovingAverage', trainable=False)
+    tf1.Variable(float(step), dtype=tf.float32, name='global_step',
+                 trainable=False)
+    saver = tf1.train.Saver(tf1.global_variables())  # absolute paths
+    with tf1.Session() as sess:
+      sess.run(tf1.global_variables_initializer())
+      return saver.save(sess, os.path.join(os.path.abspath(path), 'model.ckpt'),
+                        global_step=step - 1)
+
+
+# --- hooks: a marker line and a pause at a chosen call of a CLI run ----------
+
+_HOOKS_MODULE = '''"""Test hooks of tests/faults_support.hooks_env (FAULTS_HOOKS), nothing else."""
+import functools
+import importlib.abc
+import json
+import os
+import sys
+import time
+
+_HOOKS = json.loads(os.environ.get('FAULTS_HOOKS', '[]'))
+_MODULES = {hook['at'].split(':')[0] for hook in _HOOKS}
+
+
+def _wrap(func, hook):
+  calls = [0]
+
+  @functools.wraps(func)
+  def wrapper(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == hook.get('nth', 1):
+      if 'say' in hook:
+        print(hook['say'], flush=True)
+      if hook.get('dwell'):
+        time.sleep(hook['dwell'])
+    if 'returns' in hook:
+      return hook['returns']
+    return func(*args, **kwargs)
+  return wrapper
+
+
+def _apply(module):
+  for hook in _HOOKS:
+    name, path = hook['at'].split(':')
+    if name == module.__name__:
+      owner, parts = module, path.split('.')
+      for part in parts[:-1]:
+        owner = getattr(owner, part)
+      setattr(owner, parts[-1], _wrap(getattr(owner, parts[-1]), hook))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+  """Lets the other finders find a hooked module, then hooks it once loaded."""
+
+  def find_spec(self, fullname, path, target=None):
+    if fullname not in _MODULES:
+      return None
+    for finder in sys.meta_path:
+      if finder is not self and hasattr(finder, 'find_spec'):
+        spec = finder.find_spec(fullname, path, target)
+        if spec is not None:
+          break
+    else:
+      return None
+    exec_module = spec.loader.exec_module
+
+    def exec_and_hook(module):
+      exec_module(module)
+      _apply(module)
+    spec.loader.exec_module = exec_and_hook
+    return spec
+
+
+if _HOOKS:
+  sys.meta_path.insert(0, _Finder())
+'''
+
+
+def hook(at, say=None, dwell=0.0, nth=1, returns=None):
+  """One hook of `hooks_env`: at the nth call of `at` ('module:attr.path').
+
+  Prints `say` on stdout and sleeps `dwell` seconds before the call goes on,
+  or returns `returns` instead of calling (when given).
+  """
+  spec = {'at': at, 'nth': nth, 'dwell': dwell}
+  if say is not None:
+    spec['say'] = say
+  if returns is not None:
+    spec['returns'] = returns
+  return spec
+
+
+def hooks_env(directory, hooks, extra=None):
+  """The env of a `python cli.py` run (run_cli, Running) with `hooks` installed.
+
+  Writes a sitecustomize module into `directory`, which the run imports at
+  start-up: it wraps each hooked function as its module is first imported,
+  so a test sees a line when a phase begins (and freezes or signals the run
+  right there) without any hook in the code under test.
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, 'sitecustomize.py'), 'w', encoding='utf-8') as f:
+    f.write(_HOOKS_MODULE)
+  path = os.environ.get('PYTHONPATH')
+  env = {'PYTHONPATH': directory + (os.pathsep + path if path else ''),
+         'FAULTS_HOOKS': json.dumps(hooks)}
+  env.update(extra or {})
+  return env
+
+
+class Frozen:
+  """Freezes a Running (SIGSTOP) as soon as a stdout line satisfies `predicate`.
+
+  A thread of its own waits for the line, so many runs can be frozen each at
+  its own moment. `line` is that line (None if the run ended first), and
+  `frozen_at` the time.time() of the freeze.
+  """
+
+  def __init__(self, run, predicate, timeout=240):
+    self.run = run
+    self.line = None
+    self.frozen_at = None
+    self.error = None
+    self._thread = threading.Thread(target=self._watch, args=(predicate, timeout),
+                                    daemon=True)
+    self._thread.start()
+
+  def _watch(self, predicate, timeout):
+    try:
+      self.line = self.run.wait_for(predicate, timeout=timeout)
+    except AssertionError as e:  # no line in time
+      self.error = str(e)
+      return
+    if self.line is not None and self.run.proc.poll() is None:
+      self.run.proc.send_signal(signal.SIGSTOP)
+      self.frozen_at = time.time()
+
+  def wait(self, timeout=300):
+    """Waits until frozen (or ended); returns the line."""
+    self._thread.join(timeout)
+    assert not self._thread.is_alive(), 'still waiting for the line'
+    assert self.error is None, self.error
+    return self.line
+
+
+def exit_bound(seconds):
+  """`seconds`, stretched by how oversubscribed the CPUs are right now.
+
+  A wall-clock bound on a machine busy with other work only means something
+  per share of CPU the process gets.
+  """
+  load = os.getloadavg()[0] / (os.cpu_count() or 1)
+  return seconds * max(1.0, load)

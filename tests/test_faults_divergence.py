@@ -1,9 +1,11 @@
-"""Divergence: a non-finite loss stops training with an error naming the step and tower.
+"""Divergence: a loss that is NaN, inf or above a bound stops training, naming the step and tower.
 
 Upstream only asserted (`assert not np.isnan(loss_value)`), with a traceback
 and no word on what was kept. Here the run exits 1 with one line, the step
-that diverged is not saved, and the last checkpoint with a finite loss stays
-the latest, its files untouched.
+that diverged is not saved, and the last checkpoint before it stays the
+latest, its files untouched. A finite loss counts too once it is above
+`training.DIVERGED_LOSS`, 100 times a fresh model's loss: a run can sit at a
+finite loss of 1e34 for thousands of steps without ever reaching inf.
 """
 
 import math
@@ -19,22 +21,62 @@ from common import checkpoints
 from common import devices
 from common import training
 
-SCALE = 1e15  # softmax_linear/weights times this: finite loss, then inf/nan
+# How train_dir's model.ckpt-2 is blown up: (variable, factor, what follows).
+BLOW_UPS = {
+    # Logits 1e15 times too large: a huge loss, then inf or nan.
+    'explodes': ('softmax_linear/weights', 1e15),
+    # Weight decay 400 times its size (~880): finite, and stays so (each step
+    # shrinks the weights by only lr * 0.004); before the bound, runs went on.
+    'finite': ('local3/weights', 20.0),
+}
+BOUND = (" (above 468, 100 times a fresh model's loss of 4.68)")
 
 
 @pytest.mark.parametrize('losses, message', [
-    ([1.0, float('nan'), 2.0], 'loss = nan at step 7 in tower 1'),
-    ([float('inf')], 'loss = inf at step 7 in tower 0'),
-    ([1.0, 2.0, 3.0, -float('inf')], 'loss = -inf at step 7 in tower 3'),
+    ([1.0, float('nan'), 2.0], 'loss = nan at step 7 in tower 1;'),
+    ([float('inf')], 'loss = inf at step 7 in tower 0;'),
+    ([1.0, 2.0, 3.0, -float('inf')], 'loss = -inf at step 7 in tower 3;'),
+    ([4.7, 1e34], 'loss = 1e+34 at step 7 in tower 1' + BOUND + ';'),
+    ([468.5], 'loss = 468.5 at step 7 in tower 0' + BOUND + ';'),
+    ([3.0, 880.25, float('nan')], 'loss = 880.2 at step 7 in tower 1' + BOUND + ';'),
 ])
-def test_check_finite_names_the_step_and_the_tower(losses, message):
+def test_check_divergence_names_the_step_and_the_tower(losses, message):
   with pytest.raises(training.TrainingError, match=re.escape(message)):
-    training.check_finite(7, np.array(losses, np.float32))
-  training.check_finite(7, [1.0, 2.0])  # finite: no error
+    training.check_divergence(7, np.array(losses, np.float32))
 
 
-def _blow_up(impl, src, train_dir):
-  """train_dir := model.ckpt-2 of `src` with softmax_linear/weights * SCALE."""
+@pytest.mark.parametrize('losses', [
+    [1.0, 2.0], [training.INITIAL_LOSS], [12.8, 0.0], [training.DIVERGED_LOSS]])
+def test_check_divergence_passes_what_training_sees(losses):
+  training.check_divergence(7, np.array(losses, np.float64))
+
+
+def test_the_bound_is_100_times_a_fresh_models_loss(synth_data_dir, device_plan):
+  """INITIAL_LOSS = ln(10) + the expected weight decay, as a fresh model measures it."""
+  from common import model_spec
+  from modern import inputs
+  from modern import train
+  # The weight decay of the model's own table, over truncated-normal weights
+  # (tf.random.truncated_normal cuts at 2 stddevs: 0.7737 of the variance).
+  decay = sum(layer.wd * 0.5 * 0.7737 * layer.stddev ** 2
+              * np.prod(layer.weight_shape) for layer in model_spec.LAYERS
+              if layer.wd)
+  assert training.INITIAL_LOSS == pytest.approx(math.log(10) + decay, rel=1e-4)
+  assert training.INITIAL_LOSS == pytest.approx(4.676, abs=0.005)
+  assert training.DIVERGED_LOSS == 100 * training.INITIAL_LOSS
+  # What a fresh model's towers measure on 4 batches of 64, before any step.
+  tf.random.set_seed(1)
+  trainer = train.Trainer(devices.plan_devices(4, warn=lambda _: None),
+                          decay_steps=100)
+  batches = next(iter(inputs.distorted_inputs(synth_data_dir, 64, 4, seed=1)))
+  _, tower_losses = trainer.compute_gradients(batches)
+  np.testing.assert_allclose(tower_losses.numpy(), training.INITIAL_LOSS,
+                             atol=0.1)
+
+
+def _blow_up(impl, src, train_dir, how):
+  """train_dir := model.ckpt-2 of `src` with one variable scaled (BLOW_UPS[how])."""
+  variable, scale = BLOW_UPS[how]
   os.makedirs(train_dir)
   path = os.path.join(src, 'model.ckpt-2')
   if impl == 'legacy':
@@ -43,8 +85,8 @@ def _blow_up(impl, src, train_dir):
       variables = {}
       for name in reader.get_variable_to_shape_map():
         value = reader.get_tensor(name)
-        if name == 'softmax_linear/weights':
-          value = value * SCALE
+        if name == variable:
+          value = value * scale
         variables[name] = tf.compat.v1.Variable(value, name=name.replace('/', '_'))
       saver = tf.compat.v1.train.Saver(variables, save_relative_paths=True)
       with tf.compat.v1.Session() as sess:
@@ -56,40 +98,51 @@ def _blow_up(impl, src, train_dir):
                             decay_steps=100)
     checkpoint = train.checkpoint_object(trainer)
     checkpoint.restore(path).assert_existing_objects_matched()
-    weights = trainer.variables()['softmax_linear/weights']
-    weights.assign(weights * SCALE)
+    weights = trainer.variables()[variable]
+    weights.assign(weights * scale)
     tf.train.CheckpointManager(checkpoint, train_dir, 5,
                                checkpoint_name='model.ckpt').save(2)
 
 
 @pytest.fixture(scope='module')
 def diverged_runs(synth_data_dir, tmp_path_factory):
-  """Both trainers resumed from an exploding checkpoint on 2 towers, at once."""
+  """Both trainers resumed from each blown-up checkpoint on 2 towers, all at once."""
   runs = {}
   for impl in fs.TRAINERS:
-    train_dir = str(tmp_path_factory.mktemp('diverge_%s' % impl) / 'train')
-    _blow_up(impl, fs.trained_dir(impl, synth_data_dir), train_dir)
-    before = fs.snapshot(train_dir)
-    runs[impl] = (train_dir, before, fs.Running(
-        [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
-         '--num_gpus', 2, '--max_steps', 40, '--save_every', 1, '--seed', 0]
-        + list(fs.FAST_FLAGS)))
-  return {impl: (train_dir, before) + run.finish(timeout=180)
-          for impl, (train_dir, before, run) in runs.items()}
+    for how in BLOW_UPS:
+      train_dir = str(tmp_path_factory.mktemp('diverge_%s_%s' % (impl, how))
+                      / 'train')
+      _blow_up(impl, fs.trained_dir(impl, synth_data_dir), train_dir, how)
+      before = fs.snapshot(train_dir)
+      runs[impl, how] = (train_dir, before, fs.Running(
+          [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
+           '--num_gpus', 2, '--max_steps', 40, '--save_every', 1, '--seed', 0]
+          + list(fs.FAST_FLAGS)))
+  return {key: (train_dir, before) + run.finish(timeout=180)
+          for key, (train_dir, before, run) in runs.items()}
 
 
+@pytest.mark.parametrize('how', BLOW_UPS)
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_divergence_exits_1_naming_step_and_tower_and_keeps_the_last_checkpoint(
-    diverged_runs, impl):
-  train_dir, before, code, out, err = diverged_runs[impl]
+    diverged_runs, impl, how):
+  train_dir, before, code, out, err = diverged_runs[impl, how]
   assert 'Traceback' not in out + err
   errors = [line for line in err.splitlines() if line.startswith('Error: ')]
   assert len(errors) == 1, err[-2000:]
   match = re.fullmatch(
-      r'Error: Model diverged with loss = (nan|inf|-inf) at step (\d+) in tower '
-      r'([01]); the last good checkpoint is kept\. Lower the learning rate or '
-      r'check the input data\.', errors[0])
+      r'Error: Model diverged with loss = (\S+) at step (\d+) in tower ([01])'
+      r'(%s)?; the last good checkpoint is kept\. Lower the learning rate or '
+      r'check the input data\.' % re.escape(BOUND), errors[0])
   assert match, errors[0]
+  loss = float(match.group(1))
+  # Above the bound (said so), or not finite.
+  assert (math.isfinite(loss) and loss > training.DIVERGED_LOSS) == bool(
+      match.group(4)), errors[0]
+  if how == 'finite':
+    # Caught at once, at its first step, at a finite loss near 880.
+    assert 800 < loss < 1000, errors[0]
+    assert int(match.group(2)) == 3
   assert code == 1
   step = int(match.group(2))
   assert step > 2

@@ -229,3 +229,61 @@ def test_kill_9_at_random_moments_then_resume_finishes(synth_data_dir, tmp_path,
   assert tf.train.load_variable(final, key) == max_steps
   # A run loses at most the steps since the last completed save.
   assert all(r['lost'] <= save_every for r in records), records
+
+
+@pytest.fixture(scope='module')
+def second_sigint_runs(synth_data_dir, tmp_path_factory):
+  """Each trainer given Ctrl-C twice: at step >= 3, and again during the stop's save.
+
+  A test hook holds the save for 30 s after the marker 'HOOK save', so the
+  second signal surely comes during it.
+
+  Returns:
+    dict impl -> (train_dir, seconds from the second signal to the exit,
+    exit code, stdout, stderr).
+  """
+  save = {'legacy': 'legacy.train:_save', 'modern': 'modern.train:StepSaver.__call__'}
+  runs = {}
+  for impl in fs.TRAINERS:
+    base = tmp_path_factory.mktemp('%s_sigint_twice' % impl)
+    train_dir = str(base / 'train')
+    runs[impl] = (train_dir, fs.Running(
+        [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
+         '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS),
+        env=fs.hooks_env(str(base / 'hooks'),
+                         [fs.hook(save[impl], say='HOOK save', dwell=30)])))
+  results = {}
+  try:
+    for impl, (train_dir, run) in runs.items():
+      assert run.wait_for(lambda l: (_step(l) or 0) >= 3) is not None, run.stderr[-20:]
+      run.proc.send_signal(signal.SIGSTOP)
+    for impl, (train_dir, run) in runs.items():
+      run.proc.send_signal(signal.SIGCONT)
+      run.proc.send_signal(signal.SIGINT)
+      assert run.wait_for(lambda l: l == 'HOOK save') == 'HOOK save', run.stderr[-20:]
+      start = time.time()
+      run.proc.send_signal(signal.SIGINT)
+      code, out, err = run.finish(timeout=60)
+      results[impl] = (train_dir, run.exited - start, code, out, err)
+  finally:
+    for _, run in runs.values():
+      if run.proc.poll() is None:
+        run.proc.send_signal(signal.SIGCONT)
+        run.kill()
+  return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_a_second_sigint_ends_the_run_at_once_without_saving(second_sigint_runs,
+                                                             impl):
+  train_dir, seconds, code, out, err = second_sigint_runs[impl]
+  assert 'Traceback' not in out + err, err[-2000:]
+  assert err.strip().splitlines()[-1] == (
+      'SIGINT again: stopping at once, without saving; the steps since the last '
+      'checkpoint are lost.')
+  assert code == 130
+  # At once: not after the 30 s the save in progress would have taken.
+  assert seconds < _exit_bound()
+  assert 'Stopped by' not in out
+  assert not [n for n in os.listdir(train_dir) if n.startswith('model.ckpt')]

@@ -49,3 +49,26 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
       proc.kill()
   with lock.exclusive(str(tmp_path)):
     pass
+
+
+def test_the_lock_file_goes_with_the_run_and_a_removed_one_is_noticed(tmp_path):
+  train_dir = str(tmp_path / 'train')
+  with lock.exclusive(train_dir, what='legacy training'):
+    pass
+  assert os.listdir(train_dir) == []  # a finished run leaves no lock file
+  first = lock.exclusive(train_dir, what='legacy training')
+  path = first.__enter__()
+  lock.check(train_dir)  # still its own
+  os.remove(path)  # e.g. the train_dir emptied under the run
+  with pytest.raises(lock.LockError, match='was removed'):
+    lock.check(train_dir)
+  # The directory is free for another run now; the first one ending does not
+  # take that one's lock file away.
+  with lock.exclusive(train_dir, what='the next run'):
+    first.__exit__(None, None, None)
+    assert os.listdir(train_dir) == [lock.LOCK_FILE]
+    with pytest.raises(lock.LockError, match='the next run'):
+      with lock.exclusive(train_dir):
+        pass
+  assert os.listdir(train_dir) == []
+  lock.check(train_dir)  # no lock of this process there: nothing to check

@@ -114,3 +114,70 @@ def test_a_second_signal_ends_the_process_at_once(sig):
   assert 'not reached' not in out
   assert err.strip() == ('%s again: stopping at once, without saving; the steps '
                          'since the last checkpoint are lost.' % sig.name)
+
+
+def test_raising_ends_the_block_at_once_and_only_there():
+  """In a `raising` block a signal raises Stopped in the main thread; outside, it only marks."""
+  with training.StopRequest() as stop:
+    with pytest.raises(training.Stopped) as raised:
+      with stop.raising():
+        _signal_soon(signal.SIGTERM, delay=0.2)
+        time.sleep(30)  # interrupted: the handler raises here
+    assert str(raised.value) == ('Stopped by SIGTERM before the first step; '
+                                 'nothing was saved.')
+    assert stop.requested
+    with pytest.raises(training.Stopped):  # requested before: raises at entry
+      with stop.raising():
+        pass
+  with training.StopRequest() as stop:
+    with stop.raising():
+      pass
+    os.kill(os.getpid(), signal.SIGINT)  # outside the block: a flag only
+    assert stop.wait(PROMPT_SECS) and stop.signal_name == 'SIGINT'
+
+
+def test_a_second_signal_ends_the_process_even_while_a_callback_blocks():
+  script = textwrap.dedent('''
+      import sys, threading, time
+      sys.path.insert(0, %r)
+      from common import training
+      with training.StopRequest() as stop:
+        with stop.while_blocked(lambda name: threading.Event().wait()):
+          print('ready', flush=True)
+          time.sleep(60)
+  ''' % ROOT)
+  proc = subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == 'ready'
+    proc.send_signal(signal.SIGTERM)  # its callback never returns
+    time.sleep(0.3)
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM
+  assert time.time() - start < PROMPT_SECS
+  assert err.strip().startswith('SIGTERM again: stopping at once')
+
+
+def test_leaving_a_block_waits_for_its_running_callback():
+  """A callback may use what the block's owner closes right after the block."""
+  events = []
+
+  def slow(name):
+    events.append('callback starts')
+    time.sleep(0.5)
+    events.append('callback ends')
+
+  with training.StopRequest() as stop:
+    with stop.while_blocked(slow):
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert stop.wait(PROMPT_SECS)
+      deadline = time.time() + PROMPT_SECS
+      while not events and time.time() < deadline:
+        time.sleep(0.01)
+    events.append('block left')
+  assert events == ['callback starts', 'callback ends', 'block left']

@@ -1,0 +1,542 @@
+"""Whole training runs that a scheduler, an impatient user or a full disk disturb.
+
+Real `python cli.py` processes throughout:
+- two runs in one train_dir (legacy + legacy, legacy + modern, modern +
+  modern): the second exits 1 naming the first's PID and host and writes
+  nothing; the first finishes as if alone;
+- SIGINT / SIGTERM at every phase, delivered while the run is inside it (the
+  run is frozen with SIGSTOP at a marker line, signalled, thawed): before the
+  first step the run ends at once with one line and writes nothing; after
+  it, the step, save or summary in progress is finished and the step saved;
+  each within 10 s;
+- the train_dir removed or made read-only under a running trainer, a full
+  disk at the first save, --max_steps below the resumed step, huge
+  --log_every / --save_every / --summary_every.
+
+The marker lines come from test hooks (`faults_support.hooks_env`), which
+wrap a function of the run as its module loads; the code under test has none.
+"""
+
+import collections
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import tensorflow as tf
+
+import faults_support as fs
+from common import checkpoints
+from common import lock
+from common import training
+
+STEP_LINE = re.compile(r': step (\d+), loss = ')
+EXIT_WITHIN_SECS = 10
+NOT_STARTED = 'Stopped by %s before the first step; nothing was saved.'
+
+
+def _step(line):
+  match = STEP_LINE.search(line or '')
+  return int(match.group(1)) if match else None
+
+
+def _steps_logged(text):
+  return [int(m.group(1)) for m in STEP_LINE.finditer(text)]
+
+
+def _reached(step):
+  return lambda line: (_step(line) or 0) >= step
+
+
+def _global_step(path):
+  key = ('global_step' if checkpoints.kind(path) == checkpoints.LEGACY
+         else 'global_step/.ATTRIBUTES/VARIABLE_VALUE')
+  return int(tf.train.load_variable(path, key))
+
+
+def _errors(err):
+  return [line for line in err.splitlines() if line.startswith('Error: ')]
+
+
+def _train_args(impl, data_dir, train_dir, *extra):
+  return ([impl, '--data_dir', data_dir, '--train_dir', train_dir]
+          + list(fs.FAST_FLAGS) + [str(a) for a in extra])
+
+
+def _thaw_all(runs):
+  for run in runs:
+    if run.proc.poll() is None:
+      run.proc.send_signal(signal.SIGCONT)
+      run.kill()
+
+
+# --- one writer per train_dir ------------------------------------------------
+
+PAIRS = [('legacy', 'legacy'), ('legacy', 'modern'), ('modern', 'modern')]
+PAIR_STEPS = 30  # both runs' --max_steps
+
+
+@pytest.fixture(scope='module')
+def two_runs(synth_data_dir, tmp_path_factory):
+  """Per pair: a first run, frozen at step 3, and a second run in its train_dir.
+
+  All runs start together (their TensorFlow imports overlap). Each first run
+  is frozen (SIGSTOP) at step 3 - holding its train_dir, with nothing saved
+  yet (--save_every 5) - and each second run just before it takes the lock;
+  then the second ones go on, and when they have ended, the first ones.
+
+  Returns:
+    dict pair -> (train_dir, first run's pid, its (code, out, err), the
+    second's (code, out, err), train_dir snapshots before and after the
+    second run went on).
+  """
+  runs = {}
+  for first_impl, second_impl in PAIRS:
+    base = tmp_path_factory.mktemp('%s_then_%s' % (first_impl, second_impl))
+    train_dir = str(base / 'train')
+    first = fs.Running(_train_args(first_impl, synth_data_dir, train_dir,
+                                   '--max_steps', PAIR_STEPS, '--save_every', 5))
+    second = fs.Running(
+        _train_args(second_impl, synth_data_dir, train_dir,
+                    '--max_steps', PAIR_STEPS, '--save_every', 5),
+        env=fs.hooks_env(str(base / 'hooks'),
+                         [fs.hook('common.lock:exclusive', say='HOOK lock',
+                                  dwell=5)]))
+    runs[first_impl, second_impl] = (
+        train_dir, first, second, fs.Frozen(first, _reached(3)),
+        fs.Frozen(second, lambda line: line == 'HOOK lock'))
+  try:
+    for train_dir, first, second, first_frozen, second_frozen in runs.values():
+      assert first_frozen.wait() is not None, first.stderr[-20:]
+      assert second_frozen.wait() is not None, second.stderr[-20:]
+    before = {pair: fs.snapshot(run[0]) for pair, run in runs.items()}
+    for _, _, second, _, _ in runs.values():
+      second.proc.send_signal(signal.SIGCONT)
+    seconds = {pair: run[2].finish(timeout=180) for pair, run in runs.items()}
+    after = {pair: fs.snapshot(run[0]) for pair, run in runs.items()}
+    for _, first, _, _, _ in runs.values():
+      first.proc.send_signal(signal.SIGCONT)
+    return {pair: (train_dir, first.proc.pid, first.finish(timeout=180),
+                   seconds[pair], before[pair], after[pair])
+            for pair, (train_dir, first, _, _, _) in runs.items()}
+  finally:
+    _thaw_all([run for pair in runs.values() for run in pair[1:3]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('pair', PAIRS, ids=lambda p: '%s_then_%s' % p)
+def test_a_second_run_in_a_train_dir_exits_1_naming_the_first(two_runs, pair):
+  train_dir, first_pid, first, second, before, after = two_runs[pair]
+  code, out, err = second
+  assert 'Traceback' not in out + err, err[-2000:]
+  assert _errors(err) == [
+      'Error: %s is in use by another run (PID %d on host %s, %s training, since '
+      '%s). Wait for it to end, or pass another --train_dir; two runs in one '
+      'train_dir would overwrite each other\'s checkpoints.'
+      % (train_dir, first_pid, socket.gethostname(), pair[0],
+         re.search(r', since (.*)\)\. Wait', err).group(1))], err[-2000:]
+  assert code == 1
+  assert out.splitlines() == ['HOOK lock']  # no step, nothing else
+  # The second run wrote nothing: the first one's files are as they were.
+  assert after == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('pair', PAIRS, ids=lambda p: '%s_then_%s' % p)
+def test_the_first_run_finishes_as_if_alone(two_runs, pair):
+  train_dir, _, first, _, _, _ = two_runs[pair]
+  code, out, err = first
+  assert (code, 'Traceback' in err) == (0, False), err[-2000:]
+  assert _steps_logged(out) == list(range(1, PAIR_STEPS + 1))  # each step once
+  final = os.path.join(train_dir, 'model.ckpt-%d' % PAIR_STEPS)
+  assert checkpoints.resume_point(train_dir) == final
+  assert checkpoints.kind(final) == (checkpoints.LEGACY if pair[0] == 'legacy'
+                                     else checkpoints.MODERN)
+  assert _global_step(final) == PAIR_STEPS
+  names = os.listdir(train_dir)
+  assert len([n for n in names if n.startswith('events.out.tfevents')]) == 1
+  # Only the first trainer's kind of files, and no lock left behind.
+  assert bool([n for n in names if n.endswith('.meta')]) == (pair[0] == 'legacy')
+  assert lock.LOCK_FILE not in names
+
+
+# --- a signal at every phase -------------------------------------------------
+
+Phase = collections.namedtuple('Phase', [
+    'name',  # the phase, for the test id
+    'impl',  # trainer
+    'sig',  # the signal delivered inside the phase
+    'hooks',  # faults_support.hook specs that mark (and widen) the phase
+    'marker',  # the stdout line (prefix) at which the run is in the phase
+    'args',  # extra CLI flags
+    'resumed',  # train_dir holds model.ckpt-2 of this trainer
+    'saved',  # the step the stop saves, or None: stopped before the first step
+])
+
+_SAVE = {'legacy': 'legacy.train:_save', 'modern': 'modern.train:StepSaver.__call__'}
+_SUMMARIES = {
+    'legacy': ('tensorflow.python.summary.writer.writer:'
+               'SummaryToEventTransformer.add_summary'),
+    'modern': 'modern.train:_write_summaries'}
+_GRAPH = {'legacy': 'legacy.train:build_train_graph',
+          'modern': 'modern.train:Trainer.__init__'}
+_RESTORE = {'legacy': 'legacy.train:_restore_or_initialize',
+            'modern': 'modern.train:restore_latest'}
+# Legacy's first step waits in C++ while the shuffle queue fills: with this
+# many examples to hold first, it would wait for minutes.
+_ENDLESS_FILL = fs.hook('common.hparams:min_queue_examples', returns=10 ** 6)
+
+
+def _phases(impl):
+  term, sigint = signal.SIGTERM, signal.SIGINT
+  rows = [
+      Phase('data_check', impl, sigint if impl == 'legacy' else term,
+            [fs.hook('common.cifar10_format:train_files', say='HOOK data',
+                     dwell=5)],
+            'HOOK data', (), False, None),
+      Phase('tensorflow_import', impl, term if impl == 'legacy' else sigint,
+            [fs.hook('common.devices:plan_devices', say='HOOK import')],
+            'HOOK import', (), False, None),
+      Phase('graph_building', impl, term,
+            [fs.hook(_GRAPH[impl], say='HOOK graph', dwell=5)],
+            'HOOK graph', (), False, None),
+      Phase('restore', impl, term,
+            [fs.hook(_RESTORE[impl], say='HOOK restore', dwell=5)],
+            'HOOK restore', (), True, None),
+      Phase('save', impl, term, [fs.hook(_SAVE[impl], say='HOOK save', dwell=5)],
+            'HOOK save', ('--save_every', 3), False, 3),
+      Phase('final_save', impl, term,
+            [fs.hook(_SAVE[impl], say='HOOK save', dwell=5)],
+            'HOOK save', ('--max_steps', 3), False, 3),
+      Phase('summaries', impl, term,
+            [fs.hook(_SUMMARIES[impl], say='HOOK summaries', dwell=5)],
+            'HOOK summaries', ('--summary_every', 2), False, 2),
+  ]
+  if impl == 'legacy':
+    rows += [
+        Phase('queue_filling', impl, term, [_ENDLESS_FILL], 'Filling the queue',
+              (), False, None),
+        Phase('queue_filling_resumed', impl, sigint, [_ENDLESS_FILL],
+              'Filling the queue', (), True, None),
+    ]
+  else:
+    # Tracing and compiling the step: seconds, tens on a busy machine.
+    first_step = fs.hook('modern.train:Trainer.train_step', say='HOOK first step')
+    rows += [
+        Phase('first_step', impl, term, [first_step], 'HOOK first step', (),
+              False, None),
+        Phase('first_step_resumed', impl, sigint, [first_step], 'HOOK first step',
+              (), True, None),
+    ]
+  return rows
+
+
+PHASES = _phases('legacy') + _phases('modern')
+
+
+def _signal_in_phases(impl, synth_data_dir, tmp_path_factory):
+  """Runs `impl`'s phases at once; each frozen at its marker, then signalled alone.
+
+  Returns:
+    dict phase name -> (train_dir, snapshot before, seconds from the thaw
+    (when the signal is delivered) to the exit, exit code, stdout, stderr).
+  """
+  runs = {}
+  for phase in _phases(impl):
+    base = tmp_path_factory.mktemp('%s_%s' % (impl, phase.name))
+    train_dir = str(base / 'train')
+    if phase.resumed:
+      fs.copy_trained(impl, synth_data_dir, train_dir)
+    before = fs.snapshot(train_dir)
+    run = fs.Running(
+        _train_args(impl, synth_data_dir, train_dir, '--max_steps', 1000,
+                    *phase.args),
+        env=fs.hooks_env(str(base / 'hooks'), phase.hooks))
+    marker = phase.marker
+    runs[phase.name] = (phase, train_dir, before, run,
+                        fs.Frozen(run, lambda line, m=marker: line.startswith(m)))
+  results = {}
+  try:
+    for name, (_, _, _, run, frozen) in runs.items():
+      assert frozen.wait() is not None, (name, run.stderr[-20:])
+    for name, (phase, train_dir, before, run, frozen) in runs.items():
+      # A hook's pause has run out while frozen (sleep ends at a deadline),
+      # so the time to exit counts none of it. (The pauses are long enough
+      # to be frozen in, on a busy machine.)
+      time.sleep(max(0.0, frozen.frozen_at + max(h['dwell'] for h in phase.hooks)
+                     - time.time()))
+      # Pending while the run is frozen: delivered inside the phase at SIGCONT.
+      run.proc.send_signal(phase.sig)
+      start = time.time()
+      run.proc.send_signal(signal.SIGCONT)
+      code, out, err = run.finish(timeout=120)
+      results[name] = (train_dir, before, run.exited - start, code, out, err)
+  finally:
+    _thaw_all([run for _, _, _, run, _ in runs.values()])
+  return results
+
+
+@pytest.fixture(scope='module')
+def legacy_phases(synth_data_dir, tmp_path_factory):
+  return _signal_in_phases('legacy', synth_data_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope='module')
+def modern_phases(synth_data_dir, tmp_path_factory):
+  return _signal_in_phases('modern', synth_data_dir, tmp_path_factory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('phase', PHASES,
+                         ids=lambda p: '%s-%s-%s' % (p.impl, p.name, p.sig.name))
+def test_a_signal_in_any_phase_stops_within_10s_with_one_line(phase, request):
+  train_dir, before, seconds, code, out, err = request.getfixturevalue(
+      '%s_phases' % phase.impl)[phase.name]
+  print('%s %s: exit %.2f s after the signal' % (phase.impl, phase.name, seconds))
+  assert 'Traceback' not in out + err, err[-2000:]
+  assert err.strip() == '', err[-2000:]
+  assert code == 128 + phase.sig
+  assert seconds < fs.exit_bound(EXIT_WITHIN_SECS)
+  last = out.splitlines()[-1]
+  if phase.saved is None:
+    assert last == NOT_STARTED % phase.sig.name
+    assert _steps_logged(out) == []
+    # Nothing written: a fresh train_dir holds no file, a resumed one is as it was.
+    after = fs.snapshot(train_dir)
+    assert after == before, fs.changed(before, after) + sorted(set(after) - set(before))
+  else:
+    # The save or summary in progress was finished, then the run stopped.
+    path = os.path.join(train_dir, 'model.ckpt-%d' % phase.saved)
+    assert last == 'Stopped by %s at global step %d; saved %s.' % (
+        phase.sig.name, phase.saved, path)
+    assert max(_steps_logged(out)) == phase.saved
+    assert checkpoints.resume_point(train_dir) == path
+    assert _global_step(path) == phase.saved
+  assert lock.LOCK_FILE not in (os.listdir(train_dir) if os.path.isdir(train_dir)
+                                else [])
+
+
+class _TrickleServer:
+  """An http server on 127.0.0.1 that sends CIFAR-10's size in bytes, slowly."""
+
+  def __init__(self):
+    self._socket = socket.socket()
+    self._socket.bind(('127.0.0.1', 0))
+    self._socket.listen(4)
+    self.url = 'http://127.0.0.1:%d/cifar-10-binary.tar.gz' % (
+        self._socket.getsockname()[1])
+    threading.Thread(target=self._serve, daemon=True).start()
+
+  def _serve(self):
+    while True:
+      try:
+        connection, _ = self._socket.accept()
+      except OSError:  # closed
+        return
+      threading.Thread(target=self._trickle, args=(connection,), daemon=True).start()
+
+  @staticmethod
+  def _trickle(connection):
+    with connection:
+      try:
+        connection.recv(4096)
+        connection.sendall(b'HTTP/1.0 200 OK\r\nContent-Length: 170052171\r\n\r\n')
+        for _ in range(2000):  # 64 KB every 50 ms: 100 s at most
+          connection.sendall(b'\0' * 65536)
+          time.sleep(0.05)
+      except OSError:  # the client went away
+        pass
+
+  def close(self):
+    self._socket.close()
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_during_the_download_stops_at_once_and_leaves_no_part_file(
+    tmp_path, sig):
+  server = _TrickleServer()
+  data_dir, train_dir = str(tmp_path / 'data'), str(tmp_path / 'train')
+  os.makedirs(data_dir)
+  run = fs.Running(['legacy', '--data_dir', data_dir, '--train_dir', train_dir],
+                   env={'CIFAR10_DATA_URL': server.url})
+  try:
+    deadline = time.time() + 60
+    while not [n for n in os.listdir(data_dir) if n.endswith('.part')]:
+      assert time.time() < deadline and run.proc.poll() is None, run.stderr[-20:]
+      time.sleep(0.05)
+    time.sleep(0.5)  # downloading
+    start = time.time()
+    run.proc.send_signal(sig)
+    code, out, err = run.finish(timeout=60)
+  finally:
+    server.close()
+    if run.proc.poll() is None:
+      run.kill()
+  assert 'Traceback' not in out + err, err[-2000:]
+  assert out.splitlines() == [NOT_STARTED % sig.name]
+  assert code == 128 + sig
+  assert run.exited - start < fs.exit_bound(EXIT_WITHIN_SECS)
+  assert os.listdir(data_dir) == []  # the partial download is gone
+  assert not os.path.exists(train_dir)
+
+
+# --- what else a user, a scheduler or a disk does ----------------------------
+
+def _chattr(flag, path):
+  return subprocess.run(['chattr', flag, path], capture_output=True, timeout=30,
+                        check=False).returncode == 0
+
+
+@pytest.fixture(scope='module')
+def disturbed_runs(synth_data_dir, tmp_path_factory):
+  """Each trainer's train_dir removed, and made read-only, under it at step 2.
+
+  The runs start together; each is frozen at step 2 (held there by a hook;
+  --save_every 5: nothing saved yet), its train_dir removed or made
+  immutable (`chattr +i`: not even root can create a file in it), and thawed.
+
+  Returns:
+    dict (impl, 'removed' | 'read_only') -> (train_dir, exit code, stdout,
+    stderr); 'read_only' is missing where chattr does not work.
+  """
+  runs = {}
+  for impl in fs.TRAINERS:
+    for what in ('removed', 'read_only'):
+      base = tmp_path_factory.mktemp('%s_%s' % (impl, what))
+      train_dir = str(base / 'train')
+      os.makedirs(train_dir)
+      if what == 'read_only' and not (_chattr('+i', train_dir)
+                                      and _chattr('-i', train_dir)):
+        continue
+      run = fs.Running(
+          _train_args(impl, synth_data_dir, train_dir, '--max_steps', 12,
+                      '--save_every', 5),
+          env=fs.hooks_env(str(base / 'hooks'), [fs.hook(
+              'common.training:log_line', say='HOOK step 2', dwell=5, nth=2)]))
+      runs[impl, what] = (train_dir, run,
+                          fs.Frozen(run, lambda line: line == 'HOOK step 2'))
+  results = {}
+  try:
+    for key, (train_dir, run, frozen) in runs.items():
+      assert frozen.wait() is not None, run.stderr[-20:]
+      if key[1] == 'removed':
+        shutil.rmtree(train_dir)
+      else:
+        assert _chattr('+i', train_dir)
+      run.proc.send_signal(signal.SIGCONT)
+    for key, (train_dir, run, _) in runs.items():
+      results[key] = (train_dir,) + run.finish(timeout=120)
+  finally:
+    _thaw_all([run for _, run, _ in runs.values()])
+    for (impl, what), (train_dir, _, _) in runs.items():
+      if what == 'read_only':
+        _chattr('-i', train_dir)
+  return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_train_dir_removed_under_a_run_stops_it_before_writing_there(
+    disturbed_runs, impl):
+  train_dir, code, out, err = disturbed_runs[impl, 'removed']
+  assert 'Traceback' not in out + err, err[-2000:]
+  assert _errors(err) == [
+      'Error: %s was removed, or its lock file %s, while this run trained in it; '
+      'stopped without writing there again, as another run may have started in '
+      'it since. Train again to start anew, or pass another --train_dir.'
+      % (train_dir, lock.LOCK_FILE)], err[-2000:]
+  assert code == 1
+  assert max(_steps_logged(out)) == 5  # stopped at the first save after it
+  if os.path.isdir(train_dir):  # a summary writer may have made it again
+    assert not [n for n in os.listdir(train_dir) if n.startswith('model.ckpt')]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_train_dir_made_read_only_under_a_run_fails_at_the_save(disturbed_runs,
+                                                                 impl):
+  if (impl, 'read_only') not in disturbed_runs:
+    pytest.skip('chattr +i does not work on this file system')
+  train_dir, code, out, err = disturbed_runs[impl, 'read_only']
+  assert 'Traceback' not in out + err, err[-2000:]
+  assert len(_errors(err)) == 1, err[-2000:]
+  assert re.fullmatch(
+      r'Error: could not write checkpoint model\.ckpt-5 in %s \(Operation not '
+      r'permitted\); training stopped\. No earlier checkpoint exists\. .*'
+      % re.escape(train_dir), _errors(err)[0]), err[-2000:]
+  assert code == 1
+  assert not [n for n in os.listdir(train_dir) if n.startswith('model.ckpt')]
+
+
+@pytest.fixture(scope='module')
+def tiny_full_disk(tmp_path_factory):
+  """A 1 MB tmpfs: not room for one checkpoint (8.6 MB)."""
+  if os.geteuid() != 0:
+    pytest.skip('mounting a tmpfs needs root')
+  path = str(tmp_path_factory.mktemp('tiny_full_disk'))
+  if not fs.mount_tmpfs(path, '1m'):
+    pytest.skip('mounting a tmpfs is not permitted here')
+  yield path
+  fs.umount(path)
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_first_save(tiny_full_disk, synth_data_dir):
+  runs = {impl: fs.Running(_train_args(impl, synth_data_dir,
+                                       os.path.join(tiny_full_disk, impl),
+                                       '--max_steps', 4, '--save_every', 2))
+          for impl in fs.TRAINERS}
+  for impl, run in runs.items():
+    train_dir = os.path.join(tiny_full_disk, impl)
+    code, out, err = run.finish(timeout=180)
+    assert 'Traceback' not in out + err, err[-2000:]
+    assert _errors(err) == [
+        'Error: could not write checkpoint model.ckpt-2 in %s (No space left on '
+        'device); training stopped. No earlier checkpoint exists. Free space on '
+        'that disk (or pass another --train_dir) and run again.' % train_dir
+    ], err[-2000:]
+    assert code == 1
+    assert _steps_logged(out) == [1, 2]
+    names = os.listdir(train_dir)
+    assert not [n for n in names if n.startswith('model.ckpt') or 'temp' in n]
+    assert lock.LOCK_FILE not in names
+
+
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_max_steps_below_the_resumed_step_trains_nothing_and_says_why(
+    impl, synth_data_dir, tmp_path):
+  train_dir = fs.copy_trained(impl, synth_data_dir, str(tmp_path / 'train'))
+  before = fs.snapshot(train_dir)
+  code, out, err, exception = fs.invoke_cli(
+      _train_args(impl, synth_data_dir, train_dir, '--max_steps', 1))
+  assert (code, exception) == (0, None), err
+  line = training.nothing_to_train(2, 1, train_dir)
+  assert 'from step 0, not from the resumed step' in line
+  # Legacy says it on stdout (as upstream would), modern on stderr.
+  assert line in (out if impl == 'legacy' else err).splitlines()
+  assert _steps_logged(out) == []
+  assert fs.snapshot(train_dir) == before  # nothing added, nothing changed
+
+
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_huge_log_save_and_summary_intervals_still_save_the_last_step(
+    impl, synth_data_dir, tmp_path):
+  train_dir = str(tmp_path / 'train')
+  huge = 10 ** 30
+  code, out, err, exception = fs.invoke_cli(
+      [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
+       '--batch_size', 8, '--max_steps', 5, '--log_every', huge,
+       '--save_every', huge, '--summary_every', huge])
+  assert (code, exception) == (0, None), err
+  assert 'Traceback' not in out + err
+  assert _steps_logged(out) == []
+  final = os.path.join(train_dir, 'model.ckpt-5')
+  assert checkpoints.resume_point(train_dir) == final
+  assert _global_step(final) == 5
+  assert sorted(checkpoints.step_of(n[:-len('.index')])
+                for n in os.listdir(train_dir) if n.endswith('.index')) == [5]
