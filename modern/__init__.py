@@ -6,8 +6,9 @@ The same algorithm as `legacy/` (SPEC §1) without `tf.compat.v1`, split the
 same way so the two can be diffed file by file:
 
   inputs.py  tf.data pipelines over the CIFAR-10 binary files
-  model.py   the variables (`Cifar10Model`), `inference` and `loss`
-  train.py   towers, `average_gradients`, SGD, moving averages, checkpoints
+  model.py   the variables (`Cifar10Model`), `inference`, `loss`, moving averages
+  checkpoints.py  the checkpoint layout, resuming, saving once per step
+  train.py   towers, `average_gradients`, SGD, the training loop
   eval.py    precision @ 1 with the moving-average weights
 
 Importing this package imports nothing heavy; import the modules you need.

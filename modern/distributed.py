@@ -21,7 +21,7 @@ Both are `StrategyTrainer`s, which have the interface of `modern.train.Trainer`
 towers. The update is the towers': no Keras optimizer, plain gradient descent
 with the learning rate read before the global step's increment, then the
 moving averages with the decay of the incremented step. Checkpoints have the
-layout of `modern.train.checkpoint_object`, so eval and convert read them.
+layout of `modern.checkpoints.checkpoint_object`, so eval and convert read them.
 
 Every step is synchronous: each replica computes the gradients of its own
 batch, the all-reduce waits for every replica of every worker, and every
@@ -72,6 +72,7 @@ from common import hparams
 from common import lock
 from common import model_spec
 from common import training
+from modern import checkpoints as ckpt_lib
 from modern import cluster as cluster_lib
 from modern import inputs
 from modern import train as train_lib
@@ -824,14 +825,14 @@ def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
       return watchdog.guard(config.startup_timeout, what, step, '--startup_timeout')
     return watchdog.guard(config.peer_timeout, what, step, '--peer_timeout')
 
-  checkpoint = train_lib.checkpoint_object(trainer)
+  checkpoint = ckpt_lib.checkpoint_object(trainer)
   # Only the chief restores; the others take its state in the broadcast below.
-  resume_from = (train_lib.restore_latest(config.train_dir, checkpoint, warn)
+  resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint, warn)
                  if is_chief else None)
   manager = tf.train.CheckpointManager(  # after restore_latest: see there
-      checkpoint, write_dir, max_to_keep=train_lib.MAX_TO_KEEP,
+      checkpoint, write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-  save = train_lib.StepSaver(trainer, manager, write_dir)
+  save = ckpt_lib.StepSaver(trainer, manager, write_dir)
   # The last global step completed (None before the broadcast), for a save
   # after a failed wait; the step this run began at.
   progress = types.SimpleNamespace(step=None, first_step=None)

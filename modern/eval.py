@@ -16,7 +16,7 @@ from common import hparams
 from common import training
 from modern import inputs
 from modern import model as model_lib
-from modern import train as train_lib
+from modern import checkpoints as ckpt_lib
 
 
 class EvalError(Exception):
@@ -37,7 +37,7 @@ def _model_of(contents):
   # The shadow (moving-average) value of each variable goes into the variable,
   # as upstream eval's `variables_to_restore()`; the raw weights are not used.
   for name, variable in model.variables_by_name().items():
-    key = train_lib.checkpoint_key('%s/%s' % (name, train_lib.EMA_SUFFIX))
+    key = ckpt_lib.checkpoint_key('%s/%s' % (name, ckpt_lib.EMA_SUFFIX))
     value = contents.tensors.get(key)
     if value is None or tuple(value.shape) != tuple(variable.shape):
       raise EvalError('%s does not hold all 10 moving averages (%s: %s); is it '

@@ -10,29 +10,9 @@ descent, the global step and the moving averages are updated there.
 No Keras optimizer: `tf.keras.optimizers.SGD` under a distribution strategy
 sums gradients across replicas implicitly, which changes the arithmetic the
 equivalence contract (SPEC §2) compares. The update is written out instead.
-
-Checkpoint layout (`checkpoint_object`, `tf.train.Checkpoint` keys as listed
-by `tf.train.list_variables`), with the legacy `Saver` name each corresponds to:
-
-  global_step/.ATTRIBUTES/VARIABLE_VALUE           global_step (int64 scalar)
-  model/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE  <layer>/<kind>
-  ema/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE    <layer>/<kind>/ExponentialMovingAverage
-  save_counter/.ATTRIBUTES/VARIABLE_VALUE          (tf.train.Checkpoint's own; none)
-  _CHECKPOINTABLE_OBJECT_GRAPH                     (the object graph; none)
-
-where <layer>/<kind> is one of `model_spec.VARIABLE_NAMES` ('conv1/weights',
-..., 'softmax_linear/biases'). `checkpoint_key(legacy_name)` computes the
-left column. Files are `<train_dir>/model.ckpt-<global_step>.{index,data-*}`
-plus the `checkpoint` state file, as with legacy's Saver.
-
-Converting: modern -> legacy names is `tf.train.load_variable(path,
-checkpoint_key(name))` for each legacy name; legacy -> modern is a `Trainer`
-given the legacy values with `assign_variables(values, shadow_values)` and
-`global_step.assign(...)`, saved through `checkpoint_object(trainer)`.
 """
 
 import contextlib
-import os
 import sys
 import time
 
@@ -49,18 +29,11 @@ from common import lock
 from common import model_spec
 from common import training
 from common import lrn
+from modern import checkpoints as ckpt_lib
 from modern import inputs
 from modern import model as model_lib
 
 TOWER_NAME = hparams.TOWER_NAME
-MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
-EMA_SUFFIX = 'ExponentialMovingAverage'  # legacy's shadow-variable name suffix
-
-# Checkpoint attribute names (the first component of every checkpoint key).
-_CKPT_GLOBAL_STEP = 'global_step'
-_CKPT_MODEL = 'model'
-_CKPT_EMA = 'ema'
-_CKPT_VALUE = '.ATTRIBUTES/VARIABLE_VALUE'
 
 
 def _stderr(message):
@@ -103,50 +76,6 @@ def average_gradients(tower_grads):
   return average_grads
 
 
-class MovingAverages(tf.Module):
-  """Shadow variables of the trainable variables (legacy's ExponentialMovingAverage).
-
-  Same object structure as `Cifar10Model` (`ema.conv1.weights`, ...), so a
-  `Cifar10Model` can stand in for it to restore the averages (see `eval.py`).
-  """
-
-  def __init__(self, model):
-    """Creates one shadow per variable of `model`, holding its current value.
-
-    Like legacy's `ExponentialMovingAverage.apply`, which initializes each
-    shadow with the variable's initial value.
-    """
-    super().__init__(name='moving_averages')
-    for layer in model_spec.LAYERS:
-      source = getattr(model, layer.name)
-      shadows = []
-      for kind in ('weights', 'biases'):
-        var = getattr(source, kind)
-        with tf.device(devices.VARIABLE_DEVICE):
-          shadows.append(tf.Variable(
-              var.read_value(), trainable=False,
-              name='%s/%s/%s' % (layer.name, kind, EMA_SUFFIX)))
-      setattr(self, layer.name, model_lib.LayerVariables(layer.name, *shadows))
-
-  def variables_by_name(self):
-    """Dict 'conv1/weights' -> shadow tf.Variable, in VARIABLE_NAMES order."""
-    return {name: getattr(getattr(self, name.split('/')[0]), name.split('/')[1])
-            for name in model_spec.VARIABLE_NAMES}
-
-  def apply(self, model, decay):
-    """shadow -= (shadow - variable) * (1 - decay), for every variable.
-
-    Args:
-      model: Cifar10Model whose current (already updated) values are averaged.
-      decay: float32 scalar tensor, `model_spec.ema_decay(global_step)`.
-    """
-    one_minus_decay = 1.0 - decay
-    shadows = self.variables_by_name()
-    for name, var in model.variables_by_name().items():
-      # The operand order of legacy's assign_moving_average.
-      shadows[name].assign_sub((shadows[name] - var) * one_minus_decay)
-
-
 class Trainer:
   """The model, the global step and the moving averages, and the tower step.
 
@@ -156,7 +85,7 @@ class Trainer:
     decay_steps: int, steps between learning-rate decays.
     model: Cifar10Model.
     global_step: int64 tf.Variable on VARIABLE_DEVICE.
-    ema: MovingAverages.
+    ema: modern.model.MovingAverages.
   """
 
   def __init__(self, plan, decay_steps, jit=False):
@@ -178,7 +107,7 @@ class Trainer:
     with tf.device(devices.VARIABLE_DEVICE):
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                      name='global_step')
-    self.ema = MovingAverages(self.model)
+    self.ema = model_lib.MovingAverages(self.model)
     # Deviation from a whole-step jit_compile: XLA compiles one device's ops
     # and cannot read variables that live on another device, so with `jit`
     # each tower's loss-and-gradients function (which receives the variables'
@@ -352,145 +281,6 @@ class Trainer:
       var.assign(tf.cast(shadow_values[name], tf.float32))
 
 
-class StepSaver:
-  """Saves a trainer's checkpoint at most once per global step.
-
-  Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
-  already saved, and returns the checkpoint's path. A failed write is a
-  one-line `common.checkpoints` error: the manager names a checkpoint latest
-  only after writing it whole, so the previous one stays in place. Nothing
-  is written if the directory, locked by this process, was removed under it
-  (`common.lock.LockError`).
-  """
-
-  def __init__(self, trainer, manager, directory, last_saved=None):
-    self.trainer = trainer
-    self.manager = manager
-    self.directory = directory
-    self.last_saved = last_saved  # the global step of the newest save, or None
-
-  def __call__(self):
-    current = int(self.trainer.global_step.numpy())
-    if current != self.last_saved:
-      lock.check(self.directory)
-      try:
-        self.manager.save(checkpoint_number=current)
-      except (tf.errors.OpError, OSError) as e:
-        raise checkpoints.save_failed(self.directory, current, e) from e
-      self.last_saved = current
-    return '%s-%d' % (os.path.join(self.directory, config_lib.CHECKPOINT_BASENAME),
-                      self.last_saved)
-
-
-def checkpoint_object(trainer):
-  """The `tf.train.Checkpoint` of a trainer; keys as in the module docstring."""
-  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: trainer.global_step,
-                                _CKPT_MODEL: trainer.model,
-                                _CKPT_EMA: trainer.ema})
-
-
-def moving_average_checkpoint(model, global_step):
-  """A `tf.train.Checkpoint` that restores the saved moving averages into `model`.
-
-  `model` (a Cifar10Model) takes the place of the trainer's MovingAverages,
-  which has the same structure, so restoring a training checkpoint through
-  this object fills the model's variables with the shadows (upstream eval's
-  `variables_to_restore()`); the raw weights are left out (`expect_partial`).
-
-  Args:
-    model: Cifar10Model to receive the averages.
-    global_step: int64 tf.Variable to receive the step.
-  """
-  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: global_step, _CKPT_EMA: model})
-
-
-def restore_latest(train_dir, checkpoint, warn):
-  """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
-
-  The newest checkpoint that passes its checksums (`common.checkpoints`),
-  usually the manager's latest.
-
-  Args:
-    train_dir: str.
-    checkpoint: `checkpoint_object(trainer)`.
-    warn: callable taking one message (skipped damaged checkpoints).
-
-  An unreadable `checkpoint` state file (empty, not text), which
-  resume_point passed over, is rewritten to name the restored checkpoint
-  (removed when there is none): the CheckpointManager reads it before its
-  first save, which would rewrite it anyway. So call this before creating
-  the manager.
-
-  Returns:
-    The restored checkpoint's path, or None when train_dir has none.
-
-  Raises:
-    common.training.TrainingError: it is a legacy checkpoint, or of another model.
-    common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
-  """
-  resume_from = checkpoints.resume_point(train_dir, warn)
-  if not resume_from:
-    checkpoints.replace_unreadable_state(train_dir, None)
-    return None
-  contents = checkpoints.read(resume_from)
-  if contents.kind != checkpoints.MODERN:
-    step = contents.tensors.get('global_step')
-    what = ('a checkpoint of the upstream script (float32 global_step)'
-            if step is not None and step.dtype.kind == 'f'
-            else 'a legacy (tf.compat.v1 Saver) checkpoint')
-    raise training.TrainingError(
-        '%s is %s; the modern trainer resumes only its own checkpoints. Use '
-        'another --train_dir, or convert this one (`python cli.py convert '
-        '--from_dir %s --to_dir NEW_DIR`) and train NEW_DIR, or train it with '
-        'the legacy trainer.' % (resume_from, what, train_dir))
-  checkpoints.check_fits(resume_from, checkpoint_shapes())
-  try:
-    checkpoint.restore(resume_from).assert_existing_objects_matched()
-  except (AssertionError, ValueError, tf.errors.OpError) as e:
-    raise training.TrainingError(
-        '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (resume_from, checkpoints.reason(e))
-    ) from e
-  # The CheckpointManager cannot read an empty or non-text state file;
-  # resume_point said it skipped it, and the next save replaces it anyway.
-  checkpoints.replace_unreadable_state(train_dir, resume_from)
-  return resume_from
-
-
-def checkpoint_shapes():
-  """Dict checkpoint key -> shape of everything a training checkpoint must hold."""
-  shapes = {checkpoint_key('global_step'): ()}
-  for name in model_spec.VARIABLE_NAMES:
-    shapes[checkpoint_key(name)] = model_spec.variable_shape(name)
-    shapes[checkpoint_key('%s/%s' % (name, EMA_SUFFIX))] = (
-        model_spec.variable_shape(name))
-  return shapes
-
-
-def checkpoint_key(legacy_name):
-  """The modern checkpoint key holding what legacy's Saver names `legacy_name`.
-
-  Args:
-    legacy_name: 'global_step', 'conv1/weights' (any of VARIABLE_NAMES), or
-      'conv1/weights/ExponentialMovingAverage'.
-
-  Returns:
-    str, e.g. 'ema/conv1/weights/.ATTRIBUTES/VARIABLE_VALUE'.
-
-  Raises:
-    KeyError: the name is none of these.
-  """
-  if legacy_name == 'global_step':
-    return '%s/%s' % (_CKPT_GLOBAL_STEP, _CKPT_VALUE)
-  if legacy_name in model_spec.VARIABLE_NAMES:
-    return '%s/%s/%s' % (_CKPT_MODEL, legacy_name, _CKPT_VALUE)
-  suffix = '/' + EMA_SUFFIX
-  if legacy_name.endswith(suffix) and (
-      legacy_name[:-len(suffix)] in model_spec.VARIABLE_NAMES):
-    return '%s/%s/%s' % (_CKPT_EMA, legacy_name[:-len(suffix)], _CKPT_VALUE)
-  raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)
-
-
 # tf.summary.scalar / tf.summary.histogram are implemented by the tensorboard
 # package, which tensorflow no longer installs; these write the same records
 # (a tensor plus the plugin's name, as TensorBoard's scalars and histograms
@@ -525,7 +315,7 @@ def _write_summaries(trainer, step, tower_losses, lr):
   for name, var in trainer.variables().items():
     _histogram_summary(name, var.numpy(), step)
   for name, var in trainer.shadow_variables().items():
-    _histogram_summary('%s/%s' % (name, EMA_SUFFIX), var.numpy(), step)
+    _histogram_summary('%s/%s' % (name, model_spec.EMA_SUFFIX), var.numpy(), step)
 
 
 def train(config, plan, out=print, warn=_stderr):
@@ -585,10 +375,10 @@ def train(config, plan, out=print, warn=_stderr):
             % (examples_per_epoch, config.batch_size, config.num_gpus,
                hparams.NUM_EPOCHS_PER_DECAY))
       trainer = Trainer(plan, decay_steps, jit=config.jit)
-      checkpoint = checkpoint_object(trainer)
-      resume_from = restore_latest(config.train_dir, checkpoint, warn)
+      checkpoint = ckpt_lib.checkpoint_object(trainer)
+      resume_from = ckpt_lib.restore_latest(config.train_dir, checkpoint, warn)
       manager = tf.train.CheckpointManager(  # after restore_latest: see there
-          checkpoint, config.train_dir, max_to_keep=MAX_TO_KEEP,
+          checkpoint, config.train_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
           checkpoint_name=config_lib.CHECKPOINT_BASENAME)
       step = int(trainer.global_step.numpy())
       if resume_from:
@@ -600,7 +390,7 @@ def train(config, plan, out=print, warn=_stderr):
       iterator = iter(inputs.distorted_inputs(
           config.data_dir, config.batch_size, config.num_gpus,
           seed=config.seed))
-    save = StepSaver(trainer, manager, config.train_dir,
+    save = ckpt_lib.StepSaver(trainer, manager, config.train_dir,
                      last_saved=step if resume_from else None)
     return _train_loop(config, trainer, iterator, save, decay_steps, stop, out,
                        warn)

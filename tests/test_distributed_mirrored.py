@@ -23,6 +23,7 @@ from modern import cluster as cluster_lib
 from modern import distributed
 from modern import eval as eval_lib
 from modern import inputs
+from modern import checkpoints as modern_checkpoints
 from modern import train
 
 # SPEC §2 tolerances.
@@ -116,13 +117,13 @@ def test_mirrored_checkpoints_have_the_towers_layout(initial_values, tmp_path,
   mirrored = distributed.MirroredTrainer(_plan(2), decay_steps=100)
   mirrored.assign_variables(initial_values)
   mirrored.train_step(_batches(2, 4, seed=1))
-  path = train.checkpoint_object(mirrored).save(str(tmp_path / 'm' / 'model.ckpt'))
+  path = modern_checkpoints.checkpoint_object(mirrored).save(str(tmp_path / 'm' / 'model.ckpt'))
   towers = train.Trainer(_plan(2), decay_steps=100)
-  towers_path = train.checkpoint_object(towers).save(str(tmp_path / 't' / 'model.ckpt'))
+  towers_path = modern_checkpoints.checkpoint_object(towers).save(str(tmp_path / 't' / 'model.ckpt'))
   assert ({name: shape for name, shape in tf.train.list_variables(path)}
           == {name: shape for name, shape in tf.train.list_variables(towers_path)})
   # The towers (and eval, and convert) read it.
-  train.checkpoint_object(towers).restore(path).assert_existing_objects_matched()
+  modern_checkpoints.checkpoint_object(towers).restore(path).assert_existing_objects_matched()
   assert int(towers.global_step.numpy()) == 1
   _assert_close({k: v.numpy() for k, v in towers.shadow_variables().items()},
                 {k: v.numpy() for k, v in mirrored.shadow_variables().items()},
@@ -155,7 +156,7 @@ def test_train_with_the_mirrored_strategy_saves_and_resumes(synth_data_dir, tmp_
   assert train.train(config, _plan(2), out=lines.append, warn=lines.append) == 15
   assert 'Resuming from %s at global step 10.' % (train_dir / 'model.ckpt-10') in lines
   path = tf.train.latest_checkpoint(str(train_dir))
-  assert tf.train.load_variable(path, train.checkpoint_key('global_step')) == 15
+  assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 15
 
 
 # --- sharding of the training records -----------------------------------------

@@ -249,12 +249,12 @@ def test_two_workers_train_together_and_the_chief_keeps_the_checkpoints(
   assert out1.strip() == ''  # progress comes from the chief only
   assert 'Traceback' not in err1
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   from modern import eval as eval_lib  # pylint: disable=g-import-not-at-top
-  from modern import train  # pylint: disable=g-import-not-at-top
   path = tf.train.latest_checkpoint(str(train_dir))
   assert path == str(train_dir / 'model.ckpt-20')
   assert (train_dir / 'model.ckpt-10.index').exists()
-  assert tf.train.load_variable(path, train.checkpoint_key('global_step')) == 20
+  assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 20
   assert any(name.startswith('events.out.tfevents') for name in os.listdir(train_dir))
   # The non-chief's temporary dir is gone; only the chief's files remain.
   assert not any(name.startswith('workertemp_') for name in os.listdir(train_dir))
@@ -325,9 +325,9 @@ def test_a_worker_that_loses_its_peer_stops_with_a_clear_error(
   out = ''.join(seen) + out
   assert step == max(_steps_logged(out)), (step, out[-2000:])
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import train  # pylint: disable=g-import-not-at-top
+  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   assert tf.train.load_variable(saved.group(1),
-                                train.checkpoint_key('global_step')) == step
+                                modern_checkpoints.checkpoint_key('global_step')) == step
   if how != signal.SIGKILL:
     return
 

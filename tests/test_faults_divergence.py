@@ -93,10 +93,11 @@ def _blow_up(impl, src, train_dir, how):
         sess.run(tf.compat.v1.global_variables_initializer())
         saver.save(sess, os.path.join(train_dir, 'model.ckpt'), global_step=2)
   else:
+    from modern import checkpoints as modern_checkpoints
     from modern import train
     trainer = train.Trainer(devices.plan_devices(1, warn=lambda _: None),
                             decay_steps=100)
-    checkpoint = train.checkpoint_object(trainer)
+    checkpoint = modern_checkpoints.checkpoint_object(trainer)
     checkpoint.restore(path).assert_existing_objects_matched()
     weights = trainer.variables()[variable]
     weights.assign(weights * scale)

@@ -368,11 +368,11 @@ def test_fault(outcomes, name):
   if name in WRITES_CHECKPOINT:
     # The chief's last completed step, named in its line, is kept whole.
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from modern import train  # pylint: disable=import-outside-toplevel
+    from modern import checkpoints as modern_checkpoints  # pylint: disable=import-outside-toplevel
     saved = lines[-1].rpartition('saved ')[2].split()[0].rstrip('.')
     step = int(saved.rpartition('-')[2])
     assert step >= 2 and tf.train.latest_checkpoint(outcome.train_dir) == saved
-    assert tf.train.load_variable(saved, train.checkpoint_key('global_step')) == step
+    assert tf.train.load_variable(saved, modern_checkpoints.checkpoint_key('global_step')) == step
     logged = [int(m) for m in re.findall(r': step (\d+), loss = ', outcome.out)]
     if logged:  # the chief's: the last step it logged (log_every 1), no later
       assert step == max(logged), outcome.out[-2000:]

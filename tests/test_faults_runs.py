@@ -178,7 +178,7 @@ Phase = collections.namedtuple('Phase', [
     'saved',  # the step the stop saves, or None: stopped before the first step
 ])
 
-_SAVE = {'legacy': 'legacy.train:_save', 'modern': 'modern.train:StepSaver.__call__'}
+_SAVE = {'legacy': 'legacy.train:_save', 'modern': 'modern.checkpoints:StepSaver.__call__'}
 _SUMMARIES = {
     'legacy': ('tensorflow.python.summary.writer.writer:'
                'SummaryToEventTransformer.add_summary'),
@@ -186,7 +186,7 @@ _SUMMARIES = {
 _GRAPH = {'legacy': 'legacy.train:build_train_graph',
           'modern': 'modern.train:Trainer.__init__'}
 _RESTORE = {'legacy': 'legacy.train:_restore_or_initialize',
-            'modern': 'modern.train:restore_latest'}
+            'modern': 'modern.checkpoints:restore_latest'}
 # Legacy's first step waits in C++ while the shuffle queue fills: with this
 # many examples to hold first, it would wait for minutes.
 _ENDLESS_FILL = fs.hook('common.hparams:min_queue_examples', returns=10 ** 6)

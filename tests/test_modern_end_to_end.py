@@ -12,6 +12,7 @@ from common import config as config_lib
 from common import devices
 from common import training
 from modern import eval as eval_lib
+from modern import checkpoints as modern_checkpoints
 from modern import train
 
 
@@ -63,11 +64,11 @@ def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path):
   assert _steps_logged(lines) == [30]  # 10 more steps, not 30
   path = tf.train.latest_checkpoint(str(train_dir))
   assert path == str(train_dir / 'model.ckpt-30')
-  assert tf.train.load_variable(path, train.checkpoint_key('global_step')) == 30
+  assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 30
   # The saved averages lag the weights.
   ema = tf.train.load_variable(
-      path, train.checkpoint_key('local4/weights/ExponentialMovingAverage'))
-  raw = tf.train.load_variable(path, train.checkpoint_key('local4/weights'))
+      path, modern_checkpoints.checkpoint_key('local4/weights/ExponentialMovingAverage'))
+  raw = tf.train.load_variable(path, modern_checkpoints.checkpoint_key('local4/weights'))
   assert not np.array_equal(ema, raw)
 
   assert train.train(config, _plan(2), out=lines.append, warn=warnings.append) == 30
@@ -108,7 +109,7 @@ def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir,
   trainer = train.Trainer(_plan(1), decay_steps=100)
   trainer.variables()['softmax_linear/biases'].assign(np.full(10, np.nan, np.float32))
   trainer.global_step.assign(3)
-  manager = tf.train.CheckpointManager(train.checkpoint_object(trainer), str(tmp_path),
+  manager = tf.train.CheckpointManager(modern_checkpoints.checkpoint_object(trainer), str(tmp_path),
                                        max_to_keep=5, checkpoint_name='model.ckpt')
   manager.save(checkpoint_number=3)
   config = _config(synth_data_dir, tmp_path, num_gpus=1, batch_size=4, max_steps=10)

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from common import devices
 from common import model_spec
+from modern import checkpoints as modern_checkpoints
 from modern import train
 
 # SPEC §2: averaged gradients agree to max|a - b| <= 1e-5 * max|b| per variable.
@@ -179,23 +180,23 @@ def test_checkpoint_keys_map_to_legacy_names(tmp_path, initial_values):
   shadows = {k: v * 2 for k, v in initial_values.items()}
   trainer.assign_variables(initial_values, shadows)
   trainer.global_step.assign(42)
-  manager = tf.train.CheckpointManager(train.checkpoint_object(trainer), str(tmp_path),
+  manager = tf.train.CheckpointManager(modern_checkpoints.checkpoint_object(trainer), str(tmp_path),
                                        max_to_keep=5, checkpoint_name='model.ckpt')
   path = manager.save(checkpoint_number=42)  # as train() saves
   assert path == str(tmp_path / 'model.ckpt-42')
   keys = {name for name, _ in tf.train.list_variables(path)}
   legacy = ['global_step'] + list(model_spec.VARIABLE_NAMES) + [
       n + '/ExponentialMovingAverage' for n in model_spec.VARIABLE_NAMES]
-  mapped = {train.checkpoint_key(n) for n in legacy}
+  mapped = {modern_checkpoints.checkpoint_key(n) for n in legacy}
   assert keys - mapped == {'_CHECKPOINTABLE_OBJECT_GRAPH',
                            'save_counter/.ATTRIBUTES/VARIABLE_VALUE'}
   assert mapped <= keys
-  assert tf.train.load_variable(path, train.checkpoint_key('global_step')) == 42
+  assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 42
   for name in model_spec.VARIABLE_NAMES:
     np.testing.assert_array_equal(
-        tf.train.load_variable(path, train.checkpoint_key(name)), initial_values[name])
+        tf.train.load_variable(path, modern_checkpoints.checkpoint_key(name)), initial_values[name])
     np.testing.assert_array_equal(
-        tf.train.load_variable(path, train.checkpoint_key(name + '/ExponentialMovingAverage')),
+        tf.train.load_variable(path, modern_checkpoints.checkpoint_key(name + '/ExponentialMovingAverage')),
         shadows[name])
   with pytest.raises(KeyError):
-    train.checkpoint_key('conv1/weights/Momentum')
+    modern_checkpoints.checkpoint_key('conv1/weights/Momentum')
