@@ -377,6 +377,7 @@ def contend_matmul(spec, pacer):
 def _legacy_input_stamps(spec, windows):
   """Time stamps of legacy's prefetch-queue dequeues, one per window end."""
   import tensorflow.compat.v1 as tf  # pylint: disable=g-import-not-at-top
+  from legacy import inputs as legacy_inputs  # pylint: disable=g-import-not-at-top
   from legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   plan = _plan(spec['num_gpus'])
   stamps = []
@@ -384,8 +385,7 @@ def _legacy_input_stamps(spec, windows):
   with tf.Graph().as_default():
     tower_batches = legacy_train.tower_input_batches(config)
     init = tf.local_variables_initializer()
-    close_queues = [qr.queue.close(cancel_pending_enqueues=True)
-                    for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
+    close_queues = legacy_inputs.close_queue_ops()
     with tf.Session(config=legacy_train.session_config(config, plan)) as sess:
       sess.run(init)
       coord = tf.train.Coordinator()

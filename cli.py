@@ -18,9 +18,10 @@ if os.environ['TF_CPP_MIN_LOG_LEVEL'] != '0':
   logging.getLogger('tensorflow').setLevel(logging.ERROR)
 
 from common import config as config_lib  # pylint: disable=wrong-import-position
+from common import devices  # pylint: disable=wrong-import-position
 from common import hparams  # pylint: disable=wrong-import-position
 
-MAX_TOWERS = 64  # the same bound as common.devices.MAX_TOWERS, kept import-free
+MAX_TOWERS = devices.MAX_TOWERS
 
 
 def _warn(message):
@@ -193,7 +194,6 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
           _check_distribution(run_crosscheck=run_crosscheck, **distribution)
         with _user_errors():
           _ensure_train_data(data_dir)
-          from common import devices
           plan = devices.plan_devices(num_gpus, warn=_warn)
           from common import memory  # refuse what cannot fit, before building
           memory.check_training(impl, plan, batch_size, data_dir)
@@ -454,7 +454,6 @@ def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, r
   with _user_errors():
     if data_dir is not None:
       _ensure_train_data(data_dir)
-    from common import devices
     plan = devices.plan_devices(num_gpus, warn=_warn)
     engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
     _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,

@@ -7,7 +7,6 @@ from common import hparams
 
 DEFAULT_DATA_DIR = '/tmp/cifar10_data'  # upstream's default
 DEFAULT_TRAIN_DIR = '/tmp/cifar10_train'  # upstream's default
-DEFAULT_EVAL_DIR = '/tmp/cifar10_eval'  # upstream's default
 
 
 @dataclasses.dataclass(frozen=True)

@@ -179,6 +179,19 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
       allow_smaller_final_batch=num_epochs is not None)
 
 
+def close_queue_ops():
+  """Ops closing each queue of the default graph's queue runners.
+
+  With cancel_pending_enqueues, so that running them wakes every enqueue
+  thread blocked on a full queue.
+
+  Returns:
+    list of ops, in the order the queue runners were added.
+  """
+  return [qr.queue.close(cancel_pending_enqueues=True)
+          for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
+
+
 def stop_queue_threads(sess, coord, threads, close_queues):
   """Stops and joins every queue-runner thread; re-raises what they raised."""
   coord.request_stop()

@@ -11,7 +11,6 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 
 import collections
 import os
-import sys
 import time
 
 import tensorflow.compat.v1 as tf
@@ -47,9 +46,6 @@ TrainGraph = collections.namedtuple('TrainGraph', [
     'close_queues',  # ops closing each queue, cancelling pending enqueues
 ])
 
-
-def _stderr_print(message):
-  print(message, file=sys.stderr)
 
 
 def tower_loss(scope, images, labels, lrn=None):
@@ -198,7 +194,7 @@ def session_config(config, plan):
   return proto
 
 
-def train(config, plan, out=print, warn=_stderr_print,
+def train(config, plan, out=print, warn=training.stderr,
           num_threads=hparams.NUM_PREPROCESS_THREADS):
   """Trains until `global_step == config.max_steps`, resuming if possible.
 
@@ -237,8 +233,8 @@ def train(config, plan, out=print, warn=_stderr_print,
     with stop.raising():
       examples_per_epoch = cifar10_format.num_examples(
           cifar10_format.train_files(config.data_dir))
-      decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
-                                        config.num_gpus)
+      decay_steps = training.checked_decay_steps(
+          examples_per_epoch, config.batch_size, config.num_gpus)
       if config.jit and plan.kind == 'cpu' and (
           '--tf_xla_cpu_global_jit' not in os.environ.get('TF_XLA_FLAGS', '')):
         warn('--jit: the legacy trainer asks for XLA auto-clustering, which on '
@@ -253,8 +249,8 @@ def train(config, plan, out=print, warn=_stderr_print,
           step = _restore_or_initialize(sess, graph_parts, config.train_dir,
                                         out, warn)
         if step >= config.max_steps:
-          out(training.nothing_to_train(step, config.max_steps,
-                                        config.train_dir))
+          warn(training.nothing_to_train(step, config.max_steps,
+                                         config.train_dir))
           return step
         out('Filling the queue with %d CIFAR images before starting to train. '
             'This may take a while.'
@@ -315,8 +311,7 @@ def build_train_graph(config, plan, decay_steps,
   summary_op = tf.summary.merge_all()
   init_op = tf.group(tf.global_variables_initializer(),
                      tf.local_variables_initializer())
-  close_queues = [qr.queue.close(cancel_pending_enqueues=True)
-                  for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
+  close_queues = inputs.close_queue_ops()
   return TrainGraph(towers, saver, summary_op, init_op, close_queues)
 
 

@@ -68,7 +68,6 @@ from common import checkpoints
 from common import cifar10_format as fmt
 from common import config as config_lib
 from common import devices
-from common import hparams
 from common import lock
 from common import model_spec
 from common import training
@@ -88,9 +87,6 @@ WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/worke
 PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
                tf.errors.CancelledError, tf.errors.AbortedError)
 
-
-def _stderr(message):
-  print(message, file=sys.stderr)
 
 
 # --- the strategies ---------------------------------------------------------
@@ -675,7 +671,7 @@ def _silent(_):
   pass
 
 
-def train(config, plan, out=print, warn=_stderr):
+def train(config, plan, out=print, warn=training.stderr):
   """Trains with config.strategy ('mirrored' or 'multiworker') until max_steps.
 
   As modern.train.train (resumes from train_dir, logs every log_every steps,
@@ -728,14 +724,8 @@ def train(config, plan, out=print, warn=_stderr):
   examples_per_epoch = fmt.num_examples(filenames)
   # All replicas of all workers count, as upstream's num_gpus counted its towers.
   num_replicas = config.num_gpus * num_workers
-  decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
-                                    num_replicas)
-  if decay_steps < 1:
-    raise training.TrainingError(
-        'decay_steps = int(%d examples / %d batch / %d replicas * %g epochs) = 0: '
-        'too few training examples for this batch size. Use more data or a '
-        'smaller --batch_size.' % (examples_per_epoch, config.batch_size,
-                                   num_replicas, hparams.NUM_EPOCHS_PER_DECAY))
+  decay_steps = training.checked_decay_steps(
+      examples_per_epoch, config.batch_size, num_replicas)
   if config.seed is not None:
     tf.random.set_seed(config.seed)
 

@@ -6,7 +6,6 @@ test record is classified once.
 """
 
 import datetime
-import sys
 
 import tensorflow as tf
 
@@ -22,9 +21,6 @@ from modern import checkpoints as ckpt_lib
 class EvalError(Exception):
   """Evaluation cannot run; the message says what to do."""
 
-
-def _stderr(message):
-  print(message, file=sys.stderr)
 
 
 def _model_of(contents):
@@ -57,7 +53,8 @@ def _restore_moving_averages(path):
   return _model_of(contents)
 
 
-def evaluate_contents(contents, data_dir, batch_size=128, num_examples=None,
+def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
+                      num_examples=None,
                       should_stop=None):
   """Counts the correct top-1 predictions of a checkpoint already read.
 
@@ -100,7 +97,7 @@ def evaluate_contents(contents, data_dir, batch_size=128, num_examples=None,
   return evaluation.EvalCounts(true_count, total, global_step)
 
 
-def evaluate_checkpoint(path, data_dir, batch_size=128, num_examples=None,
+def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
                         out=print):
   """Precision @ 1 of the moving averages saved in one checkpoint.
 
@@ -125,7 +122,7 @@ def evaluate_checkpoint(path, data_dir, batch_size=128, num_examples=None,
   return precision, counts.global_step, counts.total_count
 
 
-def evaluate(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
+def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
              out=print):
   """Precision @ 1 of the newest intact checkpoint's moving averages on the test set.
 
@@ -156,8 +153,8 @@ def evaluate(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
   return precision, counts.global_step
 
 
-def evaluate_loop(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
-                  interval_secs=300, out=print, max_evals=None, warn=_stderr):
+def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
+                  interval_secs=300, out=print, max_evals=None, warn=training.stderr):
   """Evaluates each new checkpoint, looking every interval_secs (upstream's loop).
 
   Runs until SIGINT or SIGTERM (or `max_evals` evaluations); waits for the

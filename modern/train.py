@@ -13,7 +13,6 @@ equivalence contract (SPEC §2) compares. The update is written out instead.
 """
 
 import contextlib
-import sys
 import time
 
 import numpy as np
@@ -35,9 +34,6 @@ from modern import model as model_lib
 
 TOWER_NAME = hparams.TOWER_NAME
 
-
-def _stderr(message):
-  print(message, file=sys.stderr)
 
 
 def tower_loss(model, images, labels, params=None):
@@ -236,10 +232,6 @@ class Trainer:
     return ({name: grad for name, (grad, _) in
              zip(model_spec.VARIABLE_NAMES, grads_and_vars)}, tower_losses)
 
-  def learning_rate(self):
-    """The learning rate the next step will use, float32 scalar tensor."""
-    return model_spec.learning_rate(self.global_step, self.decay_steps)
-
   # --- state access (for the cross-check harness and tests) ----------------
 
   def variables(self):
@@ -318,7 +310,7 @@ def _write_summaries(trainer, step, tower_losses, lr):
     _histogram_summary('%s/%s' % (name, model_spec.EMA_SUFFIX), var.numpy(), step)
 
 
-def train(config, plan, out=print, warn=_stderr):
+def train(config, plan, out=print, warn=training.stderr):
   """Trains until global_step == config.max_steps, resuming from train_dir.
 
   Args:
@@ -365,15 +357,8 @@ def train(config, plan, out=print, warn=_stderr):
     with stop.raising():
       filenames = fmt.train_files(config.data_dir)
       examples_per_epoch = fmt.num_examples(filenames)
-      decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
-                                        config.num_gpus)
-      if decay_steps < 1:
-        raise training.TrainingError(
-            'decay_steps = int(%d examples / %d batch / %d towers * %g epochs) '
-            '= 0: too few training examples for this batch size. Use more data '
-            'or a smaller --batch_size.'
-            % (examples_per_epoch, config.batch_size, config.num_gpus,
-               hparams.NUM_EPOCHS_PER_DECAY))
+      decay_steps = training.checked_decay_steps(
+          examples_per_epoch, config.batch_size, config.num_gpus)
       trainer = Trainer(plan, decay_steps, jit=config.jit)
       checkpoint = ckpt_lib.checkpoint_object(trainer)
       resume_from = ckpt_lib.restore_latest(config.train_dir, checkpoint, warn)
