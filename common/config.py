@@ -49,7 +49,7 @@ class TrainConfig:
 
   @property
   def global_batch_size(self):
-    """Images consumed by one step over all towers."""
+    """Images one step consumes on this worker's towers (all workers: times their number)."""
     return self.batch_size * self.num_gpus
 
   def checkpoint_prefix(self):
