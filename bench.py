@@ -43,7 +43,6 @@ are the API.
 import dataclasses
 import json
 import os
-import re
 import queue
 import resource
 import statistics
@@ -66,7 +65,6 @@ TRAINING_MULTIPLIER = 3  # forward + backward (two products per layer) ~ 3x forw
 BASELINE_DISTINCT_BATCHES = 8  # in-memory global batches the baseline cycles over
 INPUT_WARMUP_WINDOWS = 2  # input-alone windows discarded (the shuffle buffer fills first)
 INPUT_WINDOWS = 5  # input-alone timed windows
-_STEP_LINE = re.compile(r': step \d+, loss = ')  # common.training.log_line
 
 
 class BenchError(Exception):
@@ -194,17 +192,15 @@ def _train_config(spec, train_dir, max_steps):
   return config_lib.TrainConfig(
       data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
       batch_size=spec['batch_size'], max_steps=max_steps,
-      log_every=spec['window_steps'],
       # Only the final checkpoint, after the last window.
       save_every=max_steps + 1, jit=spec['jit'])
 
 
 def contend_training(spec, pacer):
-  """Runs one trainer's real `train()`, paced at its log lines.
+  """Runs one trainer's real `train()`, paced by its `on_step` callback.
 
-  The trainer logs every `window_steps` steps; the first log line (after
-  graph building, queue filling or tracing, and one window of steps) is the
-  READY boundary, each later one ends a window.
+  Every `window_steps`-th step ends a window; the first (after graph building,
+  queue filling or tracing, and one window of steps) is the READY boundary.
 
   Args:
     spec: dict with impl, num_gpus, batch_size, data_dir, window_steps, jit
@@ -221,17 +217,19 @@ def contend_training(spec, pacer):
     from modern import train as trainer  # pylint: disable=g-import-not-at-top
   boundaries = []
 
-  def out(line):
-    if _STEP_LINE.search(line):
-      boundaries.append(line)
+  def on_step(step, seconds, images):
+    del seconds, images  # the pacer times whole windows
+    if step % spec['window_steps'] == 0:
+      boundaries.append(step)
       pacer.boundary()
 
   with tempfile.TemporaryDirectory(prefix='bench_train_') as train_dir:
     config = _train_config(spec, train_dir,
                            (spec['windows'] + 1) * spec['window_steps'])
-    trainer.train(config, plan, out=out, warn=lambda _: None)
+    trainer.train(config, plan, out=lambda _: None, warn=lambda _: None,
+                  on_step=on_step)
   if len(boundaries) != spec['windows'] + 1:
-    raise BenchError('%s logged %d step lines, expected %d'
+    raise BenchError('%s ran %d windows, expected %d'
                      % (spec['impl'], len(boundaries), spec['windows'] + 1))
   return {'peak_rss_bytes': _peak_rss_bytes()}
 

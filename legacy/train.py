@@ -195,7 +195,7 @@ def session_config(config, plan):
 
 
 def train(config, plan, out=print, warn=training.stderr,
-          num_threads=hparams.NUM_PREPROCESS_THREADS):
+          num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None):
   """Trains until `global_step == config.max_steps`, resuming if possible.
 
   Args:
@@ -204,6 +204,9 @@ def train(config, plan, out=print, warn=training.stderr,
     out: callable taking one line, for progress (stdout).
     warn: callable taking one line, for diagnostics (stderr).
     num_threads: int, input preprocessing threads (upstream: 16).
+    on_step: optional callable(step, seconds, images) after every step: the
+      global step reached, the step's wall seconds, and the images it
+      trained on over all replicas (bench paces itself with it).
 
   Returns:
     int, the final global step; `<train_dir>/model.ckpt-<step>` holds it.
@@ -255,7 +258,8 @@ def train(config, plan, out=print, warn=training.stderr,
         out('Filling the queue with %d CIFAR images before starting to train. '
             'This may take a while.'
             % hparams.min_queue_examples(examples_per_epoch))
-        return _train_loop(sess, config, graph_parts, step, stop, out, warn)
+        return _train_loop(sess, config, graph_parts, step, stop, out, warn,
+                           on_step)
 
 
 def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
@@ -383,7 +387,7 @@ def _save(saver, sess, config, step):
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _train_loop(sess, config, graph_parts, step, stop, out, warn):
+def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
   """Runs the steps with the queue threads, and always stops them.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
@@ -451,6 +455,8 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn):
           # Deviation from upstream: sec/batch is the time of one step
           # (upstream divided it by num_gpus).
           out(training.log_line(step, loss_value, examples_per_sec, duration))
+        if on_step is not None:
+          on_step(step, duration, config.global_batch_size)
         if write_summary:
           try:
             summary_writer.add_summary(results[3], step)

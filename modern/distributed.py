@@ -671,7 +671,7 @@ def _silent(_):
   pass
 
 
-def train(config, plan, out=print, warn=training.stderr):
+def train(config, plan, out=print, warn=training.stderr, on_step=None):
   """Trains with config.strategy ('mirrored' or 'multiworker') until max_steps.
 
   As modern.train.train (resumes from train_dir, logs every log_every steps,
@@ -691,6 +691,9 @@ def train(config, plan, out=print, warn=training.stderr):
     plan: common.devices.DevicePlan with config.num_gpus devices (this worker's).
     out: callable(str) for progress lines (stdout); the chief's only.
     warn: callable(str) for diagnostics (stderr).
+    on_step: optional callable(step, seconds, images) after every step: the
+      global step reached, the step's wall seconds, and the images it
+      trained on over all replicas (bench paces itself with it).
 
   Returns:
     int, the global step reached (less than max_steps when a signal stopped
@@ -736,11 +739,11 @@ def train(config, plan, out=print, warn=training.stderr):
     tf.io.gfile.makedirs(config.train_dir)
     with training.StopRequest() as stop:
       return _train_loop(config, trainer, None, config.train_dir, decay_steps,
-                         None, stop, out, warn)
-  return _train_workers(config, plan, cluster, decay_steps, out, warn)
+                         None, stop, out, warn, on_step)
+  return _train_workers(config, plan, cluster, decay_steps, out, warn, on_step)
 
 
-def _train_workers(config, plan, cluster, decay_steps, out, warn):
+def _train_workers(config, plan, cluster, decay_steps, out, warn, on_step):
   """`train` with MultiWorkerMirroredStrategy, this process one of the workers."""
   # Deviation from upstream: train_dir is never deleted; training resumes
   # from its latest checkpoint. A non-chief writes to a temporary dir that it
@@ -774,7 +777,7 @@ def _train_workers(config, plan, cluster, decay_steps, out, warn):
         watchdog = _PeerWatchdog(cluster, warn, cleanup)
         try:
           return _train_loop(config, trainer, cluster, write_dir, decay_steps,
-                             watchdog, stop, out, warn)
+                             watchdog, stop, out, warn, on_step)
         finally:
           watchdog.stop()
     finally:
@@ -796,7 +799,7 @@ def _clear(directory):
 
 
 def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
-                stop, out, warn):
+                stop, out, warn, on_step):
   """The loop of `train` once the engine exists (see there).
 
   Args:
@@ -845,7 +848,8 @@ def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
         warn(training.nothing_to_train(step, config.max_steps, config.train_dir))
         return step
       step, stopped_by, path = _steps(config, trainer, write_dir, decay_steps,
-                                      guard, save, stop, progress, out, warn)
+                                      guard, save, stop, progress, out, warn,
+                                      on_step)
       if cluster is not None:
         # Synchronization point: no worker leaves before all have saved, and no
         # op runs after it (see _steps).
@@ -878,7 +882,7 @@ _ANOTHER_WORKER = 'a stop request of another worker'
 
 
 def _steps(config, trainer, write_dir, decay_steps, guard, save, stop, progress,
-           out, warn):
+           out, warn, on_step):
   """The steps of `_train_loop`, until max_steps or a stop, then the last save.
 
   Sets progress.step to the global step after each step completed.
@@ -919,6 +923,8 @@ def _steps(config, trainer, write_dir, decay_steps, guard, save, stop, progress,
           # Deviation from upstream: the mean over all replicas' losses.
           out(training.log_line(step, float(tower_losses.mean()),
                                 global_batch / duration, duration))
+        if on_step is not None:
+          on_step(step, duration, global_batch)
         if step % config.summary_every == 0:
           # The learning rate the step just taken used (read before the increment).
           lr = float(model_spec.learning_rate(step - 1, decay_steps))

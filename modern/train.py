@@ -310,7 +310,7 @@ def _write_summaries(trainer, step, tower_losses, lr):
     _histogram_summary('%s/%s' % (name, model_spec.EMA_SUFFIX), var.numpy(), step)
 
 
-def train(config, plan, out=print, warn=training.stderr):
+def train(config, plan, out=print, warn=training.stderr, on_step=None):
   """Trains until global_step == config.max_steps, resuming from train_dir.
 
   Args:
@@ -319,6 +319,9 @@ def train(config, plan, out=print, warn=training.stderr):
     plan: common.devices.DevicePlan with config.num_gpus tower devices.
     out: callable(str) for progress lines (stdout).
     warn: callable(str) for diagnostics (stderr).
+    on_step: optional callable(step, seconds, images) after every step: the
+      global step reached, the step's wall seconds, and the images it
+      trained on over all replicas (bench paces itself with it).
 
   Returns:
     int, the global step reached (max_steps, or less if stopped by a signal).
@@ -341,7 +344,7 @@ def train(config, plan, out=print, warn=training.stderr):
     # The tf.distribute engines (MirroredStrategy, MultiWorkerMirroredStrategy)
     # run this step and loop in modern/distributed.py, which imports this module.
     from modern import distributed  # pylint: disable=g-import-not-at-top
-    return distributed.train(config, plan, out=out, warn=warn)
+    return distributed.train(config, plan, out=out, warn=warn, on_step=on_step)
   if config.seed is not None:
     tf.random.set_seed(config.seed)
   if config.log_device_placement:
@@ -378,10 +381,11 @@ def train(config, plan, out=print, warn=training.stderr):
     save = ckpt_lib.StepSaver(trainer, manager, config.train_dir,
                      last_saved=step if resume_from else None)
     return _train_loop(config, trainer, iterator, save, decay_steps, stop, out,
-                       warn)
+                       warn, on_step)
 
 
-def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn):
+def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn,
+                on_step):
   """The steps, with log lines, summaries and checkpoints, until max_steps or a stop.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
@@ -416,6 +420,8 @@ def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn):
       # Deviation from upstream: the mean over towers, not the last tower's loss.
       out(training.log_line(step, float(tower_losses.mean()),
                             config.global_batch_size / duration, duration))
+    if on_step is not None:
+      on_step(step, duration, config.global_batch_size)
     if step % config.summary_every == 0:
       # The learning rate the step just taken used (read before the increment).
       lr = float(model_spec.learning_rate(step - 1, decay_steps))
