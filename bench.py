@@ -477,11 +477,6 @@ def worker_main(argv):
 def _worker_command(flag, spec):
   env = dict(os.environ)
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  if spec.get('jit') and spec.get('impl') == 'legacy':
-    # Legacy's --jit asks the Session for XLA auto-clustering, which TF does
-    # on the CPU only with this flag (the trainer warns without it).
-    env['TF_XLA_FLAGS'] = (env.get('TF_XLA_FLAGS', '') +
-                           ' --tf_xla_cpu_global_jit').strip()
   env['PYTHONPATH'] = os.pathsep.join(
       [ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
   return [sys.executable, os.path.join(ROOT, 'bench.py'), flag, json.dumps(spec)], env

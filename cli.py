@@ -533,8 +533,8 @@ def _comma_list(convert, allowed=None, bound=None):
 @click.option('--json', 'json_path', type=click.Path(dir_okay=False), default=None,
               help='Also write the results to this JSON file.')
 @click.option('--jit', is_flag=True,
-              help='Compile both trainers\' steps with XLA (the Keras baseline '
-                   'keeps its default).')
+              help='Compile each tower\'s loss and gradients with XLA in both '
+                   'trainers (the Keras baseline keeps its default).')
 def bench(impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds, window_steps,
           matmul_size, json_path, jit):
   """Measure training images/sec against Keras model.fit and the machine ceiling.

@@ -22,7 +22,7 @@ class TrainConfig:
   save_every: int = 1000  # steps between checkpoints (one is also written at the end)
   log_device_placement: bool = False  # print where each op runs
   seed: int | None = None  # graph/global random seed; None = nondeterministic
-  jit: bool = False  # compile the training step with XLA
+  jit: bool = False  # compile each tower's loss and gradients with XLA (both trainers)
   strategy: str = 'towers'  # modern only: towers, mirrored or multiworker (tf.distribute)
   worker_hosts: tuple = ()  # multiworker: 'host:port' of every worker; () = read TF_CONFIG
   task_index: int = 0  # multiworker: this worker's index in worker_hosts (0 = chief)

@@ -10,7 +10,7 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 """
 
 import collections
-import os
+import contextlib
 import time
 
 import tensorflow.compat.v1 as tf
@@ -103,7 +103,7 @@ def average_gradients(tower_grads):
   return average_grads
 
 
-def build_towers(tower_batches, plan, decay_steps):
+def build_towers(tower_batches, plan, decay_steps, jit=False):
   """Builds the towers, the averaged update and the moving average.
 
   Used by `train` (batches from the prefetch queue) and by the cross-check
@@ -116,6 +116,8 @@ def build_towers(tower_batches, plan, decay_steps):
     plan: common.devices.DevicePlan with at least N tower devices.
     decay_steps: int, steps between learning-rate decays
       (`common.hparams.decay_steps`).
+    jit: bool, compile each tower's loss and gradients with XLA (as the
+      modern towers do with `jit`).
 
   Returns:
     Towers.
@@ -139,7 +141,12 @@ def build_towers(tower_batches, plan, decay_steps):
     lrn = lrn_lib.for_plan(plan)
     with tf.variable_scope(tf.get_variable_scope()):
       for i, (images, labels) in enumerate(tower_batches):
-        with tf.device(plan.tower_devices[i]):
+        # With `jit`, the tower's forward and backward ops form XLA clusters
+        # on its device (explicitly requested, so also on CPUs); the
+        # variables, on another device, stay outside them.
+        xla = (tf.xla.experimental.jit_scope() if jit
+               else contextlib.nullcontext())
+        with tf.device(plan.tower_devices[i]), xla:
           with tf.name_scope('%s_%d' % (model.TOWER_NAME, i)) as scope:
             loss = tower_loss(scope, images, labels, lrn=lrn)
             # The next towers share this tower's variables.
@@ -188,9 +195,6 @@ def session_config(config, plan):
       # A tf.compat.v1 Session creates only the CPU devices counted here, so
       # the logical CPU towers of a CPU plan need this.
       device_count={'CPU': plan.num_cpu_devices})
-  if config.jit:
-    proto.graph_options.optimizer_options.global_jit_level = (
-        tf.OptimizerOptions.ON_1)
   return proto
 
 
@@ -238,10 +242,6 @@ def train(config, plan, out=print, warn=training.stderr,
           cifar10_format.train_files(config.data_dir))
       decay_steps = training.checked_decay_steps(
           examples_per_epoch, config.batch_size, config.num_gpus)
-      if config.jit and plan.kind == 'cpu' and (
-          '--tf_xla_cpu_global_jit' not in os.environ.get('TF_XLA_FLAGS', '')):
-        warn('--jit: the legacy trainer asks for XLA auto-clustering, which on '
-             'the CPU only happens with TF_XLA_FLAGS=--tf_xla_cpu_global_jit.')
 
     with tf.Graph().as_default() as graph:
       with stop.raising():
@@ -306,7 +306,7 @@ def build_train_graph(config, plan, decay_steps,
   if config.seed is not None:
     tf.set_random_seed(config.seed)
   tower_batches = tower_input_batches(config, num_threads)
-  towers = build_towers(tower_batches, plan, decay_steps)
+  towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit)
 
   # Deviation from upstream: the `checkpoint` state file records paths
   # relative to train_dir, so a copied or moved train_dir resumes from its
