@@ -98,6 +98,11 @@ def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
   return decay_steps
 
 
+def stopped_line(signal_name, step, path):
+  """The progress line of a run a stop request ended after saving `path`."""
+  return 'Stopped by %s at global step %d; saved %s.' % (signal_name, step, path)
+
+
 def nothing_to_train(step, max_steps, train_dir):
   """The line of a run whose train_dir already holds max_steps steps."""
   return ('Global step %d in %s already reached max_steps %d; nothing to train '

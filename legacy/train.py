@@ -491,6 +491,6 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
   if stop.requested:
     if step == first_step:
       raise training.Stopped(stop.signal_name)
-    out('Stopped by %s at global step %d; saved %s-%d.'
-        % (stop.signal_name, step, config.checkpoint_prefix(), step))
+    out(training.stopped_line(stop.signal_name, step,
+                              '%s-%d' % (config.checkpoint_prefix(), step)))
   return step

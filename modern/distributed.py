@@ -871,7 +871,7 @@ def _train_loop(config, trainer, cluster, write_dir, decay_steps, watchdog,
         '(SIGINT or SIGTERM); %s saved %s. %s'
         % (cluster.name(), step, 'it' if is_chief else 'the chief', path, _RESTART))
   if stopped_by and is_chief:
-    out('Stopped by %s at global step %d; saved %s.' % (stopped_by, step, path))
+    out(training.stopped_line(stopped_by, step, path))
   elif stopped_by:
     warn('%s: stopped by %s at global step %d; the chief saved %s.'
          % (cluster.name(), stopped_by, step, path))

@@ -442,6 +442,5 @@ def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn,
     warn('could not write the last TensorBoard summaries to %s (%s).'
          % (config.train_dir, str(e).strip().splitlines()[0]))
   if stop.requested:
-    out('Stopped by %s at global step %d; saved %s.'
-        % (stop.signal_name, step, path))
+    out(training.stopped_line(stop.signal_name, step, path))
   return step
