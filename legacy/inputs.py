@@ -174,8 +174,8 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
   return _generate_image_and_label_batch(
       float_image, read_input.label, min_queue_examples, batch_size,
       shuffle=False, num_threads=num_threads,
-      # Deviation from upstream: a finite input ends with a smaller batch, so
-      # evaluation counts every record once instead of wrapping around.
+      # Deviation from upstream: evaluation counts every test record exactly once.
+      # A finite input ends with a smaller batch instead of wrapping around.
       allow_smaller_final_batch=num_epochs is not None)
 
 

@@ -134,8 +134,8 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
     opt = tf.train.GradientDescentOptimizer(lr)
 
     tower_grads, tower_losses, summaries = [], [], []
-    # Deviation from upstream: CPU towers compute the LRN with common.lrn's
-    # XLA functions, the same function as tf.nn.lrn to ~4e-7 relative
+    # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
+    # The same function as tf.nn.lrn to ~4e-7 relative
     # (tests/test_lrn.py) and the same kernels as modern's towers, so the two
     # trainers' arithmetic stays identical (docs/performance.md).
     lrn = lrn_lib.for_plan(plan)
@@ -151,16 +151,14 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
             loss = tower_loss(scope, images, labels, lrn=lrn)
             # The next towers share this tower's variables.
             tf.get_variable_scope().reuse_variables()
-            # Deviation from upstream: upstream kept the last tower's
-            # summaries only; every tower's are kept.
+            # Deviation from upstream: every tower's loss summary is written.
             summaries.extend(tf.get_collection(tf.GraphKeys.SUMMARIES, scope))
             tower_grads.append(opt.compute_gradients(loss))
             tower_losses.append(loss)
 
     # Synchronization point: every tower's gradients and losses meet here.
     grads = average_gradients(tower_grads)
-    # Deviation from upstream: the loss reported is the mean over the towers
-    # (upstream reported the last tower's).
+    # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
     mean_loss = tf.reduce_mean(tf.stack(tower_losses), name='mean_loss')
 
     summaries.append(tf.summary.scalar('learning_rate', lr))
@@ -175,8 +173,9 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
 
     ema = tf.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY,
                                             global_step)
-    # Deviation from upstream multi-GPU script, which grouped the update and
-    # the moving average with no order between them; upstream cifar10.train
+    # Deviation from upstream: the moving averages see the updated variables and the new step.
+    # Upstream's multi-GPU script grouped the update and the moving average
+    # with no order between them; upstream cifar10.train
     # orders them like this, which makes the step deterministic: the
     # averages see the updated variables and num_updates = the new step.
     with tf.control_dependencies([apply_gradient_op]):
@@ -230,8 +229,8 @@ def train(config, plan, out=print, warn=training.stderr,
   if plan.num_towers != config.num_gpus:
     raise ValueError('the device plan has %d towers, the config asks for %d'
                      % (plan.num_towers, config.num_gpus))
-  # Deviation from upstream: train_dir is never deleted (the lock creates it
-  # if missing); training resumes from its newest checkpoint. One run at a
+  # Deviation from upstream: train_dir is never deleted; training resumes.
+  # The lock creates it if missing. One run at a
   # time: a second one would write the same steps and overwrite the first's
   # checkpoints.
   with training.StopRequest() as stop, lock.exclusive(config.train_dir,
@@ -350,7 +349,7 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn):
   upstream = contents.tensors['global_step'].dtype.kind == 'f'
   try:
     if upstream:
-      # Deviation from upstream: its train_dir resumes (upstream deleted it).
+      # Deviation from upstream: train_dir is never deleted; training resumes.
       # Each value is fed into its variable's initializer: no new op in the
       # finalized graph.
       for variable in tf.global_variables():
@@ -442,6 +441,7 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
             raise
           break  # the stop closed the queues under this step: it did not run
         duration = time.time() - start_time
+        # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
         step += 1  # this process is the only one moving global_step
         loss_value, tower_loss_values = results[1], results[2]
 
@@ -452,8 +452,7 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
           summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
         if step % config.log_every == 0:
           examples_per_sec = config.global_batch_size / duration
-          # Deviation from upstream: sec/batch is the time of one step
-          # (upstream divided it by num_gpus).
+          # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
           out(training.log_line(step, loss_value, examples_per_sec, duration))
         if on_step is not None:
           on_step(step, duration, config.global_batch_size)

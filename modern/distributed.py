@@ -724,6 +724,7 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
     cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
   num_workers = cluster.num_workers if cluster else 1
   filenames = fmt.train_files(config.data_dir)
+  # Deviation from upstream: the epoch size is what is on disk, not 50000.
   examples_per_epoch = fmt.num_examples(filenames)
   # All replicas of all workers count, as upstream's num_gpus counted its towers.
   num_replicas = config.num_gpus * num_workers
@@ -745,8 +746,8 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
 
 def _train_workers(config, plan, cluster, decay_steps, out, warn, on_step):
   """`train` with MultiWorkerMirroredStrategy, this process one of the workers."""
-  # Deviation from upstream: train_dir is never deleted; training resumes
-  # from its latest checkpoint. A non-chief writes to a temporary dir that it
+  # Deviation from upstream: train_dir is never deleted; training resumes.
+  # A non-chief writes to a temporary dir that it
   # removes at the end (left over only if it was killed: cleared here).
   is_chief = cluster.is_chief
   write_dir = config.train_dir
@@ -920,7 +921,7 @@ def _steps(config, trainer, write_dir, decay_steps, guard, save, stop, progress,
         step = progress.step = int(trainer.global_step.numpy())
         training.check_divergence(step, tower_losses)
         if step % config.log_every == 0:
-          # Deviation from upstream: the mean over all replicas' losses.
+          # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
           out(training.log_line(step, float(tower_losses.mean()),
                                 global_batch / duration, duration))
         if on_step is not None:

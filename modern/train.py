@@ -97,14 +97,14 @@ class Trainer:
     self.plan = plan
     self.num_towers = plan.num_towers
     self.decay_steps = int(decay_steps)
-    # Deviation from upstream: CPU towers compute the LRN with common.lrn's
-    # XLA functions: the same function to ~4e-7 relative (tests/test_lrn.py).
+    # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
+    # The same function as tf.nn.lrn to ~4e-7 relative (tests/test_lrn.py).
     self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
     with tf.device(devices.VARIABLE_DEVICE):
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                      name='global_step')
     self.ema = model_lib.MovingAverages(self.model)
-    # Deviation from a whole-step jit_compile: XLA compiles one device's ops
+    # Not a whole-step jit_compile: XLA compiles one device's ops
     # and cannot read variables that live on another device, so with `jit`
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
@@ -179,6 +179,7 @@ class Trainer:
       for grad, var in grads_and_vars:
         var.assign_sub(lr * grad)
       self.global_step.assign_add(1)
+      # Deviation from upstream: the moving averages see the updated variables and the new step.
       # Legacy applies the moving averages under control_dependencies on
       # apply_gradients, so they see the new weights and the incremented
       # step. tf.function keeps program order for ops on the same variable.
@@ -300,6 +301,7 @@ def _histogram_summary(name, values, step):
 
 def _write_summaries(trainer, step, tower_losses, lr):
   """Loss (mean and per tower), learning rate, weight and average histograms."""
+  # Deviation from upstream: every tower's loss summary is written.
   _scalar_summary('loss', tower_losses.mean(), step)
   for i, value in enumerate(tower_losses):
     _scalar_summary('%s_%d/total_loss' % (TOWER_NAME, i), value, step)
@@ -350,8 +352,8 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
   if config.log_device_placement:
     tf.debugging.set_log_device_placement(True)
 
-  # Deviation from upstream: train_dir is never deleted (the lock creates it
-  # if missing); training resumes from its latest checkpoint. One run at a
+  # Deviation from upstream: train_dir is never deleted; training resumes.
+  # The lock creates it if missing. One run at a
   # time: a second one would write the same steps and overwrite the first's
   # checkpoints.
   with training.StopRequest() as stop, lock.exclusive(config.train_dir,
@@ -359,6 +361,7 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
     # Until the first step nothing is written: a stop ends the run at once.
     with stop.raising():
       filenames = fmt.train_files(config.data_dir)
+      # Deviation from upstream: the epoch size is what is on disk, not 50000.
       examples_per_epoch = fmt.num_examples(filenames)
       decay_steps = training.checked_decay_steps(
           examples_per_epoch, config.batch_size, config.num_gpus)
@@ -408,16 +411,16 @@ def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn,
       start_time = time.time()
       tower_losses = trainer.train_step(next(iterator)).numpy()
     duration = time.time() - start_time
-    # Deviation from upstream: steps are counted by the global step after
-    # the update (upstream logged and saved its 0-based loop index), so
-    # 'step N' and model.ckpt-N both mean N steps done.
+    # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
+    # Upstream logged and saved its 0-based loop index.
     step = int(trainer.global_step.numpy())
     training.check_divergence(step, tower_losses)
 
     if writer is None:
       writer = tf.summary.create_file_writer(config.train_dir)
     if step % config.log_every == 0:
-      # Deviation from upstream: the mean over towers, not the last tower's loss.
+      # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
+      # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
       out(training.log_line(step, float(tower_losses.mean()),
                             config.global_batch_size / duration, duration))
     if on_step is not None:
