@@ -384,7 +384,7 @@ def _legacy_input_stamps(spec, windows):
     tower_batches = legacy_train.tower_input_batches(config)
     init = tf.local_variables_initializer()
     close_queues = legacy_inputs.close_queue_ops()
-    with tf.Session(config=legacy_train.session_config(config, plan)) as sess:
+    with tf.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(init)
       coord = tf.train.Coordinator()
       threads = tf.train.start_queue_runners(sess=sess, coord=coord)

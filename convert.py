@@ -113,7 +113,7 @@ def write_legacy(directory, values, shadows, step):
     towers = legacy_train.build_towers([(images, labels)], _host_plan(), 1)
     variables = {v.op.name: v for v in tf1.trainable_variables()}
     saver = tf1.train.Saver(tf1.global_variables(), save_relative_paths=True)
-    with tf1.Session(config=tf1.ConfigProto(device_count={'CPU': 1})) as sess:
+    with tf1.Session(config=legacy_train.session_config(_host_plan())) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(values[name], sess)

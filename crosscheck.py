@@ -213,9 +213,7 @@ def _legacy_run(plan, init, images, labels, steps, decay_steps):
     variables = {v.op.name: v for v in tf1.trainable_variables()}
     shadows = {name: towers.ema.average(var) for name, var in variables.items()}
     grads = {var.op.name: grad for grad, var in towers.averaged_grads}
-    session_config = tf1.ConfigProto(allow_soft_placement=True,
-                                     device_count={'CPU': plan.num_cpu_devices})
-    with tf1.Session(config=session_config) as sess:
+    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(init[name], sess)

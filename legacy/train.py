@@ -186,11 +186,16 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
                 summaries)
 
 
-def session_config(config, plan):
-  """The ConfigProto of the training Session (the benchmark reuses it)."""
+def session_config(plan, log_device_placement=False):
+  """The ConfigProto of every legacy-graph Session (training, bench, cross-check, convert).
+
+  Args:
+    plan: common.devices.DevicePlan whose devices the Session must create.
+    log_device_placement: bool, log where each op runs.
+  """
   proto = tf.ConfigProto(
       allow_soft_placement=True,
-      log_device_placement=config.log_device_placement,
+      log_device_placement=log_device_placement,
       # A tf.compat.v1 Session creates only the CPU devices counted here, so
       # the logical CPU towers of a CPU plan need this.
       device_count={'CPU': plan.num_cpu_devices})
@@ -246,7 +251,8 @@ def train(config, plan, out=print, warn=training.stderr,
       with stop.raising():
         graph_parts = build_train_graph(config, plan, decay_steps, num_threads)
         graph.finalize()
-      with tf.Session(config=session_config(config, plan)) as sess:
+      with tf.Session(config=session_config(
+          plan, config.log_device_placement)) as sess:
         with stop.raising():
           step = _restore_or_initialize(sess, graph_parts, config.train_dir,
                                         out, warn)

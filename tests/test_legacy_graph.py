@@ -261,14 +261,13 @@ def test_jit_towers_compile_with_xla_and_give_the_same_losses():
   """--jit means the same in both trainers: each tower's loss and gradients in XLA."""
   plan = _plan(2)
   images, labels = _batches(np.random.default_rng(3), 2)
-  config = config_lib.TrainConfig(data_dir='unused', num_gpus=2)
   results = {}
   for jit in (False, True):
     with tf.Graph().as_default():
       tf.set_random_seed(1)
       batches = [(tf.constant(images[i]), tf.constant(labels[i])) for i in range(2)]
       towers = train.build_towers(batches, plan, DECAY_STEPS, jit=jit)
-      with tf.Session(config=train.session_config(config, plan)) as sess:
+      with tf.Session(config=train.session_config(plan)) as sess:
         sess.run(tf.global_variables_initializer())
         metadata = tf.RunMetadata()
         losses = sess.run(towers.tower_losses,
