@@ -111,7 +111,7 @@ def forward_flops_per_image():
 
   Convolutions and matmuls only (pooling, LRN and ReLU are a rounding error):
   conv1 at 24x24, conv2 at 12x12 (after the first stride-2 pool), then the
-  three fully connected layers; about 36.9 MFLOP (SPEC: ~18.5M multiply-adds).
+  three fully connected layers; about 36.9 MFLOP (docs/equivalence.md §1: ~18.5M multiply-adds).
   """
   from common import hparams  # pylint: disable=g-import-not-at-top
   from common import model_spec  # pylint: disable=g-import-not-at-top
@@ -235,7 +235,7 @@ def contend_training(spec, pacer):
 
 
 def keras_model(tf, keras):
-  """The CIFAR-10 net of SPEC §1 as a Keras functional model (the baseline's).
+  """The CIFAR-10 net of docs/equivalence.md §1 as a Keras functional model (the baseline's).
 
   The same layers, shapes, initializers (truncated normal weights, constant
   biases) and weight decay as `common.model_spec`: Keras' L2(l) adds

@@ -434,7 +434,7 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
               show_default=True,
               help='Learning-rate decay interval, small so K steps cross the staircase.')
 @click.option('--dump', type=click.Path(file_okay=False), default=None,
-              help='Write the evidence file DIR/crosscheck.npz (SPEC §2).')
+              help='Write the evidence file DIR/crosscheck.npz (docs/equivalence.md §2).')
 @click.option('--rtol', type=click.FloatRange(min=0.0), default=None,
               help='Tolerance of the averaged-gradient and identity checks '
                    '[default: 1e-5, the contract].')
@@ -444,7 +444,7 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
                    'legacy (3-way: legacy, towers, mirrored).')
 def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
                strategy):
-  """Prove legacy and modern compute the same averaged gradients (SPEC §2).
+  """Prove legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
 
   Builds both trainers from the same initial variables, feeds both the same N
   tower batches, and compares the averaged gradients, the tower losses, the

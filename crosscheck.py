@@ -1,4 +1,4 @@
-"""The cross-check: legacy and modern compute the same averaged gradients (SPEC §2).
+"""The cross-check: legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
 
 Both trainers are built from the same initial variables and fed the same N
 per-tower batches, already preprocessed. Compared:
@@ -12,7 +12,7 @@ per-tower batches, already preprocessed. Compared:
    their concatenation, <= GRAD_RTOL, in each implementation. This is what
    proves the averaging is a true mean and weight decay is counted once.
 
-`run()` returns a `Report`; `write_evidence()` writes the file of SPEC §2 that
+`run()` returns a `Report`; `write_evidence()` writes the file of docs/equivalence.md §2 that
 anyone can re-check with their own code.
 """
 
@@ -43,7 +43,7 @@ def rel_diff(a, b):
 
 
 def initial_values(seed):
-  """Initial variables drawn as the initializers of SPEC §1 would, from a seed.
+  """Initial variables drawn as the initializers of docs/equivalence.md §1 would, from a seed.
 
   Returns:
     dict variable name -> float32 array: truncated normal weights (resampled
@@ -134,7 +134,7 @@ class Report:
 
 def compare(legacy, modern, grad_rtol=GRAD_RTOL, loss_rtol=LOSS_RTOL,
             final_rtol=FINAL_RTOL):
-  """Builds the Report rows of SPEC §2 from two Results."""
+  """Builds the Report rows of docs/equivalence.md §2 from two Results."""
   rows = []
   for name in model_spec.VARIABLE_NAMES:
     rows.append(('1 averaged gradient', name,
@@ -167,13 +167,13 @@ def format_report(report):
     lines.append('FAIL: %d of %d figures outside the contract.'
                  % (len(failures), len(report.rows)))
   else:
-    lines.append('PASS: all %d figures within the contract (SPEC §2).'
+    lines.append('PASS: all %d figures within the contract (docs/equivalence.md §2).'
                  % len(report.rows))
   return '\n'.join(lines)
 
 
 def write_evidence(path_dir, images, labels, init, report):
-  """Writes `<dir>/crosscheck.npz` in the format of SPEC §2."""
+  """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2."""
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images.astype(np.float32), 'labels': labels.astype(np.int32)}
   for name in model_spec.VARIABLE_NAMES:

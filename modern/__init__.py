@@ -2,7 +2,7 @@
 
 tf.data input, tf.function towers, tf.train.Checkpoint.
 
-The same algorithm as `legacy/` (SPEC §1) without `tf.compat.v1`, split the
+The same algorithm as `legacy/` (docs/equivalence.md §1) without `tf.compat.v1`, split the
 same way so the two can be diffed file by file:
 
   inputs.py  tf.data pipelines over the CIFAR-10 binary files

@@ -1,6 +1,6 @@
 """Beyond the towers: the modern trainer on TensorFlow's distribution engines.
 
-Two engines run the step of `modern.train` (SPEC §1) with `tf.distribute`
+Two engines run the step of `modern.train` (docs/equivalence.md §1) with `tf.distribute`
 instead of hand-placed towers:
 
   mirrored     `tf.distribute.MirroredStrategy` over the plan's devices (the
@@ -109,7 +109,7 @@ class _PlannedCollectiveExtended(
   """MultiWorkerMirroredStrategy's internals, with the plan's devices as local replicas.
 
   The stock strategy takes all visible GPUs, or a single replica on the CPU
-  when there is none; SPEC §3 wants `--num_gpus` replicas per worker on the
+  when there is none; docs/equivalence.md §3 wants `--num_gpus` replicas per worker on the
   plan's devices (GPUs, or logical CPU devices), as the towers have.
   """
 
@@ -231,7 +231,7 @@ class StrategyTrainer(train_lib.Trainer):
       tape.watch(values)
       loss = train_lib.tower_loss(self.model, images, labels,
                                   self.model.params(values))
-      # Why 1/R: the all-reduce SUMs the replicas' gradients, and SPEC §2
+      # Why 1/R: the all-reduce SUMs the replicas' gradients, and docs/equivalence.md §2
       # wants the towers' MEAN of the per-tower gradients, each tower's loss
       # being its batch's mean cross-entropy plus the weight decay once:
       #   sum_r grad(loss_r / R) = (1/R) sum_r grad(CE_r + WD)

@@ -37,7 +37,7 @@ def _variable_on_cpu(name, initial_value):
 
 
 class Cifar10Model(tf.Module):
-  """The 10 trainable variables of SPEC §1 and the forward pass over them.
+  """The 10 trainable variables of docs/equivalence.md §1 and the forward pass over them.
 
   Attributes:
     conv1, conv2, local3, local4, softmax_linear: `LayerVariables`.

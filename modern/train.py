@@ -1,6 +1,6 @@
 """Multi-tower training in TF2: tf.function towers, averaged gradients, SGD, moving averages.
 
-The algorithm of upstream `cifar10_multi_gpu_train.py` (SPEC §1) without
+The algorithm of upstream `cifar10_multi_gpu_train.py` (docs/equivalence.md §1) without
 `tf.compat.v1`: the variables live on `devices.VARIABLE_DEVICE`; each step
 reads them once there, sends the values to N towers (one per device of the
 `DevicePlan`), each tower computes its own batch's loss and gradients, the
@@ -9,7 +9,7 @@ descent, the global step and the moving averages are updated there.
 
 No Keras optimizer: `tf.keras.optimizers.SGD` under a distribution strategy
 sums gradients across replicas implicitly, which changes the arithmetic the
-equivalence contract (SPEC §2) compares. The update is written out instead.
+equivalence contract (docs/equivalence.md §2) compares. The update is written out instead.
 """
 
 import contextlib

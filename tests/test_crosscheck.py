@@ -1,4 +1,4 @@
-"""The cross-check of SPEC §2: it passes for N in {1, 2, 4} and fails when broken.
+"""The cross-check of docs/equivalence.md §2: it passes for N in {1, 2, 4} and fails when broken.
 
 Tolerances are the contract's, stated in crosscheck.py: averaged gradients and
 the N-vs-1 identity 1e-5 (max|a-b| / max|b|), tower losses 1e-6, variables and

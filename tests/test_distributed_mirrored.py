@@ -2,7 +2,7 @@
 
 The MirroredStrategy engine runs on the session's logical CPU devices and is
 compared with modern.train.Trainer (the towers) on the same batches and
-initial variables, with SPEC §2's tolerances. The multi-process tests are in
+initial variables, with docs/equivalence.md §2's tolerances. The multi-process tests are in
 test_distributed_multiworker.py.
 """
 
@@ -26,7 +26,7 @@ from modern import inputs
 from modern import checkpoints as modern_checkpoints
 from modern import train
 
-# SPEC §2 tolerances.
+# docs/equivalence.md §2 tolerances.
 GRAD_REL_TOL = 1e-5  # averaged gradients: max|a - b| <= 1e-5 * max|b|, per variable
 LOSS_REL_TOL = 1e-6  # tower losses
 FINAL_REL_TOL = 1e-4  # variables and moving averages after K steps
@@ -82,7 +82,7 @@ def test_mirrored_gradients_and_losses_equal_the_towers(num_towers, initial_valu
 
 
 def test_mirrored_steps_equal_the_towers_steps(initial_values):
-  """K steps with the learning-rate decay and the moving averages (SPEC §2.3)."""
+  """K steps with the learning-rate decay and the moving averages (docs/equivalence.md §2.3)."""
   towers = train.Trainer(_plan(2), decay_steps=2)  # lr 0.1, 0.1, then 0.01
   towers.assign_variables(initial_values)
   mirrored = distributed.MirroredTrainer(_plan(2), decay_steps=2)

@@ -24,7 +24,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, 'cli.py')
 
-# SPEC §2 tolerances.
+# docs/equivalence.md §2 tolerances.
 GRAD_REL_TOL = 1e-5  # averaged gradients: max|a - b| <= 1e-5 * max|b|, per variable
 LOSS_REL_TOL = 1e-6  # tower losses
 FINAL_REL_TOL = 1e-4  # variables and moving averages after K steps
@@ -160,7 +160,7 @@ def _inputs(tmp_path, num_replicas, seed):
 @pytest.mark.parametrize('num_local,local_batches', [(1, False)], ids=['2x1'])
 def test_workers_compute_the_towers_averaged_gradient(tmp_path, num_local,
                                                       local_batches):
-  """2 workers x 1 replica == 1 process x 2 towers on the same batches (SPEC §2).
+  """2 workers x 1 replica == 1 process x 2 towers on the same batches (docs/equivalence.md §2).
 
   Worker w's replica takes batch w. (Any L replicas per worker, each taking
   the worker's own batches, work the same way: `num_local=2,

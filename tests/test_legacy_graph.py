@@ -208,7 +208,7 @@ def _averaged_gradients(images, labels, num_towers, init_values=None):
 
 @pytest.mark.parametrize('num_towers', [2, 4])
 def test_towers_equal_one_tower_on_the_concatenation(num_towers):
-  """SPEC §2.4: the average is a true mean and weight decay counts once."""
+  """docs/equivalence.md §2.4: the average is a true mean and weight decay counts once."""
   images, labels = _batches(np.random.default_rng(3), num_towers)
   grads, init_values = _averaged_gradients(images, labels, num_towers)
   one_grads, _ = _averaged_gradients(
@@ -216,7 +216,7 @@ def test_towers_equal_one_tower_on_the_concatenation(num_towers):
       init_values)
   assert len(grads) == 10
   for name, grad in grads.items():
-    # SPEC tolerance: max|a - b| / max|b| <= 1e-5.
+    # docs/equivalence.md §2 tolerance: max|a - b| / max|b| <= 1e-5.
     scale = np.max(np.abs(one_grads[name]))
     assert np.max(np.abs(grad - one_grads[name])) / scale <= 1e-5, name
 

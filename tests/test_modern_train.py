@@ -11,7 +11,7 @@ from common import model_spec
 from modern import checkpoints as modern_checkpoints
 from modern import train
 
-# SPEC §2: averaged gradients agree to max|a - b| <= 1e-5 * max|b| per variable.
+# docs/equivalence.md §2: averaged gradients agree to max|a - b| <= 1e-5 * max|b| per variable.
 GRAD_REL_TOL = 1e-5
 
 
@@ -54,7 +54,7 @@ def test_average_gradients_is_the_mean_over_towers():
 
 @pytest.mark.parametrize('num_towers', [2, 4])
 def test_n_towers_equal_one_tower_on_the_concatenation(num_towers, initial_values):
-  """SPEC §2.4: a true mean, and weight decay counted once."""
+  """docs/equivalence.md §2.4: a true mean, and weight decay counted once."""
   images, labels = _batches(num_towers, 4, seed=num_towers)
   many = train.Trainer(_plan(num_towers), decay_steps=100)
   many.assign_variables(initial_values)
