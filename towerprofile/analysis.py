@@ -48,6 +48,7 @@ class Event:
   start_us: float  # microseconds, same clock for all events of a step
   end_us: float
   step: int  # index of the traced step
+  category: str | None = None  # set by an adapter that knows better; None: by name
 
 
 def tower_of(name):
@@ -70,7 +71,7 @@ def categorize(name, op_type=''):
                  'MEMCPYDtoH', 'MEMCPYDtoD') or 'memcpy' in name.lower():
     return COPY
   if tower_of(name) is not None:
-    if '/gradients/' in name or name.split('/')[1:2] == ['gradients']:
+    if name.startswith('gradient_tape/') or '/gradients/' in name or name.split('/')[1:2] == ['gradients']:
       return BACKWARD
     if 'ReadVariableOp' in name and op_type in ('ReadVariableOp', ''):
       return COPY  # a tower reading a variable from its host
@@ -90,6 +91,11 @@ def categorize(name, op_type=''):
                        'AssignAddVariableOp')):
     return UPDATE
   return OTHER
+
+
+def category_of(event):
+  """The event's category: the adapter's, else from its name and type."""
+  return event.category or categorize(event.name, event.op_type)
 
 
 def union_length(intervals):
@@ -160,7 +166,7 @@ def exclusive_split(events, window):
   for e in events:
     start, end = max(e.start_us, lo), min(e.end_us, hi)
     if end > start:
-      rank = CATEGORIES.index(categorize(e.name, e.op_type))
+      rank = CATEGORIES.index(category_of(e))
       edges.append((start, 1, rank))
       edges.append((end, -1, rank))
   edges.sort(key=lambda e: (e[0], e[1]))
@@ -181,7 +187,7 @@ def tower_overlap(events, num_towers):
   if num_towers < 2:
     return None
   sets = [[(e.start_us, e.end_us) for e in events
-           if tower_of(e.name) == i and categorize(e.name, e.op_type) in COMPUTE]
+           if tower_of(e.name) == i and category_of(e) in COMPUTE]
           for i in range(num_towers)]
   any_tower = coverage_at_least(sets, 1)
   return coverage_at_least(sets, 2) / any_tower if any_tower else 0.0
@@ -216,7 +222,7 @@ def placement(events, planned, variable_device):
   for i, plan_device in enumerate(planned):
     per_device = {}
     for e in events:
-      if tower_of(e.name) == i and categorize(e.name, e.op_type) in COMPUTE:
+      if tower_of(e.name) == i and category_of(e) in COMPUTE:
         per_device[e.device] = per_device.get(e.device, 0.0) + (e.end_us - e.start_us)
     total = sum(per_device.values())
     shares = {d: t / total for d, t in sorted(per_device.items())} if total else {}
@@ -256,7 +262,7 @@ def analyze_step(events, window, num_towers, wall_us=None):
   towers = []
   for i in range(num_towers):
     compute = [(e.start_us, e.end_us) for e in events if tower_of(e.name) == i
-               and categorize(e.name, e.op_type) in COMPUTE]
+               and category_of(e) in COMPUTE]
     towers.append(union_length(compute))
   slowest = max(towers) if towers else 0.0
   return {
@@ -307,7 +313,7 @@ def analyze(events, windows, planned, variable_device, input_device=None,
   if input_device is None:  # where the input ops ran longest
     per_device = {}
     for e in events:
-      if categorize(e.name, e.op_type) == INPUT:
+      if category_of(e) == INPUT:
         per_device[e.device] = per_device.get(e.device, 0.0) + e.end_us - e.start_us
     input_device = max(per_device, key=per_device.get) if per_device else 'unknown'
   report = {'num_towers': num_towers, 'planned': [canonical_device(d) for d in planned],
