@@ -121,6 +121,8 @@ def events_from_xspace(space, device_of):
         if ':' not in name or '::' in name or name.startswith('end: '):
           continue  # runtime regions, not ops
         op_name, op_type = name.rsplit(':', 1)
+        if not op_type or op_type != op_type.strip():
+          continue  # 'EagerLocalExecute: <op>': the Python side of a call
         if line.name.startswith('tf_data'):
           continue  # the input pipeline's threads: input, but not the step's wait
         if op_type == '_Send':
