@@ -268,6 +268,9 @@ def analyze_step(events, window, num_towers, wall_us=None):
   return {
       'step_us': step_us,
       'wall_us': wall_us,
+      # The runtime's own time around the ops (dispatch, collecting the
+      # trace): the step as measured in Python minus the traced window.
+      'outside_trace_us': wall_us - step_us if wall_us is not None else None,
       'busy_fraction': busy,
       'split_us': exclusive_split(events, window),
       'tower_compute_us': towers,
@@ -301,6 +304,7 @@ def analyze(events, windows, planned, variable_device, input_device=None,
   median = {
       'step_us': _median([s['step_us'] for s in steps]),
       'wall_us': _median([s['wall_us'] for s in steps]),
+      'outside_trace_us': _median([s['outside_trace_us'] for s in steps]),
       'tower_overlap': _median([s['tower_overlap'] for s in steps]),
       'step_over_slowest_tower': _median(
           [s['step_over_slowest_tower'] for s in steps]),
