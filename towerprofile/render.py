@@ -137,10 +137,8 @@ def format_report(report):
                % ((median['step_us'] or 0) / 1e3, (median['wall_us'] or 0) / 1e3,
                   '%.2f' % median['step_over_slowest_tower']
                   if median['step_over_slowest_tower'] else '-'))
-  if median['outside_trace_us'] is not None:
-    lines.append('runtime outside the traced ops: %.1f ms per step'
-                 % (median['outside_trace_us'] / 1e3))
-  lines.append('median split of the traced step:')
+  lines.append('median split of the step (idle: no op ran, e.g. the runtime '
+               'dispatching):')
   step = median['step_us'] or 1.0
   for category, value in median['split_us'].items():
     lines.append('  %-15s %8.2f ms %5.1f%%' % (category, value / 1e3,
