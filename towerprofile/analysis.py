@@ -36,7 +36,8 @@ COMPUTE = (FORWARD, BACKWARD)
 MISPLACED_SHARE = 0.5
 
 _TOWER = re.compile(r'^(?:.*/)?tower_(\d+)/')
-_DEVICE = re.compile(r'(?:^|/)(?:device:)?(cpu|gpu|tpu):(\d+)', re.IGNORECASE)
+_DEVICE = re.compile(r'(?:^|/)(?:device:)?(cpu|gpu|tpu):(\d+)',
+                     re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,8 @@ def categorize(name, op_type=''):
                  'MEMCPYDtoH', 'MEMCPYDtoD') or 'memcpy' in name.lower():
     return COPY
   if tower_of(name) is not None:
-    if name.startswith('gradient_tape/') or '/gradients/' in name or name.split('/')[1:2] == ['gradients']:
+    # legacy: tower_i/gradients/...; modern: gradient_tape/tower_i/...
+    if name.startswith('gradient_tape/') or '/gradients/' in name:
       return BACKWARD
     if 'ReadVariableOp' in name and op_type in ('ReadVariableOp', ''):
       return COPY  # a tower reading a variable from its host
@@ -223,7 +225,8 @@ def placement(events, planned, variable_device):
     per_device = {}
     for e in events:
       if tower_of(e.name) == i and category_of(e) in COMPUTE:
-        per_device[e.device] = per_device.get(e.device, 0.0) + (e.end_us - e.start_us)
+        per_device[e.device] = (per_device.get(e.device, 0.0)
+                                + e.end_us - e.start_us)
     total = sum(per_device.values())
     shares = {d: t / total for d, t in sorted(per_device.items())} if total else {}
     main = max(shares, key=shares.get) if shares else None
@@ -318,7 +321,8 @@ def analyze(events, windows, planned, variable_device, input_device=None,
     per_device = {}
     for e in events:
       if category_of(e) == INPUT:
-        per_device[e.device] = per_device.get(e.device, 0.0) + e.end_us - e.start_us
+        per_device[e.device] = (per_device.get(e.device, 0.0)
+                                + e.end_us - e.start_us)
     input_device = max(per_device, key=per_device.get) if per_device else 'unknown'
   report = {'num_towers': num_towers, 'planned': [canonical_device(d) for d in planned],
             'variable_device': canonical_device(variable_device),
