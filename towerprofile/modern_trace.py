@@ -32,13 +32,15 @@ from towerprofile import analysis
 STEP_EVENT = 'towerprofile_step'  # the tf.profiler.experimental.Trace of one step
 
 
-def _modern_category(name, op_type):
+def _modern_category(name, op_type, ema_ops=frozenset()):
   """Categories of modern's unscoped ops (its step has no name scopes there).
 
   Returns:
     a category, or None to let analysis.categorize decide.
   """
   first = name.split('/')[0]
+  if name in ema_ops:
+    return analysis.EMA
   if analysis.tower_of(name) is not None:
     if first == 'gradient_tape' or '/gradients/' in name:
       return analysis.BACKWARD
@@ -50,13 +52,54 @@ def _modern_category(name, op_type):
   if first.startswith(('stack', 'Mean', 'unstack')) and op_type in (
       'Pack', 'Mean', 'Unpack'):
     return analysis.AVERAGE
-  # Learning rate, assign_sub of the update and of the moving averages: the
-  # modern step names none of them, so both count as the update.
+  # The learning rate and the variables' assign_sub.
   return analysis.UPDATE
 
 
-def requested_devices(trainer, batch):
-  """Op name -> the device the traced step asks for (canonical form)."""
+def moving_average_ops(function_def):
+  """Names of the ops of the step function that serve only the moving averages.
+
+  Modern's step has no name scope for them; `common.model_spec.ema_decay`
+  (the one `Minimum` of the step) starts them: what depends on it, and what
+  feeds only those (the shadows' reads, `shadow - variable`), is theirs.
+
+  Args:
+    function_def: the step's FunctionDef.
+
+  Returns:
+    set of op names.
+  """
+  consumers = {}
+  for node in function_def.node_def:
+    for source in node.input:
+      if not source.startswith('^'):
+        consumers.setdefault(source.split(':')[0], set()).add(node.name)
+  roots = [n.name for n in function_def.node_def if n.op == 'Minimum'
+           and analysis.tower_of(n.name) is None]
+  ema, todo = set(), list(roots)
+  while todo:  # what depends on the decay
+    name = todo.pop()
+    if name not in ema:
+      ema.add(name)
+      todo.extend(consumers.get(name, ()))
+  changed = bool(ema)
+  while changed:  # what feeds only the moving averages
+    changed = False
+    for node in function_def.node_def:
+      users = consumers.get(node.name)
+      if (node.name not in ema and users and users <= ema
+          and analysis.tower_of(node.name) is None):
+        ema.add(node.name)
+        changed = True
+  return ema
+
+
+def graph_facts(trainer, batch):
+  """What the traced step says: op name -> requested device, and the EMA ops.
+
+  Returns:
+    (dict op name -> canonical device, set of moving-average op names).
+  """
   graph_def = tf.function(trainer.train_step).get_concrete_function(
       batch).graph.as_graph_def()
   found = {}
@@ -66,7 +109,8 @@ def requested_devices(trainer, batch):
     for node in function.node_def:
       device = node.device or devices.VARIABLE_DEVICE  # the default device
       found.setdefault(node.name, analysis.canonical_device(device))
-  return found
+  step = [f for f in functions if '_train_step' in f.signature.name]
+  return found, moving_average_ops(step[0]) if step else set()
 
 
 def _stats(plane, holder):
@@ -82,12 +126,13 @@ def _stats(plane, holder):
   return out
 
 
-def events_from_xspace(space, device_of):
+def events_from_xspace(space, device_of, ema_ops=frozenset()):
   """Normalized events and step windows of an XSpace.
 
   Args:
     space: xplane_pb2.XSpace.
-    device_of: dict op name -> canonical device (see `requested_devices`).
+    device_of: dict op name -> canonical device (see `graph_facts`).
+    ema_ops: set of the moving averages' op names (see `graph_facts`).
 
   Returns:
     (events, windows, sources): list of analysis.Event; per step (start_us,
@@ -151,7 +196,7 @@ def events_from_xspace(space, device_of):
         device = analysis.canonical_device(device)
         sources[op_name] = 'graph'
     events.append(analysis.Event(op_name, op_type, device, start, end, step,
-                                 _modern_category(op_name, op_type)))
+                                 _modern_category(op_name, op_type, ema_ops)))
   return events, spans, sources
 
 
@@ -179,7 +224,7 @@ def trace(config, plan, steps, warmup=3, trainer_plan=None, logdir=None):
   iterator = iter(inputs.distorted_inputs(config.data_dir, config.batch_size,
                                           config.num_gpus, seed=config.seed))
   batch = next(iterator)
-  device_of = requested_devices(trainer, batch)
+  device_of, ema_ops = graph_facts(trainer, batch)
   for _ in range(warmup):
     trainer.train_step(next(iterator))
   logdir = logdir or tempfile.mkdtemp(prefix='towerprofile_')
@@ -199,5 +244,5 @@ def trace(config, plan, steps, warmup=3, trainer_plan=None, logdir=None):
   space = xplane_pb2.XSpace()
   with open(paths[-1], 'rb') as f:
     space.ParseFromString(f.read())
-  events, windows, sources = events_from_xspace(space, device_of)
+  events, windows, sources = events_from_xspace(space, device_of, ema_ops)
   return events, windows, wall_us, sources
