@@ -63,6 +63,12 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
         data_dir=data_dir, train_dir='%s/train' % scratch,
         num_gpus=plan.num_towers, batch_size=batch_size, seed=seed)
     sources = None
+    if impl == 'legacy' and warn:
+      from common import cifar10_format  # pylint: disable=g-import-not-at-top
+      from common import hparams  # pylint: disable=g-import-not-at-top
+      warn('legacy: the first step waits until the shuffle queue holds %d '
+           'images.' % hparams.min_queue_examples(cifar10_format.num_examples(
+               cifar10_format.train_files(data_dir))))
     if impl == 'legacy':
       from towerprofile import legacy_trace  # pylint: disable=g-import-not-at-top
       events, windows, wall_us = legacy_trace.trace(
