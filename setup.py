@@ -24,7 +24,8 @@ setup(
         # Pick one: the CPU-only wheel is small; the full wheel carries CUDA support.
         'cpu': ['tensorflow-cpu>=2.16'],
         'gpu': ['tensorflow[and-cuda]>=2.16'],
-        'test': ['pytest>=7'],
+        # The tests also draw the profile's PNG timeline.
+        'test': ['pytest>=7', 'matplotlib>=3.7'],
         # A real image set in CIFAR format, converted from scikit-learn's digits.
         'digits': ['scikit-learn>=1.3'],
         # The PNG timeline of `cli.py profile` (the trace and report need nothing).
