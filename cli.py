@@ -461,6 +461,54 @@ def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, r
 
 
 @cli.command()
+@click.argument('impl', type=click.Choice(['legacy', 'modern']))
+@click.option('--num_gpus', type=click.IntRange(1, MAX_TOWERS), default=2,
+              show_default=True, help='Number of towers N.')
+@click.option('--batch_size', type=click.IntRange(min=1), default=hparams.BATCH_SIZE,
+              show_default=True, help='Images per tower.')
+@click.option('--steps', type=click.IntRange(min=1), default=10, show_default=True,
+              help='Traced steps K, after a few untraced warm-up steps.')
+@click.option('--data_dir', type=click.Path(file_okay=False), default=None,
+              envvar='CIFAR10_DATA_DIR',
+              help='Directory holding cifar-10-batches-bin/; default: small generated data.')
+@click.option('--out', 'out_dir', type=click.Path(file_okay=False),
+              default='profile_out', show_default=True,
+              help='Where trace.json (Perfetto, chrome://tracing), timeline.png '
+                   'and report.json go.')
+@click.option('--misplace_tower', type=click.IntRange(min=0), default=None,
+              help='Demonstration: pin this tower to the variables\' device '
+                   '(/cpu:0), as a stray tf.device would, and see it flagged.')
+def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower):
+  """Show whether the towers run in parallel, and where their time goes.
+
+  Trains K steps of one trainer in a scratch train_dir (never yours) under
+  TensorFlow's tracing, then reports per device the busy fraction and the
+  time in tower forward/backward, gradient averaging, the update, the moving
+  averages, input and copies; how much the towers overlap; and on which
+  device each tower's ops ran, flagging a tower that ran elsewhere than
+  planned. Writes a Chrome trace, a PNG timeline and the report as JSON.
+  """
+  if misplace_tower is not None and misplace_tower >= num_gpus:
+    raise click.BadParameter('must be below --num_gpus (%d), got %d'
+                             % (num_gpus, misplace_tower),
+                             param_hint='--misplace_tower')
+  with _user_errors():
+    if data_dir is not None:
+      _ensure_train_data(data_dir)
+    from common import devices
+    from towerprofile import render
+    from towerprofile import run as profile_lib
+    plan = devices.plan_devices(num_gpus, warn=_warn)
+    report, written = profile_lib.profile(
+        impl, plan, batch_size, steps, data_dir=data_dir, out_dir=out_dir,
+        misplace_tower=misplace_tower, warn=_warn)
+  for line in render.format_report(report):
+    click.echo(line)
+  for name, path in sorted(written.items()):
+    click.echo('Wrote %s (%s).' % (path, name))
+
+
+@cli.command()
 @click.option('--from_dir', type=click.Path(file_okay=False), required=True,
               help='A train_dir of either trainer; its newest checkpoint is converted.')
 @click.option('--to_dir', type=click.Path(), required=True,

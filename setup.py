@@ -12,7 +12,7 @@ setup(
     long_description_content_type='text/markdown',
     license='Apache-2.0',
     python_requires='>=3.10',
-    packages=['common', 'legacy', 'modern'],
+    packages=['common', 'legacy', 'modern', 'towerprofile'],
     py_modules=['cli', 'crosscheck', 'convert', 'bench'],
     install_requires=[
         'numpy>=1.24',
@@ -25,9 +25,12 @@ setup(
         # Capped at the newest release the test suite passed on (2.21).
         'cpu': ['tensorflow-cpu>=2.16,<2.22'],
         'gpu': ['tensorflow[and-cuda]>=2.16,<2.22'],
-        'test': ['pytest>=7'],
+        # The tests also draw the profile's PNG timeline.
+        'test': ['pytest>=7', 'matplotlib>=3.7'],
         # A real image set in CIFAR format, converted from scikit-learn's digits.
         'digits': ['scikit-learn>=1.3'],
+        # The PNG timeline of `cli.py profile` (the trace and report need nothing).
+        'profile': ['matplotlib>=3.7'],
     },
     entry_points={'console_scripts': ['cifar10-towers=cli:main']},
     classifiers=[

@@ -617,10 +617,22 @@ def write_failed(directory, what, error):
     kept = 'No earlier checkpoint exists'
   else:
     kept = '%s is intact and the next run resumes from it' % os.path.basename(named)
+  cause = reason(error).rsplit('; ', 1)[-1]
+  if any(text in cause for text in _NOT_WRITABLE):
+    advice = 'Make it writable'
+  elif any(text in cause for text in _NO_SPACE):
+    advice = 'Free space on that disk'
+  else:
+    advice = 'Fix the cause above'
   return CheckpointError(
-      'could not write %s in %s (%s); training stopped. %s. Free space on that '
-      'disk (or pass another --train_dir) and run again.'
-      % (what, directory, reason(error).rsplit('; ', 1)[-1], kept))
+      'could not write %s in %s (%s); training stopped. %s. %s (or pass another '
+      '--train_dir) and run again.' % (what, directory, cause, kept, advice))
+
+
+# How the operating system words the causes `write_failed` gives advice for.
+_NOT_WRITABLE = ('Permission denied', 'Operation not permitted',
+                 'Read-only file system')
+_NO_SPACE = ('No space left on device', 'Disk quota exceeded', 'File too large')
 
 
 def save_failed(directory, step, error,

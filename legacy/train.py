@@ -94,12 +94,15 @@ def average_gradients(tower_grads):
     list of (gradient, variable), the gradient being the mean over towers.
   """
   average_grads = []
-  for grad_and_vars in zip(*tower_grads):
-    # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0)).
-    grads = [tf.expand_dims(g, 0) for g, _ in grad_and_vars]
-    grad = tf.reduce_mean(tf.concat(grads, 0), 0)
-    # The variables are shared, so the first tower's pointer is enough.
-    average_grads.append((grad, grad_and_vars[0][1]))
+  # Deviation from upstream: a name scope, so traces (towerprofile) can tell
+  # the averaging from the update.
+  with tf.name_scope('average_gradients'):
+    for grad_and_vars in zip(*tower_grads):
+      # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0)).
+      grads = [tf.expand_dims(g, 0) for g, _ in grad_and_vars]
+      grad = tf.reduce_mean(tf.concat(grads, 0), 0)
+      # The variables are shared, so the first tower's pointer is enough.
+      average_grads.append((grad, grad_and_vars[0][1]))
   return average_grads
 
 

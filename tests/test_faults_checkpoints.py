@@ -13,6 +13,7 @@
   this process.
 """
 
+import errno
 import os
 import re
 import shutil
@@ -243,3 +244,20 @@ def test_full_disk_simulated_in_process(impl, synth_data_dir, tmp_path,
       _train_args(impl, synth_data_dir, train_dir, 4, '--save_every', 1))
   assert (code, exception) == (0, None), err
   assert 'Resuming from %s at global step 2.' % _ckpt(train_dir, 2) in out
+
+
+@pytest.mark.parametrize('error, advice', [
+    (OSError(errno.ENOSPC, 'No space left on device'), 'Free space on that disk'),
+    (OSError(errno.EDQUOT, 'Disk quota exceeded'), 'Free space on that disk'),
+    (OSError(errno.EACCES, 'Permission denied'), 'Make it writable'),
+    (OSError(errno.EPERM, 'Operation not permitted'), 'Make it writable'),
+    (OSError(errno.EROFS, 'Read-only file system'), 'Make it writable'),
+    (OSError(errno.EIO, 'Input/output error'), 'Fix the cause above'),
+], ids=lambda v: v if isinstance(v, str) else errno.errorcode[v.errno])
+def test_a_failed_write_advises_what_fits_its_cause(error, advice, tmp_path):
+  message = str(checkpoints.write_failed(str(tmp_path), 'checkpoint model.ckpt-5',
+                                         error))
+  assert message == (
+      'could not write checkpoint model.ckpt-5 in %s (%s); training stopped. No '
+      'earlier checkpoint exists. %s (or pass another --train_dir) and run again.'
+      % (tmp_path, str(error), advice))

@@ -467,7 +467,8 @@ def test_train_dir_made_read_only_under_a_run_fails_at_the_save(disturbed_runs,
   assert len(_errors(err)) == 1, err[-2000:]
   assert re.fullmatch(
       r'Error: could not write checkpoint model\.ckpt-5 in %s \(Operation not '
-      r'permitted\); training stopped\. No earlier checkpoint exists\. .*'
+      r'permitted\); training stopped\. No earlier checkpoint exists\. Make it '
+      r'writable \(or pass another --train_dir\) and run again\.'
       % re.escape(train_dir), _errors(err)[0]), err[-2000:]
   assert code == 1
   assert not [n for n in os.listdir(train_dir) if n.startswith('model.ckpt')]

@@ -1,0 +1,157 @@
+"""towerprofile.analysis on synthetic events: interval math, categories, placement."""
+
+import types
+
+import pytest
+
+from towerprofile import analysis
+
+CPU0, CPU1 = '/device:CPU:0', '/device:CPU:1'
+
+
+def ev(name, device, start, end, step=0, op_type=''):
+  return analysis.Event(name, op_type, device, float(start), float(end), step)
+
+
+def test_union_length_counts_overlaps_once():
+  assert analysis.union_length([(0, 10), (5, 15), (20, 30)]) == 25
+  assert analysis.union_length([]) == 0
+
+
+def test_coverage_at_least():
+  sets = [[(0, 10)], [(5, 15)], [(8, 9)]]
+  assert analysis.coverage_at_least(sets, 1) == 15
+  assert analysis.coverage_at_least(sets, 2) == 5
+  assert analysis.coverage_at_least(sets, 3) == 1
+
+
+def test_coverage_merges_within_a_set():
+  # One tower running two ops at once is still one tower.
+  assert analysis.coverage_at_least([[(0, 10), (2, 8)]], 2) == 0
+
+
+@pytest.mark.parametrize('towers,expected', [
+    # Both towers at once: fully parallel.
+    ([(0, 100), (0, 100)], 1.0),
+    # One after the other: serialized.
+    ([(0, 100), (100, 200)], 0.0),
+    # Half of the 150 us of compute has both.
+    ([(0, 100), (50, 150)], 50 / 150),
+])
+def test_tower_overlap(towers, expected):
+  events = [ev('tower_%d/conv1/Conv2D' % i, 'd%d' % i, s, e)
+            for i, (s, e) in enumerate(towers)]
+  assert analysis.tower_overlap(events, 2) == pytest.approx(expected)
+
+
+def test_tower_overlap_one_tower_is_none():
+  assert analysis.tower_overlap([ev('tower_0/a', CPU0, 0, 1)], 1) is None
+
+
+@pytest.mark.parametrize('name,op_type,category', [
+    ('tower_0/conv1/Conv2D', 'Conv2D', analysis.FORWARD),
+    ('tower_1/gradients/tower_1/conv1/Conv2D_grad/X', 'Conv2DBackpropFilter',
+     analysis.BACKWARD),
+    ('gradient_tape/tower_1/conv1/Conv2DBackpropFilter', '', analysis.BACKWARD),
+    ('average_gradients/Mean_3', 'Mean', analysis.AVERAGE),
+    ('GradientDescent/update_conv1/weights/ResourceApplyGradientDescent', '',
+     analysis.UPDATE),
+    ('ExponentialMovingAverage/AssignMovingAvg', '', analysis.EMA),
+    ('dequeue_1', 'QueueDequeueV2', analysis.INPUT),
+    ('edge_12_tower_1/AddN', '_Send', analysis.COPY),
+    ('tower_1/Conv2D/ReadVariableOp', 'ReadVariableOp', analysis.COPY),
+    ('mystery', 'NoOp', analysis.OTHER),
+])
+def test_categorize(name, op_type, category):
+  assert analysis.categorize(name, op_type) == category
+
+
+def test_adapter_category_wins():
+  event = analysis.Event('Mean_3', 'Mean', CPU0, 0, 1, 0, analysis.AVERAGE)
+  assert analysis.category_of(event) == analysis.AVERAGE
+
+
+def test_exclusive_split_adds_up_and_prefers_compute():
+  events = [
+      ev('dequeue_0', CPU0, 0, 20, op_type='QueueDequeueV2'),
+      ev('tower_0/conv1/Conv2D', CPU0, 10, 60),  # hides the input wait's end
+      ev('tower_0/gradients/x', CPU0, 60, 90),
+      ev('ExponentialMovingAverage/x', CPU0, 95, 100),
+  ]
+  split = analysis.exclusive_split(events, (0, 100))
+  assert sum(split.values()) == pytest.approx(100)
+  assert split[analysis.INPUT] == 10
+  assert split[analysis.FORWARD] == 50
+  assert split[analysis.BACKWARD] == 30
+  assert split[analysis.EMA] == 5
+  assert split[analysis.IDLE] == 5
+
+
+@pytest.mark.parametrize('name,device', [
+    ('/job:localhost/replica:0/task:0/device:CPU:1', CPU1),
+    ('/cpu:0', CPU0),
+    ('/device:GPU:2/stream:all', '/device:GPU:2'),
+    ('/job:localhost/replica:0/task:0/device:GPU:0/memcpy', '/device:GPU:0'),
+])
+def test_canonical_device(name, device):
+  assert analysis.canonical_device(name) == device
+
+
+def _two_tower_step(step, tower1_device, offset=0.0):
+  return [
+      ev('dequeue_0', CPU0, offset, offset + 5, step, 'QueueDequeueV2'),
+      ev('tower_0/conv1/Conv2D', CPU0, offset + 5, offset + 50, step),
+      ev('tower_1/conv1/Conv2D', tower1_device, offset + 5, offset + 50, step),
+      ev('tower_1/Conv2D/ReadVariableOp', CPU0, offset + 5, offset + 6, step,
+         'ReadVariableOp'),
+      ev('average_gradients/Mean', CPU0, offset + 50, offset + 60, step),
+  ]
+
+
+def test_analyze_placement_and_verdict():
+  events = _two_tower_step(0, CPU1) + _two_tower_step(1, CPU1, 100.0)
+  report = analysis.analyze(events, [(0, 60), (100, 160)], ['/cpu:0', '/cpu:1'],
+                            '/cpu:0', wall_us=[61.0, 62.0])
+  assert [p['main_device'] for p in report['placement']] == [CPU0, CPU1]
+  assert not any(p['misplaced'] for p in report['placement'])
+  assert report['input_device'] == CPU0
+  assert report['median']['tower_overlap'] == 1.0
+  assert report['median']['busy_fraction'][CPU1] == pytest.approx(45 / 60)
+  assert report['verdict'] == ('towers overlap 1.00; input waits 8% of the '
+                               'step; no misplaced ops')
+
+
+def test_analyze_flags_a_tower_on_another_device():
+  events = _two_tower_step(0, CPU0)
+  report = analysis.analyze(events, [(0, 60)], [CPU0, CPU1], CPU0)
+  tower1 = report['placement'][1]
+  assert tower1['misplaced'] and tower1['on_variable_device']
+  assert tower1['ran_on'] == {CPU0: 1.0}
+  assert 'tower 1 ran on /device:CPU:0, planned /device:CPU:1' in report['verdict']
+
+
+def _node(name, op, *inputs):
+  return types.SimpleNamespace(name=name, op=op, input=list(inputs))
+
+
+def test_modern_moving_average_ops_follow_the_decay():
+  from towerprofile import modern_trace
+  step = types.SimpleNamespace(node_def=[
+      _node('step', 'ReadVariableOp', 'global_step'),
+      _node('lr', 'Pow', 'step'),  # the update's: shared input stays update
+      _node('n', 'Cast', 'step'),
+      _node('Minimum', 'Minimum', 'n'),
+      _node('one_minus', 'Sub', 'Minimum'),
+      _node('shadow', 'ReadVariableOp', 'shadow_handle'),
+      _node('sub', 'Sub', 'shadow', 'weights'),
+      _node('mul', 'Mul', 'sub', 'one_minus'),
+      _node('AssignSubVariableOp_1', 'AssignSubVariableOp', 'shadow_handle',
+            'mul'),
+      _node('lr_grad', 'Mul', 'lr', 'grad'),
+      _node('AssignSubVariableOp', 'AssignSubVariableOp', 'weights_handle',
+            'lr_grad', '^AssignSubVariableOp_1'),
+      _node('tower_0/Minimum', 'Minimum', 'x'),  # a tower's is not the decay
+  ])
+  assert modern_trace.moving_average_ops(step) == {
+      'n', 'Minimum', 'one_minus', 'shadow', 'sub', 'mul',
+      'AssignSubVariableOp_1'}
