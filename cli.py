@@ -192,6 +192,8 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
         _check_train_dir(train_dir)
         if distribution:
           _check_distribution(run_crosscheck=run_crosscheck, **distribution)
+        if distribution.get('strategy') == 'multiworker' and num_gpus > 1:
+          _check_multiworker_gpus(num_gpus)
         with _user_errors():
           _ensure_train_data(data_dir)
           plan = devices.plan_devices(num_gpus, warn=_warn)
@@ -250,8 +252,9 @@ def _strategy_options(f):
                    help='towers: one tf.function tower per device; mirrored: '
                         'tf.distribute.MirroredStrategy over the same devices; '
                         'multiworker: MultiWorkerMirroredStrategy, --num_gpus '
-                        'replicas on each of several workers (TF_CONFIG, or '
-                        '--worker_hosts and --task_index).'),
+                        'replicas (GPUs; 1 on a CPU-only machine) on each of '
+                        'several workers (TF_CONFIG, or --worker_hosts and '
+                        '--task_index).'),
       click.option('--worker_hosts', default='', metavar='HOST:PORT,...',
                    callback=_parse_worker_hosts,
                    help='Every worker of a multiworker run, the same list on '
@@ -312,6 +315,17 @@ def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
     cluster.resolve_cluster(worker_hosts, task_index)
   except cluster.ClusterError as e:
     raise click.UsageError(_first_line(e)) from None
+
+
+def _check_multiworker_gpus(num_gpus):
+  """--strategy multiworker takes a replica per GPU, or one on a CPU-only machine."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  found = len(tf.config.list_physical_devices('GPU'))
+  if found < num_gpus:
+    raise click.UsageError(
+        '--strategy multiworker runs one replica per GPU, and this machine has '
+        '%d GPU(s) for --num_gpus %d; on CPUs TensorFlow runs one replica per '
+        'worker: pass --num_gpus 1 and start more workers.' % (found, num_gpus))
 
 
 @cli.command()

@@ -2,7 +2,7 @@
 
 What moves: the 10 weights, their 10 moving averages and the global step, bit
 for bit. Each side's checkpoint is written by that side's own code (legacy's
-graph and `Saver`, modern's `Trainer` and `CheckpointManager`), so the result is
+graph and `Saver`, modern's `TrainState` and `CheckpointManager`), so the result is
 what that trainer would have saved itself, and it resumes or evaluates it
 without knowing it was converted.
 """
@@ -87,12 +87,12 @@ def write_modern(directory, values, shadows, step):
   """Saves the state as the modern trainer does; returns the checkpoint prefix."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
-  from modern import train as modern_train  # pylint: disable=g-import-not-at-top
-  trainer = modern_train.Trainer(_host_plan(), decay_steps=1)
-  trainer.assign_variables(values, shadows)
-  trainer.global_step.assign(step)
+  from modern import step as modern_step  # pylint: disable=g-import-not-at-top
+  state = modern_step.TrainState(_host_plan(), decay_steps=1)
+  state.assign_variables(values, shadows)
+  state.global_step.assign(step)
   manager = tf.train.CheckpointManager(
-      modern_checkpoints.checkpoint_object(trainer), directory,
+      modern_checkpoints.checkpoint_object(state), directory,
       max_to_keep=modern_checkpoints.MAX_TO_KEEP,
       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
   return manager.save(checkpoint_number=step)

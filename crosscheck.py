@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from common import cifar10_format as fmt
+from common import config as config_lib
 from common import hparams
 from common import model_spec
 
@@ -225,17 +226,17 @@ def _legacy_run(plan, init, images, labels, steps, decay_steps):
   return grad_values, np.asarray(losses), final, final_ema
 
 
-def _modern_run(engine_class, plan, init, images, labels, steps, decay_steps):
-  """The same with a modern engine (the tf.function towers, or a strategy)."""
-  trainer = engine_class(plan, decay_steps)
-  trainer.assign_variables(init)
+def _modern_run(build, plan, init, images, labels, steps, decay_steps):
+  """The same with a modern engine's step (the tf.function towers, or a strategy)."""
+  trainer = build(plan, decay_steps)
+  trainer.state.assign_variables(init)
   grads, losses = trainer.compute_gradients((images, labels))
   grads = {name: g.numpy() for name, g in grads.items()}
   losses = np.asarray(losses)
   for _ in range(steps):
     trainer.train_step((images, labels))
-  final = {name: v.numpy() for name, v in trainer.variables().items()}
-  final_ema = {name: v.numpy() for name, v in trainer.shadow_variables().items()}
+  final = {name: v.numpy() for name, v in trainer.state.variables().items()}
+  final_ema = {name: v.numpy() for name, v in trainer.state.shadow_variables().items()}
   return grads, losses, final, final_ema
 
 
@@ -250,14 +251,18 @@ def _result(run, plan, init, images, labels, steps, decay_steps):
 
 
 def modern_engines():
-  """Name -> class of the modern engines the cross-check can compare with legacy.
+  """Name -> callable(plan, decay_steps) building that modern engine's step.
 
   'towers' is modern's own tf.function towers; 'mirrored' runs the same step
-  under tf.distribute.MirroredStrategy. Both take (plan, decay_steps).
+  under tf.distribute.MirroredStrategy (see modern.engines; 'multiworker'
+  needs several processes and has its own test).
   """
-  from modern import distributed  # pylint: disable=g-import-not-at-top
-  from modern import train as modern_train  # pylint: disable=g-import-not-at-top
-  return {'towers': modern_train.Trainer, 'mirrored': distributed.MirroredTrainer}
+  from modern import engines  # pylint: disable=g-import-not-at-top
+
+  def builder(name):
+    return lambda plan, decay_steps: engines.make(config_lib.TrainConfig(
+        num_gpus=plan.num_towers, strategy=name), plan).build(decay_steps)
+  return {name: builder(name) for name in ('towers', 'mirrored')}
 
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,

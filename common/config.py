@@ -47,11 +47,6 @@ class TrainConfig:
     if self.peer_timeout < 1:
       raise ValueError('peer_timeout must be >= 1, got %d' % self.peer_timeout)
 
-  @property
-  def global_batch_size(self):
-    """Images one step consumes on this worker's towers (all workers: times their number)."""
-    return self.batch_size * self.num_gpus
-
   def checkpoint_prefix(self):
     """Path prefix of the checkpoints, `<train_dir>/model.ckpt`."""
     return os.path.join(self.train_dir, CHECKPOINT_BASENAME)

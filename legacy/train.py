@@ -460,11 +460,11 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
         if summary_writer is None:
           summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
         if step % config.log_every == 0:
-          examples_per_sec = config.global_batch_size / duration
+          examples_per_sec = config.batch_size * config.num_gpus / duration
           # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
           out(training.log_line(step, loss_value, examples_per_sec, duration))
         if on_step is not None:
-          on_step(step, duration, config.global_batch_size)
+          on_step(step, duration, config.batch_size * config.num_gpus)
         if write_summary:
           try:
             summary_writer.add_summary(results[3], step)

@@ -15,12 +15,14 @@ left column. Files are `<train_dir>/model.ckpt-<global_step>.{index,data-*}`
 plus the `checkpoint` state file, as with legacy's Saver.
 
 Converting: modern -> legacy names is `tf.train.load_variable(path,
-checkpoint_key(name))` for each legacy name; legacy -> modern is a `Trainer`
-given the legacy values with `assign_variables(values, shadow_values)` and
-`global_step.assign(...)`, saved through `checkpoint_object(trainer)`.
+checkpoint_key(name))` for each legacy name; legacy -> modern is a
+`modern.step.TrainState` given the legacy values with
+`assign_variables(values, shadow_values)` and `global_step.assign(...)`,
+saved through `checkpoint_object(state)`.
 """
 
 import os
+import threading
 
 import tensorflow as tf
 
@@ -41,24 +43,31 @@ _CKPT_VALUE = '.ATTRIBUTES/VARIABLE_VALUE'
 
 
 class StepSaver:
-  """Saves a trainer's checkpoint at most once per global step.
+  """Saves a training state's checkpoint at most once per global step.
 
   Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
   already saved, and returns the checkpoint's path. A failed write is a
   one-line `common.checkpoints` error: the manager names a checkpoint latest
   only after writing it whole, so the previous one stays in place. Nothing
   is written if the directory, locked by this process, was removed under it
-  (`common.lock.LockError`).
+  (`common.lock.LockError`). Safe to call from another thread (the
+  multiworker watchdog saves while the main thread waits for the peers).
   """
 
-  def __init__(self, trainer, manager, directory, last_saved=None):
-    self.trainer = trainer
+  def __init__(self, state, manager, directory, last_saved=None):
+    self.state = state
     self.manager = manager
     self.directory = directory
     self.last_saved = last_saved  # the global step of the newest save, or None
 
+    self._lock = threading.Lock()
+
   def __call__(self):
-    current = int(self.trainer.global_step.numpy())
+    with self._lock:
+      return self._save()
+
+  def _save(self):
+    current = int(self.state.global_step.numpy())
     if current != self.last_saved:
       lock.check(self.directory)
       try:
@@ -70,11 +79,11 @@ class StepSaver:
                       self.last_saved)
 
 
-def checkpoint_object(trainer):
-  """The `tf.train.Checkpoint` of a trainer; keys as in the module docstring."""
-  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: trainer.global_step,
-                                _CKPT_MODEL: trainer.model,
-                                _CKPT_EMA: trainer.ema})
+def checkpoint_object(state):
+  """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring."""
+  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: state.global_step,
+                                _CKPT_MODEL: state.model,
+                                _CKPT_EMA: state.ema})
 
 
 def restore_latest(train_dir, checkpoint, warn):

@@ -11,13 +11,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ('common', 'legacy', 'modern')
-# Remove once modern/distributed.py is gone (issue 10, steps 2 and 3): it
-# imports tensorflow.python and is imported back by modern/train.py.
-_DISTRIBUTED_PENDING = pytest.mark.xfail(
-    os.path.exists(os.path.join(ROOT, 'modern', 'distributed.py')), strict=True,
-    reason='modern/distributed.py still uses private TensorFlow API and '
-           'closes a cycle with modern/train.py')
+PACKAGES = ('common', 'legacy', 'modern', 'towerprofile')
 
 
 def _modules():
@@ -97,7 +91,6 @@ def test_the_walk_sees_imports():
   assert _cycle({'a': ['b'], 'b': []}) is None
 
 
-@_DISTRIBUTED_PENDING
 def test_no_module_imports_private_tensorflow():
   private = {module: [name for name in _imports(path)
                       if name.startswith(('tensorflow.python',
@@ -106,7 +99,6 @@ def test_no_module_imports_private_tensorflow():
   assert {module: names for module, names in private.items() if names} == {}
 
 
-@_DISTRIBUTED_PENDING
 def test_no_import_cycles():
   assert _cycle(_project_graph()) is None
 

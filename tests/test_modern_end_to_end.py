@@ -13,6 +13,7 @@ from common import devices
 from common import training
 from modern import eval as eval_lib
 from modern import checkpoints as modern_checkpoints
+from modern import step as modern_step
 from modern import train
 
 
@@ -106,10 +107,10 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data
 
 
 def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir, tmp_path):
-  trainer = train.Trainer(_plan(1), decay_steps=100)
-  trainer.variables()['softmax_linear/biases'].assign(np.full(10, np.nan, np.float32))
-  trainer.global_step.assign(3)
-  manager = tf.train.CheckpointManager(modern_checkpoints.checkpoint_object(trainer), str(tmp_path),
+  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  trainer.state.variables()['softmax_linear/biases'].assign(np.full(10, np.nan, np.float32))
+  trainer.state.global_step.assign(3)
+  manager = tf.train.CheckpointManager(modern_checkpoints.checkpoint_object(trainer.state), str(tmp_path),
                                        max_to_keep=5, checkpoint_name='model.ckpt')
   manager.save(checkpoint_number=3)
   config = _config(synth_data_dir, tmp_path, num_gpus=1, batch_size=4, max_steps=10)
