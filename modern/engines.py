@@ -527,7 +527,8 @@ class MultiWorker(Engine):
         # all-reduce failed (the increment does not depend on it).
         self.trainer.state.global_step.assign(step)
         return save()
-      except (checkpoints.CheckpointError, tf.errors.OpError, OSError):
+      except (checkpoints.CheckpointError, lock.LockError, tf.errors.OpError,
+              OSError):  # LockError: train_dir was removed under the run
         return None
 
     self._save_completed = save_completed
@@ -698,12 +699,18 @@ class PeerWatchdog:
         first_step = self._first_step
       if expired is not None:
         message, step, status = expired
-        saved = self._save_completed(step, first_step)
-        self._warn(message(saved))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self._cleanup()
-        self._exit(status)
+        # The exit must come whatever fails on the way: the main thread is stuck.
+        try:
+          try:
+            saved = self._save_completed(step, first_step)
+          except Exception:  # pylint: disable=broad-except
+            saved = None
+          self._warn(message(saved))
+          sys.stdout.flush()
+          sys.stderr.flush()
+          self._cleanup()
+        finally:
+          self._exit(status)
         return
 
 
