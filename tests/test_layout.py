@@ -8,7 +8,6 @@ included: a lazy import still makes a cycle), and checks the whole graph.
 import ast
 import os
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ('common', 'legacy', 'modern', 'towerprofile')
 
