@@ -179,9 +179,80 @@ def _train_options(f):
   return f
 
 
+def _optimizer_options(f):
+  """The update rule, shared by `legacy`, `modern` and `crosscheck` (common.optimizer)."""
+  from common import optimizer as optimizer_lib
+  defaults = optimizer_lib.Optimizer()
+  options = [
+      click.option('--optimizer', type=click.Choice(optimizer_lib.NAMES),
+                   default=defaults.name, show_default=True,
+                   help='sgd: upstream\'s plain gradient descent; momentum and '
+                        'adam: TF1\'s MomentumOptimizer and AdamOptimizer (both '
+                        'trainers compute the same update). The learning rate '
+                        'follows upstream\'s staircase decay in all three.'),
+      click.option('--learning_rate', type=click.FloatRange(min=0.0, min_open=True),
+                   default=defaults.learning_rate, show_default=True,
+                   help='Initial learning rate (upstream\'s 0.1; Adam wants '
+                        'about 0.001).'),
+      click.option('--momentum', type=click.FloatRange(min=0.0),
+                   default=defaults.momentum, show_default=True,
+                   help='--optimizer momentum: accum = momentum * accum + grad.'),
+      click.option('--adam_beta1', type=click.FloatRange(0.0, 1.0, max_open=True),
+                   default=defaults.adam_beta1, show_default=True,
+                   help='--optimizer adam: decay of the first moment.'),
+      click.option('--adam_beta2', type=click.FloatRange(0.0, 1.0, max_open=True),
+                   default=defaults.adam_beta2, show_default=True,
+                   help='--optimizer adam: decay of the second moment.'),
+      click.option('--adam_epsilon', type=click.FloatRange(min=0.0, min_open=True),
+                   default=defaults.adam_epsilon, show_default=True,
+                   help='--optimizer adam: added to sqrt(v).'),
+      click.option('--clip_norm', type=click.FloatRange(min=0.0, min_open=True),
+                   default=None,
+                   help='Clip the gradients to this global norm '
+                        '(tf.clip_by_global_norm); default: no clipping.'),
+      click.option('--clip_where', type=click.Choice(optimizer_lib.CLIP_WHERE),
+                   default=defaults.clip_where, show_default=True,
+                   help='averaged: clip the towers\' mean gradient; per_tower: '
+                        'clip each tower\'s before the mean, which is NOT the '
+                        'same as one tower on all the images (README).'),
+  ]
+  for option in reversed(options):
+    f = option(f)
+  return f
+
+
+def _optimizer_from(options):
+  """Pops the optimizer flags from a command's options: common.optimizer.Optimizer.
+
+  A flag that the chosen optimizer ignores is a usage error (exit 2), so a
+  typo such as `--adam_beta1` with `--optimizer momentum` is not lost.
+  """
+  from common import optimizer as optimizer_lib
+  values = {name: options.pop(name) for name in (
+      'optimizer', 'learning_rate', 'momentum', 'adam_beta1', 'adam_beta2',
+      'adam_epsilon', 'clip_norm', 'clip_where')}
+  source = click.get_current_context().get_parameter_source
+  given = {name for name in values
+           if source(name) != click.core.ParameterSource.DEFAULT}
+  needs = {'momentum': 'momentum', 'adam_beta1': 'adam', 'adam_beta2': 'adam',
+           'adam_epsilon': 'adam'}
+  for name, optimizer in needs.items():
+    if name in given and values['optimizer'] != optimizer:
+      raise click.UsageError('--%s is for --optimizer %s (this run has --optimizer '
+                             '%s).' % (name, optimizer, values['optimizer']))
+  if 'clip_where' in given and values['clip_norm'] is None:
+    raise click.UsageError('--clip_where needs --clip_norm.')
+  return optimizer_lib.Optimizer(
+      name=values['optimizer'], learning_rate=values['learning_rate'],
+      momentum=values['momentum'], adam_beta1=values['adam_beta1'],
+      adam_beta2=values['adam_beta2'], adam_epsilon=values['adam_epsilon'],
+      clip_norm=values['clip_norm'], clip_where=values['clip_where'])
+
+
 def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every,
            summary_every, save_every, log_device_placement, seed, run_crosscheck,
            **distribution):
+  optimizer = _optimizer_from(distribution)
   from common import training
   # Held for the whole command, and shared by the trainer's own: a signal at
   # any phase is a request to stop. Until the first step nothing is written,
@@ -204,12 +275,13 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
               batch_size=batch_size, max_steps=max_steps, log_every=log_every,
               summary_every=summary_every, save_every=save_every,
               log_device_placement=log_device_placement, seed=seed,
-              **distribution)
+              optimizer=optimizer, **distribution)
           if run_crosscheck:
             _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
                         data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
                         engines=('towers', 'mirrored')
-                        if config.strategy == 'mirrored' else ('towers',))
+                        if config.strategy == 'mirrored' else ('towers',),
+                        optimizer=optimizer)
           if impl == 'legacy':
             from legacy import train as trainer
           else:
@@ -239,6 +311,7 @@ def cli():
 
 @cli.command()
 @_train_options
+@_optimizer_options
 def legacy(**options):
   """Train with the original queue-runner multi-tower trainer (tf.compat.v1)."""
   _train('legacy', **options)
@@ -330,6 +403,7 @@ def _check_multiworker_gpus(num_gpus):
 
 @cli.command()
 @_train_options
+@_optimizer_options
 @_strategy_options
 def modern(**options):
   """Train with the TF2 rewrite: tf.data input, one tf.function tower per device."""
@@ -409,14 +483,14 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
 
 
 def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
-                engines=('towers',)):
+                engines=('towers',), optimizer=None):
   """Runs the cross-check, prints its tables; ClickException (exit 1) if it fails."""
   import crosscheck as crosscheck_lib
   tolerances = None if rtol is None else {'grad_rtol': rtol}
   reports, images, labels, init = crosscheck_lib.run(
       plan, batch_size=batch_size, steps=steps, seed=seed, data_dir=data_dir,
       decay_steps=decay_steps, engines=engines, tolerances=tolerances,
-      progress=_warn)
+      progress=_warn, **({} if optimizer is None else {'optimizer': optimizer}))
   for engine, report in reports.items():
     click.echo('legacy vs modern (%s):' % engine)
     click.echo(crosscheck_lib.format_report(report))
@@ -456,22 +530,26 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
               default='towers', show_default=True,
               help='mirrored also compares tf.distribute.MirroredStrategy with '
                    'legacy (3-way: legacy, towers, mirrored).')
+@_optimizer_options
 def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
-               strategy):
+               strategy, **optimizer_options):
   """Prove legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
 
   Builds both trainers from the same initial variables, feeds both the same N
   tower batches, and compares the averaged gradients, the tower losses, the
   variables and moving averages after K steps, and the N-towers-vs-1 identity.
-  Exits 0 when every figure is within the contract, 1 otherwise.
+  Exits 0 when every figure is within the contract, 1 otherwise. With
+  --optimizer momentum or adam it also compares every slot after K steps,
+  with --clip_norm the clipped averaged gradient.
   """
+  optimizer = _optimizer_from(optimizer_options)
   with _user_errors():
     if data_dir is not None:
       _ensure_train_data(data_dir)
     plan = devices.plan_devices(num_gpus, warn=_warn)
     engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
     _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
-                engines)
+                engines, optimizer)
 
 
 @cli.command()
@@ -530,8 +608,9 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
 
-  Weights, moving averages and the global step move bit for bit; training
-  continues from the converted checkpoint and eval gives the same precision.
+  Weights, moving averages, the global step and the optimizer's slots
+  (momentum, Adam) move bit for bit; training continues from the converted
+  checkpoint and eval gives the same precision.
   """
   import convert as convert_lib
   with _user_errors():
@@ -539,11 +618,16 @@ def convert(from_dir, to_dir):
     try:
       from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir,
                                                            warn=_warn)
+      optimizer = convert_lib.read_state(path)[4]
     except (convert_lib.ConvertError, checkpoints.CheckpointError) as e:
       raise click.ClickException(_first_line(e)) from None
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
-             'checkpoint: %s' % (from_kind, from_dir, step, to_kind, path))
-  click.echo('Continue with `python cli.py %s --train_dir %s`.' % (to_kind, to_dir))
+             'checkpoint (optimizer %s, its slots included): %s'
+             % (from_kind, from_dir, step, to_kind, optimizer, path))
+  # A resume with another --optimizer is refused: say which one it needs.
+  click.echo('Continue with `python cli.py %s --train_dir %s%s`.'
+             % (to_kind, to_dir, '' if optimizer == 'sgd'
+                else ' --optimizer %s' % optimizer))
 
 
 def _comma_list(convert, allowed=None, bound=None):
