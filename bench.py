@@ -43,7 +43,6 @@ are the API.
 import dataclasses
 import json
 import os
-import re
 import queue
 import resource
 import statistics
@@ -66,7 +65,6 @@ TRAINING_MULTIPLIER = 3  # forward + backward (two products per layer) ~ 3x forw
 BASELINE_DISTINCT_BATCHES = 8  # in-memory global batches the baseline cycles over
 INPUT_WARMUP_WINDOWS = 2  # input-alone windows discarded (the shuffle buffer fills first)
 INPUT_WINDOWS = 5  # input-alone timed windows
-_STEP_LINE = re.compile(r': step \d+, loss = ')  # common.training.log_line
 
 
 class BenchError(Exception):
@@ -113,7 +111,7 @@ def forward_flops_per_image():
 
   Convolutions and matmuls only (pooling, LRN and ReLU are a rounding error):
   conv1 at 24x24, conv2 at 12x12 (after the first stride-2 pool), then the
-  three fully connected layers; about 36.9 MFLOP (SPEC: ~18.5M multiply-adds).
+  three fully connected layers; about 36.9 MFLOP (docs/equivalence.md §1: ~18.5M multiply-adds).
   """
   from common import hparams  # pylint: disable=g-import-not-at-top
   from common import model_spec  # pylint: disable=g-import-not-at-top
@@ -194,17 +192,15 @@ def _train_config(spec, train_dir, max_steps):
   return config_lib.TrainConfig(
       data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
       batch_size=spec['batch_size'], max_steps=max_steps,
-      log_every=spec['window_steps'],
       # Only the final checkpoint, after the last window.
       save_every=max_steps + 1, jit=spec['jit'])
 
 
 def contend_training(spec, pacer):
-  """Runs one trainer's real `train()`, paced at its log lines.
+  """Runs one trainer's real `train()`, paced by its `on_step` callback.
 
-  The trainer logs every `window_steps` steps; the first log line (after
-  graph building, queue filling or tracing, and one window of steps) is the
-  READY boundary, each later one ends a window.
+  Every `window_steps`-th step ends a window; the first (after graph building,
+  queue filling or tracing, and one window of steps) is the READY boundary.
 
   Args:
     spec: dict with impl, num_gpus, batch_size, data_dir, window_steps, jit
@@ -221,23 +217,25 @@ def contend_training(spec, pacer):
     from modern import train as trainer  # pylint: disable=g-import-not-at-top
   boundaries = []
 
-  def out(line):
-    if _STEP_LINE.search(line):
-      boundaries.append(line)
+  def on_step(step, seconds, images):
+    del seconds, images  # the pacer times whole windows
+    if step % spec['window_steps'] == 0:
+      boundaries.append(step)
       pacer.boundary()
 
   with tempfile.TemporaryDirectory(prefix='bench_train_') as train_dir:
     config = _train_config(spec, train_dir,
                            (spec['windows'] + 1) * spec['window_steps'])
-    trainer.train(config, plan, out=out, warn=lambda _: None)
+    trainer.train(config, plan, out=lambda _: None, warn=lambda _: None,
+                  on_step=on_step)
   if len(boundaries) != spec['windows'] + 1:
-    raise BenchError('%s logged %d step lines, expected %d'
+    raise BenchError('%s ran %d windows, expected %d'
                      % (spec['impl'], len(boundaries), spec['windows'] + 1))
   return {'peak_rss_bytes': _peak_rss_bytes()}
 
 
 def keras_model(tf, keras):
-  """The CIFAR-10 net of SPEC §1 as a Keras functional model (the baseline's).
+  """The CIFAR-10 net of docs/equivalence.md §1 as a Keras functional model (the baseline's).
 
   The same layers, shapes, initializers (truncated normal weights, constant
   biases) and weight decay as `common.model_spec`: Keras' L2(l) adds
@@ -377,6 +375,7 @@ def contend_matmul(spec, pacer):
 def _legacy_input_stamps(spec, windows):
   """Time stamps of legacy's prefetch-queue dequeues, one per window end."""
   import tensorflow.compat.v1 as tf  # pylint: disable=g-import-not-at-top
+  from legacy import inputs as legacy_inputs  # pylint: disable=g-import-not-at-top
   from legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   plan = _plan(spec['num_gpus'])
   stamps = []
@@ -384,9 +383,8 @@ def _legacy_input_stamps(spec, windows):
   with tf.Graph().as_default():
     tower_batches = legacy_train.tower_input_batches(config)
     init = tf.local_variables_initializer()
-    close_queues = [qr.queue.close(cancel_pending_enqueues=True)
-                    for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
-    with tf.Session(config=legacy_train.session_config(config, plan)) as sess:
+    close_queues = legacy_inputs.close_queue_ops()
+    with tf.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(init)
       coord = tf.train.Coordinator()
       threads = tf.train.start_queue_runners(sess=sess, coord=coord)
@@ -479,11 +477,6 @@ def worker_main(argv):
 def _worker_command(flag, spec):
   env = dict(os.environ)
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  if spec.get('jit') and spec.get('impl') == 'legacy':
-    # Legacy's --jit asks the Session for XLA auto-clustering, which TF does
-    # on the CPU only with this flag (the trainer warns without it).
-    env['TF_XLA_FLAGS'] = (env.get('TF_XLA_FLAGS', '') +
-                           ' --tf_xla_cpu_global_jit').strip()
   env['PYTHONPATH'] = os.pathsep.join(
       [ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
   return [sys.executable, os.path.join(ROOT, 'bench.py'), flag, json.dumps(spec)], env

@@ -18,9 +18,10 @@ if os.environ['TF_CPP_MIN_LOG_LEVEL'] != '0':
   logging.getLogger('tensorflow').setLevel(logging.ERROR)
 
 from common import config as config_lib  # pylint: disable=wrong-import-position
+from common import devices  # pylint: disable=wrong-import-position
 from common import hparams  # pylint: disable=wrong-import-position
 
-MAX_TOWERS = 64  # the same bound as common.devices.MAX_TOWERS, kept import-free
+MAX_TOWERS = devices.MAX_TOWERS
 
 
 def _warn(message):
@@ -191,9 +192,10 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
         _check_train_dir(train_dir)
         if distribution:
           _check_distribution(run_crosscheck=run_crosscheck, **distribution)
+        if distribution.get('strategy') == 'multiworker' and num_gpus > 1:
+          _check_multiworker_gpus(num_gpus)
         with _user_errors():
           _ensure_train_data(data_dir)
-          from common import devices
           plan = devices.plan_devices(num_gpus, warn=_warn)
           from common import memory  # refuse what cannot fit, before building
           memory.check_training(impl, plan, batch_size, data_dir)
@@ -250,8 +252,9 @@ def _strategy_options(f):
                    help='towers: one tf.function tower per device; mirrored: '
                         'tf.distribute.MirroredStrategy over the same devices; '
                         'multiworker: MultiWorkerMirroredStrategy, --num_gpus '
-                        'replicas on each of several workers (TF_CONFIG, or '
-                        '--worker_hosts and --task_index).'),
+                        'replicas (GPUs; 1 on a CPU-only machine) on each of '
+                        'several workers (TF_CONFIG, or --worker_hosts and '
+                        '--task_index).'),
       click.option('--worker_hosts', default='', metavar='HOST:PORT,...',
                    callback=_parse_worker_hosts,
                    help='Every worker of a multiworker run, the same list on '
@@ -312,6 +315,17 @@ def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
     cluster.resolve_cluster(worker_hosts, task_index)
   except cluster.ClusterError as e:
     raise click.UsageError(_first_line(e)) from None
+
+
+def _check_multiworker_gpus(num_gpus):
+  """--strategy multiworker takes a replica per GPU, or one on a CPU-only machine."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  found = len(tf.config.list_physical_devices('GPU'))
+  if found < num_gpus:
+    raise click.UsageError(
+        '--strategy multiworker runs one replica per GPU, and this machine has '
+        '%d GPU(s) for --num_gpus %d; on CPUs TensorFlow runs one replica per '
+        'worker: pass --num_gpus 1 and start more workers.' % (found, num_gpus))
 
 
 @cli.command()
@@ -434,7 +448,7 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
               show_default=True,
               help='Learning-rate decay interval, small so K steps cross the staircase.')
 @click.option('--dump', type=click.Path(file_okay=False), default=None,
-              help='Write the evidence file DIR/crosscheck.npz (SPEC §2).')
+              help='Write the evidence file DIR/crosscheck.npz (docs/equivalence.md §2).')
 @click.option('--rtol', type=click.FloatRange(min=0.0), default=None,
               help='Tolerance of the averaged-gradient and identity checks '
                    '[default: 1e-5, the contract].')
@@ -444,7 +458,7 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
                    'legacy (3-way: legacy, towers, mirrored).')
 def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
                strategy):
-  """Prove legacy and modern compute the same averaged gradients (SPEC §2).
+  """Prove legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
 
   Builds both trainers from the same initial variables, feeds both the same N
   tower batches, and compares the averaged gradients, the tower losses, the
@@ -454,7 +468,6 @@ def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, r
   with _user_errors():
     if data_dir is not None:
       _ensure_train_data(data_dir)
-    from common import devices
     plan = devices.plan_devices(num_gpus, warn=_warn)
     engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
     _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
@@ -582,8 +595,8 @@ def _comma_list(convert, allowed=None, bound=None):
 @click.option('--json', 'json_path', type=click.Path(dir_okay=False), default=None,
               help='Also write the results to this JSON file.')
 @click.option('--jit', is_flag=True,
-              help='Compile both trainers\' steps with XLA (the Keras baseline '
-                   'keeps its default).')
+              help='Compile each tower\'s loss and gradients with XLA in both '
+                   'trainers (the Keras baseline keeps its default).')
 def bench(impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds, window_steps,
           matmul_size, json_path, jit):
   """Measure training images/sec against Keras model.fit and the machine ceiling.

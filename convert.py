@@ -2,7 +2,7 @@
 
 What moves: the 10 weights, their 10 moving averages and the global step, bit
 for bit. Each side's checkpoint is written by that side's own code (legacy's
-graph and `Saver`, modern's `Trainer` and `CheckpointManager`), so the result is
+graph and `Saver`, modern's `TrainState` and `CheckpointManager`), so the result is
 what that trainer would have saved itself, and it resumes or evaluates it
 without knowing it was converted.
 """
@@ -17,7 +17,6 @@ from common import config as config_lib
 from common import devices
 from common import model_spec
 
-EMA_SUFFIX = '/ExponentialMovingAverage'  # legacy's shadow-variable suffix
 
 
 class ConvertError(Exception):
@@ -32,8 +31,8 @@ def _host_plan():
 def _key(kind, legacy_name):
   if kind == checkpoints.LEGACY:
     return legacy_name
-  from modern import train as modern_train  # pylint: disable=g-import-not-at-top
-  return modern_train.checkpoint_key(legacy_name)
+  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
+  return modern_checkpoints.checkpoint_key(legacy_name)
 
 
 def read_state(path):
@@ -69,7 +68,7 @@ def state_of(contents):
   path, kind, tensors = contents
   values, shadows = {}, {}
   for name in model_spec.VARIABLE_NAMES:
-    for target, legacy_name in ((values, name), (shadows, name + EMA_SUFFIX)):
+    for target, legacy_name in ((values, name), (shadows, '%s/%s' % (name, model_spec.EMA_SUFFIX))):
       key = _key(kind, legacy_name)
       if key not in tensors:
         raise ConvertError('%s (%s checkpoint) has no %s; it is not a '
@@ -87,13 +86,14 @@ def state_of(contents):
 def write_modern(directory, values, shadows, step):
   """Saves the state as the modern trainer does; returns the checkpoint prefix."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import train as modern_train  # pylint: disable=g-import-not-at-top
-  trainer = modern_train.Trainer(_host_plan(), decay_steps=1)
-  trainer.assign_variables(values, shadows)
-  trainer.global_step.assign(step)
+  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
+  from modern import step as modern_step  # pylint: disable=g-import-not-at-top
+  state = modern_step.TrainState(_host_plan(), decay_steps=1)
+  state.assign_variables(values, shadows)
+  state.global_step.assign(step)
   manager = tf.train.CheckpointManager(
-      modern_train.checkpoint_object(trainer), directory,
-      max_to_keep=modern_train.MAX_TO_KEEP,
+      modern_checkpoints.checkpoint_object(state), directory,
+      max_to_keep=modern_checkpoints.MAX_TO_KEEP,
       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
   return manager.save(checkpoint_number=step)
 
@@ -113,7 +113,7 @@ def write_legacy(directory, values, shadows, step):
     towers = legacy_train.build_towers([(images, labels)], _host_plan(), 1)
     variables = {v.op.name: v for v in tf1.trainable_variables()}
     saver = tf1.train.Saver(tf1.global_variables(), save_relative_paths=True)
-    with tf1.Session(config=tf1.ConfigProto(device_count={'CPU': 1})) as sess:
+    with tf1.Session(config=legacy_train.session_config(_host_plan())) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(values[name], sess)

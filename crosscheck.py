@@ -1,4 +1,4 @@
-"""The cross-check: legacy and modern compute the same averaged gradients (SPEC §2).
+"""The cross-check: legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
 
 Both trainers are built from the same initial variables and fed the same N
 per-tower batches, already preprocessed. Compared:
@@ -12,7 +12,7 @@ per-tower batches, already preprocessed. Compared:
    their concatenation, <= GRAD_RTOL, in each implementation. This is what
    proves the averaging is a true mean and weight decay is counted once.
 
-`run()` returns a `Report`; `write_evidence()` writes the file of SPEC §2 that
+`run()` returns a `Report`; `write_evidence()` writes the file of docs/equivalence.md §2 that
 anyone can re-check with their own code.
 """
 
@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from common import cifar10_format as fmt
+from common import config as config_lib
 from common import hparams
 from common import model_spec
 
@@ -43,7 +44,7 @@ def rel_diff(a, b):
 
 
 def initial_values(seed):
-  """Initial variables drawn as the initializers of SPEC §1 would, from a seed.
+  """Initial variables drawn as the initializers of docs/equivalence.md §1 would, from a seed.
 
   Returns:
     dict variable name -> float32 array: truncated normal weights (resampled
@@ -134,7 +135,7 @@ class Report:
 
 def compare(legacy, modern, grad_rtol=GRAD_RTOL, loss_rtol=LOSS_RTOL,
             final_rtol=FINAL_RTOL):
-  """Builds the Report rows of SPEC §2 from two Results."""
+  """Builds the Report rows of docs/equivalence.md §2 from two Results."""
   rows = []
   for name in model_spec.VARIABLE_NAMES:
     rows.append(('1 averaged gradient', name,
@@ -167,13 +168,13 @@ def format_report(report):
     lines.append('FAIL: %d of %d figures outside the contract.'
                  % (len(failures), len(report.rows)))
   else:
-    lines.append('PASS: all %d figures within the contract (SPEC §2).'
+    lines.append('PASS: all %d figures within the contract (docs/equivalence.md §2).'
                  % len(report.rows))
   return '\n'.join(lines)
 
 
 def write_evidence(path_dir, images, labels, init, report):
-  """Writes `<dir>/crosscheck.npz` in the format of SPEC §2."""
+  """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2."""
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images.astype(np.float32), 'labels': labels.astype(np.int32)}
   for name in model_spec.VARIABLE_NAMES:
@@ -213,9 +214,7 @@ def _legacy_run(plan, init, images, labels, steps, decay_steps):
     variables = {v.op.name: v for v in tf1.trainable_variables()}
     shadows = {name: towers.ema.average(var) for name, var in variables.items()}
     grads = {var.op.name: grad for grad, var in towers.averaged_grads}
-    session_config = tf1.ConfigProto(allow_soft_placement=True,
-                                     device_count={'CPU': plan.num_cpu_devices})
-    with tf1.Session(config=session_config) as sess:
+    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(init[name], sess)
@@ -227,17 +226,17 @@ def _legacy_run(plan, init, images, labels, steps, decay_steps):
   return grad_values, np.asarray(losses), final, final_ema
 
 
-def _modern_run(engine_class, plan, init, images, labels, steps, decay_steps):
-  """The same with a modern engine (the tf.function towers, or a strategy)."""
-  trainer = engine_class(plan, decay_steps)
-  trainer.assign_variables(init)
+def _modern_run(build, plan, init, images, labels, steps, decay_steps):
+  """The same with a modern engine's step (the tf.function towers, or a strategy)."""
+  trainer = build(plan, decay_steps)
+  trainer.state.assign_variables(init)
   grads, losses = trainer.compute_gradients((images, labels))
   grads = {name: g.numpy() for name, g in grads.items()}
   losses = np.asarray(losses)
   for _ in range(steps):
     trainer.train_step((images, labels))
-  final = {name: v.numpy() for name, v in trainer.variables().items()}
-  final_ema = {name: v.numpy() for name, v in trainer.shadow_variables().items()}
+  final = {name: v.numpy() for name, v in trainer.state.variables().items()}
+  final_ema = {name: v.numpy() for name, v in trainer.state.shadow_variables().items()}
   return grads, losses, final, final_ema
 
 
@@ -252,14 +251,18 @@ def _result(run, plan, init, images, labels, steps, decay_steps):
 
 
 def modern_engines():
-  """Name -> class of the modern engines the cross-check can compare with legacy.
+  """Name -> callable(plan, decay_steps) building that modern engine's step.
 
   'towers' is modern's own tf.function towers; 'mirrored' runs the same step
-  under tf.distribute.MirroredStrategy. Both take (plan, decay_steps).
+  under tf.distribute.MirroredStrategy (see modern.engines; 'multiworker'
+  needs several processes and has its own test).
   """
-  from modern import distributed  # pylint: disable=g-import-not-at-top
-  from modern import train as modern_train  # pylint: disable=g-import-not-at-top
-  return {'towers': modern_train.Trainer, 'mirrored': distributed.MirroredTrainer}
+  from modern import engines  # pylint: disable=g-import-not-at-top
+
+  def builder(name):
+    return lambda plan, decay_steps: engines.make(config_lib.TrainConfig(
+        num_gpus=plan.num_towers, strategy=name), plan).build(decay_steps)
+  return {name: builder(name) for name in ('towers', 'mirrored')}
 
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,

@@ -22,8 +22,9 @@ setup(
     ],
     extras_require={
         # Pick one: the CPU-only wheel is small; the full wheel carries CUDA support.
-        'cpu': ['tensorflow-cpu>=2.16'],
-        'gpu': ['tensorflow[and-cuda]>=2.16'],
+        # Capped at the newest release the test suite passed on (2.21).
+        'cpu': ['tensorflow-cpu>=2.16,<2.22'],
+        'gpu': ['tensorflow[and-cuda]>=2.16,<2.22'],
         # The tests also draw the profile's PNG timeline.
         'test': ['pytest>=7', 'matplotlib>=3.7'],
         # A real image set in CIFAR format, converted from scikit-learn's digits.

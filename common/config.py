@@ -7,7 +7,6 @@ from common import hparams
 
 DEFAULT_DATA_DIR = '/tmp/cifar10_data'  # upstream's default
 DEFAULT_TRAIN_DIR = '/tmp/cifar10_train'  # upstream's default
-DEFAULT_EVAL_DIR = '/tmp/cifar10_eval'  # upstream's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +22,7 @@ class TrainConfig:
   save_every: int = 1000  # steps between checkpoints (one is also written at the end)
   log_device_placement: bool = False  # print where each op runs
   seed: int | None = None  # graph/global random seed; None = nondeterministic
-  jit: bool = False  # compile the training step with XLA
+  jit: bool = False  # compile each tower's loss and gradients with XLA (both trainers)
   strategy: str = 'towers'  # modern only: towers, mirrored or multiworker (tf.distribute)
   worker_hosts: tuple = ()  # multiworker: 'host:port' of every worker; () = read TF_CONFIG
   task_index: int = 0  # multiworker: this worker's index in worker_hosts (0 = chief)
@@ -47,11 +46,6 @@ class TrainConfig:
                        % (len(self.worker_hosts), self.task_index))
     if self.peer_timeout < 1:
       raise ValueError('peer_timeout must be >= 1, got %d' % self.peer_timeout)
-
-  @property
-  def global_batch_size(self):
-    """Images consumed by one step over all towers."""
-    return self.batch_size * self.num_gpus
 
   def checkpoint_prefix(self):
     """Path prefix of the checkpoints, `<train_dir>/model.ckpt`."""

@@ -1,4 +1,4 @@
-"""Where the towers run (SPEC §3).
+"""Where the towers run (docs/equivalence.md §3).
 
 `--num_gpus N` means N towers. With at least N GPUs the towers go on the
 first N GPUs. With fewer, the tool says so on stderr and splits the CPU into N

@@ -1,4 +1,4 @@
-"""Downloads, verifies and safely unpacks the CIFAR-10 binary archive (SPEC §1).
+"""Downloads, verifies and safely unpacks the CIFAR-10 binary archive (docs/equivalence.md §1).
 
 Upstream's `maybe_download_and_extract` trusted the network and the archive:
 it did not check a digest and let `tarfile.extractall` write wherever the

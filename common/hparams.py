@@ -1,4 +1,4 @@
-"""Constants of the original TensorFlow CIFAR-10 multi-GPU tutorial (SPEC §1)."""
+"""Constants of the original TensorFlow CIFAR-10 multi-GPU tutorial (docs/equivalence.md §1)."""
 
 IMAGE_SIZE = 24  # images are cropped from 32x32 to 24x24
 NUM_CLASSES = 10

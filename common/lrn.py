@@ -76,7 +76,7 @@ def make_fast_lrn(depth_radius, bias, alpha, beta):
 
 
 def upstream_lrn(x, name=None):
-  """Upstream's `tf.nn.lrn` with the hyperparameters of SPEC §1."""
+  """Upstream's `tf.nn.lrn` with the hyperparameters of docs/equivalence.md §1."""
   return tf.nn.local_response_normalization(
       x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
       alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA, name=name)
@@ -88,7 +88,7 @@ def _cached_fast_lrn(depth_radius, bias, alpha, beta):
 
 
 def fast_lrn(x):
-  """`make_fast_lrn` with the hyperparameters of SPEC §1, read when called."""
+  """`make_fast_lrn` with the hyperparameters of docs/equivalence.md §1, read when called."""
   return _cached_fast_lrn(hparams.LRN_DEPTH_RADIUS, hparams.LRN_BIAS,
                           hparams.LRN_ALPHA, hparams.LRN_BETA)(x)
 
@@ -99,7 +99,7 @@ def for_plan(plan):
   Both trainers take their LRN from here, so on the same plan they run the
   same kernels. With different LRN kernels (legacy TF's, modern this one) the
   first step's gradients agreed to 1.5e-6, but the variables after two steps
-  differed by 4e-3 relative (conv1/biases, 3 towers), far outside SPEC §2's
+  differed by 4e-3 relative (conv1/biases, 3 towers), far outside docs/equivalence.md §2's
   1e-4 (docs/performance.md). The fast version was measured on CPUs only; on
   GPUs TF's LRN is cuDNN's.
 

@@ -32,6 +32,7 @@ LAYERS_BY_NAME = {layer.name: layer for layer in LAYERS}
 VARIABLE_NAMES = tuple('%s/%s' % (layer.name, kind)
                        for layer in LAYERS for kind in ('weights', 'biases'))
 NUM_PARAMETERS = 1068298
+EMA_SUFFIX = 'ExponentialMovingAverage'  # a shadow variable's name: '<variable>/' + this
 
 
 def variable_shape(name):

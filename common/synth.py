@@ -3,7 +3,7 @@
 Each class is a spatial pattern, not a colour: every image gets random
 foreground and background colours, a random phase or position, and some pixel
 noise, so only the pattern tells the classes apart. The patterns are chosen to
-survive the training distortions of SPEC §1:
+survive the training distortions of docs/equivalence.md §1:
 
 - random 24x24 crop of the 32x32 image: every periodic pattern has a period
   of at most 8 pixels, so a crop holds at least 3 periods; a crop only shifts

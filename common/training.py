@@ -9,6 +9,8 @@ import socket
 import sys
 import threading
 
+from common import hparams
+
 
 class TrainingError(Exception):
   """Training cannot go on; the message names the step and what to do."""
@@ -69,6 +71,36 @@ def check_divergence(step, tower_losses):
         'Model diverged with loss = %.4g at step %d in tower %d%s; the last good '
         'checkpoint is kept. Lower the learning rate or check the input data.'
         % (value, step, i, bound))
+
+
+def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
+  """`hparams.decay_steps`, refused when it is 0 (the staircase would divide by it).
+
+  Args:
+    examples_per_epoch: int, training records present.
+    batch_size: int, images per tower.
+    num_replicas: int, towers over all workers.
+
+  Returns:
+    int >= 1.
+
+  Raises:
+    TrainingError: too few examples for this batch size and replica count.
+  """
+  decay_steps = hparams.decay_steps(examples_per_epoch, batch_size, num_replicas)
+  if decay_steps < 1:
+    raise TrainingError(
+        'decay_steps = int(%d examples / %d batch / %d towers * %g epochs) '
+        '= 0: too few training examples for this batch size. Use more data '
+        'or a smaller --batch_size.'
+        % (examples_per_epoch, batch_size, num_replicas,
+           hparams.NUM_EPOCHS_PER_DECAY))
+  return decay_steps
+
+
+def stopped_line(signal_name, step, path):
+  """The progress line of a run a stop request ended after saving `path`."""
+  return 'Stopped by %s at global step %d; saved %s.' % (signal_name, step, path)
 
 
 def nothing_to_train(step, max_steps, train_dir):
@@ -141,7 +173,7 @@ class StopRequest:
     if StopRequest._active is not None:
       self._state = StopRequest._active  # nested: share the outer request
       return self
-    self._state = _State(self._warn or _stderr)
+    self._state = _State(self._warn or stderr)
     self._owner = True
     StopRequest.last_signal = None
     if threading.current_thread() is threading.main_thread():
@@ -219,7 +251,8 @@ class StopRequest:
       state.raising -= 1
 
 
-def _stderr(message):
+def stderr(message):
+  """Prints one diagnostic line to stderr (the trainers' default `warn`)."""
   print(message, file=sys.stderr, flush=True)
 
 

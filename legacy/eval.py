@@ -7,7 +7,6 @@ stops after one epoch and the last batch is smaller.
 """
 
 import datetime
-import sys
 
 import tensorflow.compat.v1 as tf
 
@@ -26,9 +25,6 @@ EvalCounts = evaluation.EvalCounts  # (true_count, total_count, global_step)
 class EvalError(Exception):
   """Evaluation cannot run; the message says why and what to do."""
 
-
-def _stderr_print(message):
-  print(message, file=sys.stderr)
 
 
 def _read(checkpoint_path):
@@ -101,8 +97,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
     variables_to_restore = variable_averages.variables_to_restore()
     # The epoch counter of the input is a local variable.
     local_init = tf.local_variables_initializer()
-    close_queues = [qr.queue.close(cancel_pending_enqueues=True)
-                    for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
+    close_queues = inputs.close_queue_ops()
     graph.finalize()
 
     with tf.Session() as sess:
@@ -208,7 +203,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
                   num_examples=None, out=print, eval_dir=None,
                   interval_secs=300, max_evals=None,
-                  warn=_stderr_print):
+                  warn=training.stderr):
   """Evaluates each new checkpoint of checkpoint_dir once, as it appears.
 
   Looks every `interval_secs` seconds until SIGINT or SIGTERM (or until

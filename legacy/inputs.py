@@ -174,9 +174,22 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
   return _generate_image_and_label_batch(
       float_image, read_input.label, min_queue_examples, batch_size,
       shuffle=False, num_threads=num_threads,
-      # Deviation from upstream: a finite input ends with a smaller batch, so
-      # evaluation counts every record once instead of wrapping around.
+      # Deviation from upstream: evaluation counts every test record exactly once.
+      # A finite input ends with a smaller batch instead of wrapping around.
       allow_smaller_final_batch=num_epochs is not None)
+
+
+def close_queue_ops():
+  """Ops closing each queue of the default graph's queue runners.
+
+  With cancel_pending_enqueues, so that running them wakes every enqueue
+  thread blocked on a full queue.
+
+  Returns:
+    list of ops, in the order the queue runners were added.
+  """
+  return [qr.queue.close(cancel_pending_enqueues=True)
+          for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
 
 
 def stop_queue_threads(sess, coord, threads, close_queues):

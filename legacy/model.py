@@ -28,8 +28,8 @@ def _activation_summary(x):
   # because the layer's variable scope already took its name. TF1 summary ops
   # tag by the enclosing name scope, so inside a tower the tag still reads
   # 'tower_N/conv1/activations'.
-  # Deviation from upstream: upstream kept the last tower's summaries only;
-  # every tower's are kept, each under its own tag.
+  # Deviation from upstream: every tower's loss summary is written.
+  # Each under its own tag.
   tensor_name = re.sub(r'_\d+$', '', x.op.name.split('/')[-1])
   tf.summary.histogram(tensor_name + '/activations', x)
   tf.summary.scalar(tensor_name + '/sparsity', tf.nn.zero_fraction(x))

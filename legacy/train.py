@@ -10,8 +10,7 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 """
 
 import collections
-import os
-import sys
+import contextlib
 import time
 
 import tensorflow.compat.v1 as tf
@@ -47,9 +46,6 @@ TrainGraph = collections.namedtuple('TrainGraph', [
     'close_queues',  # ops closing each queue, cancelling pending enqueues
 ])
 
-
-def _stderr_print(message):
-  print(message, file=sys.stderr)
 
 
 def tower_loss(scope, images, labels, lrn=None):
@@ -110,7 +106,7 @@ def average_gradients(tower_grads):
   return average_grads
 
 
-def build_towers(tower_batches, plan, decay_steps):
+def build_towers(tower_batches, plan, decay_steps, jit=False):
   """Builds the towers, the averaged update and the moving average.
 
   Used by `train` (batches from the prefetch queue) and by the cross-check
@@ -123,6 +119,8 @@ def build_towers(tower_batches, plan, decay_steps):
     plan: common.devices.DevicePlan with at least N tower devices.
     decay_steps: int, steps between learning-rate decays
       (`common.hparams.decay_steps`).
+    jit: bool, compile each tower's loss and gradients with XLA (as the
+      modern towers do with `jit`).
 
   Returns:
     Towers.
@@ -139,28 +137,31 @@ def build_towers(tower_batches, plan, decay_steps):
     opt = tf.train.GradientDescentOptimizer(lr)
 
     tower_grads, tower_losses, summaries = [], [], []
-    # Deviation from upstream: CPU towers compute the LRN with common.lrn's
-    # XLA functions, the same function as tf.nn.lrn to ~4e-7 relative
+    # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
+    # The same function as tf.nn.lrn to ~4e-7 relative
     # (tests/test_lrn.py) and the same kernels as modern's towers, so the two
     # trainers' arithmetic stays identical (docs/performance.md).
     lrn = lrn_lib.for_plan(plan)
     with tf.variable_scope(tf.get_variable_scope()):
       for i, (images, labels) in enumerate(tower_batches):
-        with tf.device(plan.tower_devices[i]):
+        # With `jit`, the tower's forward and backward ops form XLA clusters
+        # on its device (explicitly requested, so also on CPUs); the
+        # variables, on another device, stay outside them.
+        xla = (tf.xla.experimental.jit_scope() if jit
+               else contextlib.nullcontext())
+        with tf.device(plan.tower_devices[i]), xla:
           with tf.name_scope('%s_%d' % (model.TOWER_NAME, i)) as scope:
             loss = tower_loss(scope, images, labels, lrn=lrn)
             # The next towers share this tower's variables.
             tf.get_variable_scope().reuse_variables()
-            # Deviation from upstream: upstream kept the last tower's
-            # summaries only; every tower's are kept.
+            # Deviation from upstream: every tower's loss summary is written.
             summaries.extend(tf.get_collection(tf.GraphKeys.SUMMARIES, scope))
             tower_grads.append(opt.compute_gradients(loss))
             tower_losses.append(loss)
 
     # Synchronization point: every tower's gradients and losses meet here.
     grads = average_gradients(tower_grads)
-    # Deviation from upstream: the loss reported is the mean over the towers
-    # (upstream reported the last tower's).
+    # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
     mean_loss = tf.reduce_mean(tf.stack(tower_losses), name='mean_loss')
 
     summaries.append(tf.summary.scalar('learning_rate', lr))
@@ -175,8 +176,9 @@ def build_towers(tower_batches, plan, decay_steps):
 
     ema = tf.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY,
                                             global_step)
-    # Deviation from upstream multi-GPU script, which grouped the update and
-    # the moving average with no order between them; upstream cifar10.train
+    # Deviation from upstream: the moving averages see the updated variables and the new step.
+    # Upstream's multi-GPU script grouped the update and the moving average
+    # with no order between them; upstream cifar10.train
     # orders them like this, which makes the step deterministic: the
     # averages see the updated variables and num_updates = the new step.
     with tf.control_dependencies([apply_gradient_op]):
@@ -187,22 +189,24 @@ def build_towers(tower_batches, plan, decay_steps):
                 summaries)
 
 
-def session_config(config, plan):
-  """The ConfigProto of the training Session (the benchmark reuses it)."""
+def session_config(plan, log_device_placement=False):
+  """The ConfigProto of every legacy-graph Session (training, bench, cross-check, convert).
+
+  Args:
+    plan: common.devices.DevicePlan whose devices the Session must create.
+    log_device_placement: bool, log where each op runs.
+  """
   proto = tf.ConfigProto(
       allow_soft_placement=True,
-      log_device_placement=config.log_device_placement,
+      log_device_placement=log_device_placement,
       # A tf.compat.v1 Session creates only the CPU devices counted here, so
       # the logical CPU towers of a CPU plan need this.
       device_count={'CPU': plan.num_cpu_devices})
-  if config.jit:
-    proto.graph_options.optimizer_options.global_jit_level = (
-        tf.OptimizerOptions.ON_1)
   return proto
 
 
-def train(config, plan, out=print, warn=_stderr_print,
-          num_threads=hparams.NUM_PREPROCESS_THREADS):
+def train(config, plan, out=print, warn=training.stderr,
+          num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None):
   """Trains until `global_step == config.max_steps`, resuming if possible.
 
   Args:
@@ -211,6 +215,9 @@ def train(config, plan, out=print, warn=_stderr_print,
     out: callable taking one line, for progress (stdout).
     warn: callable taking one line, for diagnostics (stderr).
     num_threads: int, input preprocessing threads (upstream: 16).
+    on_step: optional callable(step, seconds, images) after every step: the
+      global step reached, the step's wall seconds, and the images it
+      trained on over all replicas (bench paces itself with it).
 
   Returns:
     int, the final global step; `<train_dir>/model.ckpt-<step>` holds it.
@@ -230,8 +237,8 @@ def train(config, plan, out=print, warn=_stderr_print,
   if plan.num_towers != config.num_gpus:
     raise ValueError('the device plan has %d towers, the config asks for %d'
                      % (plan.num_towers, config.num_gpus))
-  # Deviation from upstream: train_dir is never deleted (the lock creates it
-  # if missing); training resumes from its newest checkpoint. One run at a
+  # Deviation from upstream: train_dir is never deleted; training resumes.
+  # The lock creates it if missing. One run at a
   # time: a second one would write the same steps and overwrite the first's
   # checkpoints.
   with training.StopRequest() as stop, lock.exclusive(config.train_dir,
@@ -240,29 +247,27 @@ def train(config, plan, out=print, warn=_stderr_print,
     with stop.raising():
       examples_per_epoch = cifar10_format.num_examples(
           cifar10_format.train_files(config.data_dir))
-      decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
-                                        config.num_gpus)
-      if config.jit and plan.kind == 'cpu' and (
-          '--tf_xla_cpu_global_jit' not in os.environ.get('TF_XLA_FLAGS', '')):
-        warn('--jit: the legacy trainer asks for XLA auto-clustering, which on '
-             'the CPU only happens with TF_XLA_FLAGS=--tf_xla_cpu_global_jit.')
+      decay_steps = training.checked_decay_steps(
+          examples_per_epoch, config.batch_size, config.num_gpus)
 
     with tf.Graph().as_default() as graph:
       with stop.raising():
         graph_parts = build_train_graph(config, plan, decay_steps, num_threads)
         graph.finalize()
-      with tf.Session(config=session_config(config, plan)) as sess:
+      with tf.Session(config=session_config(
+          plan, config.log_device_placement)) as sess:
         with stop.raising():
           step = _restore_or_initialize(sess, graph_parts, config.train_dir,
                                         out, warn)
         if step >= config.max_steps:
-          out(training.nothing_to_train(step, config.max_steps,
-                                        config.train_dir))
+          warn(training.nothing_to_train(step, config.max_steps,
+                                         config.train_dir))
           return step
         out('Filling the queue with %d CIFAR images before starting to train. '
             'This may take a while.'
             % hparams.min_queue_examples(examples_per_epoch))
-        return _train_loop(sess, config, graph_parts, step, stop, out, warn)
+        return _train_loop(sess, config, graph_parts, step, stop, out, warn,
+                           on_step)
 
 
 def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
@@ -309,7 +314,7 @@ def build_train_graph(config, plan, decay_steps,
   if config.seed is not None:
     tf.set_random_seed(config.seed)
   tower_batches = tower_input_batches(config, num_threads)
-  towers = build_towers(tower_batches, plan, decay_steps)
+  towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit)
 
   # Deviation from upstream: the `checkpoint` state file records paths
   # relative to train_dir, so a copied or moved train_dir resumes from its
@@ -318,8 +323,7 @@ def build_train_graph(config, plan, decay_steps,
   summary_op = tf.summary.merge_all()
   init_op = tf.group(tf.global_variables_initializer(),
                      tf.local_variables_initializer())
-  close_queues = [qr.queue.close(cancel_pending_enqueues=True)
-                  for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
+  close_queues = inputs.close_queue_ops()
   return TrainGraph(towers, saver, summary_op, init_op, close_queues)
 
 
@@ -354,7 +358,7 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn):
   upstream = contents.tensors['global_step'].dtype.kind == 'f'
   try:
     if upstream:
-      # Deviation from upstream: its train_dir resumes (upstream deleted it).
+      # Deviation from upstream: train_dir is never deleted; training resumes.
       # Each value is fed into its variable's initializer: no new op in the
       # finalized graph.
       for variable in tf.global_variables():
@@ -391,7 +395,7 @@ def _save(saver, sess, config, step):
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _train_loop(sess, config, graph_parts, step, stop, out, warn):
+def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
   """Runs the steps with the queue threads, and always stops them.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
@@ -446,6 +450,7 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn):
             raise
           break  # the stop closed the queues under this step: it did not run
         duration = time.time() - start_time
+        # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
         step += 1  # this process is the only one moving global_step
         loss_value, tower_loss_values = results[1], results[2]
 
@@ -455,10 +460,11 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn):
         if summary_writer is None:
           summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
         if step % config.log_every == 0:
-          examples_per_sec = config.global_batch_size / duration
-          # Deviation from upstream: sec/batch is the time of one step
-          # (upstream divided it by num_gpus).
+          examples_per_sec = config.batch_size * config.num_gpus / duration
+          # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
           out(training.log_line(step, loss_value, examples_per_sec, duration))
+        if on_step is not None:
+          on_step(step, duration, config.batch_size * config.num_gpus)
         if write_summary:
           try:
             summary_writer.add_summary(results[3], step)
@@ -493,6 +499,6 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn):
   if stop.requested:
     if step == first_step:
       raise training.Stopped(stop.signal_name)
-    out('Stopped by %s at global step %d; saved %s-%d.'
-        % (stop.signal_name, step, config.checkpoint_prefix(), step))
+    out(training.stopped_line(stop.signal_name, step,
+                              '%s-%d' % (config.checkpoint_prefix(), step)))
   return step

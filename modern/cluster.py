@@ -17,7 +17,7 @@ alone waited there for good. So the workers first meet here, in Python:
                  StartupError names the ones that never answered.
 
 Only then does TensorFlow's start-up begin, with all workers up: it takes a
-second, and its own timeout (see `modern.distributed`) remains a backstop.
+second, bounded by `modern.engines` as a backstop.
 """
 
 import dataclasses
@@ -94,12 +94,18 @@ class Cluster:
     except (KeyError, IndexError, ValueError):
       return task_name
 
-  def cluster_resolver(self):
-    """A `tf.distribute.cluster_resolver.ClusterResolver` of this cluster."""
+  def cluster_resolver(self, num_gpus=0):
+    """A `tf.distribute.cluster_resolver.ClusterResolver` of this cluster.
+
+    Args:
+      num_gpus: int, GPUs of each worker to take a replica each; 0: one
+        replica on the CPU (TensorFlow treats a machine's CPUs as one device).
+    """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({job: list(hosts) for job, hosts in self.jobs.items()}),
-        task_type=self.task_type, task_id=self.task_id, rpc_layer='grpc')
+        task_type=self.task_type, task_id=self.task_id, rpc_layer='grpc',
+        num_accelerators={'GPU': num_gpus} if num_gpus else None)
 
 
 def parse_worker_hosts(text):

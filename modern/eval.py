@@ -6,7 +6,6 @@ test record is classified once.
 """
 
 import datetime
-import sys
 
 import tensorflow as tf
 
@@ -16,15 +15,12 @@ from common import hparams
 from common import training
 from modern import inputs
 from modern import model as model_lib
-from modern import train as train_lib
+from modern import checkpoints as ckpt_lib
 
 
 class EvalError(Exception):
   """Evaluation cannot run; the message says what to do."""
 
-
-def _stderr(message):
-  print(message, file=sys.stderr)
 
 
 def _model_of(contents):
@@ -37,7 +33,7 @@ def _model_of(contents):
   # The shadow (moving-average) value of each variable goes into the variable,
   # as upstream eval's `variables_to_restore()`; the raw weights are not used.
   for name, variable in model.variables_by_name().items():
-    key = train_lib.checkpoint_key('%s/%s' % (name, train_lib.EMA_SUFFIX))
+    key = ckpt_lib.checkpoint_key('%s/%s' % (name, ckpt_lib.EMA_SUFFIX))
     value = contents.tensors.get(key)
     if value is None or tuple(value.shape) != tuple(variable.shape):
       raise EvalError('%s does not hold all 10 moving averages (%s: %s); is it '
@@ -57,7 +53,8 @@ def _restore_moving_averages(path):
   return _model_of(contents)
 
 
-def evaluate_contents(contents, data_dir, batch_size=128, num_examples=None,
+def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
+                      num_examples=None,
                       should_stop=None):
   """Counts the correct top-1 predictions of a checkpoint already read.
 
@@ -100,7 +97,7 @@ def evaluate_contents(contents, data_dir, batch_size=128, num_examples=None,
   return evaluation.EvalCounts(true_count, total, global_step)
 
 
-def evaluate_checkpoint(path, data_dir, batch_size=128, num_examples=None,
+def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
                         out=print):
   """Precision @ 1 of the moving averages saved in one checkpoint.
 
@@ -125,7 +122,7 @@ def evaluate_checkpoint(path, data_dir, batch_size=128, num_examples=None,
   return precision, counts.global_step, counts.total_count
 
 
-def evaluate(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
+def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
              out=print):
   """Precision @ 1 of the newest intact checkpoint's moving averages on the test set.
 
@@ -156,8 +153,8 @@ def evaluate(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
   return precision, counts.global_step
 
 
-def evaluate_loop(checkpoint_dir, data_dir, batch_size=128, num_examples=None,
-                  interval_secs=300, out=print, max_evals=None, warn=_stderr):
+def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
+                  interval_secs=300, out=print, max_evals=None, warn=training.stderr):
   """Evaluates each new checkpoint, looking every interval_secs (upstream's loop).
 
   Runs until SIGINT or SIGTERM (or `max_evals` evaluations); waits for the

@@ -107,7 +107,8 @@ def inputs(eval_data, data_dir, batch_size):
   dataset = _record_dataset(filenames)
   dataset = dataset.map(_eval_example, num_parallel_calls=tf.data.AUTOTUNE,
                         deterministic=True)
-  # Deviation from upstream: upstream ran ceil(n / batch) full batches from a
+  # Deviation from upstream: evaluation counts every test record exactly once.
+  # Upstream ran ceil(n / batch) full batches from a
   # looping queue, counting some test images twice; the final batch here is
   # partial, so each record counts exactly once.
   dataset = dataset.batch(batch_size, drop_remainder=False)

@@ -3,7 +3,7 @@
 The arithmetic (layers, initializers, loss terms) is `common.model_spec`,
 shared with legacy; this file only owns the variables, the TF2 way.
 
-Object layout (it is also the checkpoint layout, see `modern.train`):
+Object layout (it is also the checkpoint layout, see `modern.checkpoints`):
 `model.conv1.weights`, `model.conv1.biases`, ..., `model.softmax_linear.biases`,
 each a `tf.Variable` named like legacy's, e.g. `conv1/weights:0`.
 """
@@ -37,7 +37,7 @@ def _variable_on_cpu(name, initial_value):
 
 
 class Cifar10Model(tf.Module):
-  """The 10 trainable variables of SPEC §1 and the forward pass over them.
+  """The 10 trainable variables of docs/equivalence.md §1 and the forward pass over them.
 
   Attributes:
     conv1, conv2, local3, local4, softmax_linear: `LayerVariables`.
@@ -136,3 +136,47 @@ class Cifar10Model(tf.Module):
              for layer in model_spec.LAYERS if layer.wd is not None]
     terms.append(model_spec.cross_entropy_mean(logits, labels))
     return tf.add_n(terms, name='total_loss')
+
+
+class MovingAverages(tf.Module):
+  """Shadow variables of the trainable variables (legacy's ExponentialMovingAverage).
+
+  Same object structure as `Cifar10Model` (`ema.conv1.weights`, ...), so a
+  `Cifar10Model` can stand in for it to restore the averages (see `eval.py`).
+  """
+
+  def __init__(self, model):
+    """Creates one shadow per variable of `model`, holding its current value.
+
+    Like legacy's `ExponentialMovingAverage.apply`, which initializes each
+    shadow with the variable's initial value.
+    """
+    super().__init__(name='moving_averages')
+    for layer in model_spec.LAYERS:
+      source = getattr(model, layer.name)
+      shadows = []
+      for kind in ('weights', 'biases'):
+        var = getattr(source, kind)
+        with tf.device(devices.VARIABLE_DEVICE):
+          shadows.append(tf.Variable(
+              var.read_value(), trainable=False,
+              name='%s/%s/%s' % (layer.name, kind, model_spec.EMA_SUFFIX)))
+      setattr(self, layer.name, LayerVariables(layer.name, *shadows))
+
+  def variables_by_name(self):
+    """Dict 'conv1/weights' -> shadow tf.Variable, in VARIABLE_NAMES order."""
+    return {name: getattr(getattr(self, name.split('/')[0]), name.split('/')[1])
+            for name in model_spec.VARIABLE_NAMES}
+
+  def apply(self, model, decay):
+    """shadow -= (shadow - variable) * (1 - decay), for every variable.
+
+    Args:
+      model: Cifar10Model whose current (already updated) values are averaged.
+      decay: float32 scalar tensor, `model_spec.ema_decay(global_step)`.
+    """
+    one_minus_decay = 1.0 - decay
+    shadows = self.variables_by_name()
+    for name, var in model.variables_by_name().items():
+      # The operand order of legacy's assign_moving_average.
+      shadows[name].assign_sub((shadows[name] - var) * one_minus_decay)

@@ -1,39 +1,13 @@
-"""Multi-tower training in TF2: tf.function towers, averaged gradients, SGD, moving averages.
+"""The modern trainer's one training loop, on any engine (modern.engines).
 
-The algorithm of upstream `cifar10_multi_gpu_train.py` (SPEC §1) without
-`tf.compat.v1`: the variables live on `devices.VARIABLE_DEVICE`; each step
-reads them once there, sends the values to N towers (one per device of the
-`DevicePlan`), each tower computes its own batch's loss and gradients, the
-gradients meet on the variables' device to be averaged, and plain gradient
-descent, the global step and the moving averages are updated there.
-
-No Keras optimizer: `tf.keras.optimizers.SGD` under a distribution strategy
-sums gradients across replicas implicitly, which changes the arithmetic the
-equivalence contract (SPEC §2) compares. The update is written out instead.
-
-Checkpoint layout (`checkpoint_object`, `tf.train.Checkpoint` keys as listed
-by `tf.train.list_variables`), with the legacy `Saver` name each corresponds to:
-
-  global_step/.ATTRIBUTES/VARIABLE_VALUE           global_step (int64 scalar)
-  model/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE  <layer>/<kind>
-  ema/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE    <layer>/<kind>/ExponentialMovingAverage
-  save_counter/.ATTRIBUTES/VARIABLE_VALUE          (tf.train.Checkpoint's own; none)
-  _CHECKPOINTABLE_OBJECT_GRAPH                     (the object graph; none)
-
-where <layer>/<kind> is one of `model_spec.VARIABLE_NAMES` ('conv1/weights',
-..., 'softmax_linear/biases'). `checkpoint_key(legacy_name)` computes the
-left column. Files are `<train_dir>/model.ckpt-<global_step>.{index,data-*}`
-plus the `checkpoint` state file, as with legacy's Saver.
-
-Converting: modern -> legacy names is `tf.train.load_variable(path,
-checkpoint_key(name))` for each legacy name; legacy -> modern is a `Trainer`
-given the legacy values with `assign_variables(values, shadow_values)` and
-`global_step.assign(...)`, saved through `checkpoint_object(trainer)`.
+Upstream `cifar10_multi_gpu_train.py`'s `train()` (docs/equivalence.md §1) in
+TF2: restore the newest checkpoint, run steps until max_steps, log every
+log_every steps, write summaries and checkpoints. The step is in
+modern/step.py (towers) and modern/engines.py (tf.distribute replicas); the
+engine also keeps several worker processes together where there are any.
 """
 
 import contextlib
-import os
-import sys
 import time
 
 import numpy as np
@@ -43,453 +17,14 @@ from tensorflow.core.framework import summary_pb2
 from common import checkpoints
 from common import cifar10_format as fmt
 from common import config as config_lib
-from common import devices
 from common import hparams
 from common import lock
 from common import model_spec
 from common import training
-from common import lrn
-from modern import inputs
-from modern import model as model_lib
+from modern import checkpoints as ckpt_lib
+from modern import engines
 
 TOWER_NAME = hparams.TOWER_NAME
-MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
-EMA_SUFFIX = 'ExponentialMovingAverage'  # legacy's shadow-variable name suffix
-
-# Checkpoint attribute names (the first component of every checkpoint key).
-_CKPT_GLOBAL_STEP = 'global_step'
-_CKPT_MODEL = 'model'
-_CKPT_EMA = 'ema'
-_CKPT_VALUE = '.ATTRIBUTES/VARIABLE_VALUE'
-
-
-def _stderr(message):
-  print(message, file=sys.stderr)
-
-
-def tower_loss(model, images, labels, params=None):
-  """Total loss of one tower on its own batch (upstream `tower_loss`).
-
-  Args:
-    model: Cifar10Model.
-    images: float32 [batch, 24, 24, 3].
-    labels: int32 [batch].
-    params: optional `model.params(values)`; default the model's variables.
-
-  Returns:
-    float32 scalar: the batch's mean cross-entropy + each weight-decay term
-    once. (Upstream filtered the 'losses' collection by the tower's name scope
-    for the same reason: weight decay counted once per tower.)
-  """
-  logits = model.inference(images, params)
-  return model.loss(logits, labels, params)
-
-
-def average_gradients(tower_grads):
-  """Per variable, the mean of the towers' gradients (upstream `average_gradients`).
-
-  Args:
-    tower_grads: list over towers of lists of (gradient, variable), every
-      tower listing the same variables in the same order.
-
-  Returns:
-    list of (averaged gradient, variable), in that order.
-  """
-  average_grads = []
-  for grad_and_vars in zip(*tower_grads):
-    # grad_and_vars: ((grad_tower0, var), ..., (grad_towerN-1, var)).
-    grads = tf.stack([g for g, _ in grad_and_vars], axis=0)  # [N, *var.shape]
-    average_grads.append((tf.reduce_mean(grads, axis=0), grad_and_vars[0][1]))
-  return average_grads
-
-
-class MovingAverages(tf.Module):
-  """Shadow variables of the trainable variables (legacy's ExponentialMovingAverage).
-
-  Same object structure as `Cifar10Model` (`ema.conv1.weights`, ...), so a
-  `Cifar10Model` can stand in for it to restore the averages (see `eval.py`).
-  """
-
-  def __init__(self, model):
-    """Creates one shadow per variable of `model`, holding its current value.
-
-    Like legacy's `ExponentialMovingAverage.apply`, which initializes each
-    shadow with the variable's initial value.
-    """
-    super().__init__(name='moving_averages')
-    for layer in model_spec.LAYERS:
-      source = getattr(model, layer.name)
-      shadows = []
-      for kind in ('weights', 'biases'):
-        var = getattr(source, kind)
-        with tf.device(devices.VARIABLE_DEVICE):
-          shadows.append(tf.Variable(
-              var.read_value(), trainable=False,
-              name='%s/%s/%s' % (layer.name, kind, EMA_SUFFIX)))
-      setattr(self, layer.name, model_lib.LayerVariables(layer.name, *shadows))
-
-  def variables_by_name(self):
-    """Dict 'conv1/weights' -> shadow tf.Variable, in VARIABLE_NAMES order."""
-    return {name: getattr(getattr(self, name.split('/')[0]), name.split('/')[1])
-            for name in model_spec.VARIABLE_NAMES}
-
-  def apply(self, model, decay):
-    """shadow -= (shadow - variable) * (1 - decay), for every variable.
-
-    Args:
-      model: Cifar10Model whose current (already updated) values are averaged.
-      decay: float32 scalar tensor, `model_spec.ema_decay(global_step)`.
-    """
-    one_minus_decay = 1.0 - decay
-    shadows = self.variables_by_name()
-    for name, var in model.variables_by_name().items():
-      # The operand order of legacy's assign_moving_average.
-      shadows[name].assign_sub((shadows[name] - var) * one_minus_decay)
-
-
-class Trainer:
-  """The model, the global step and the moving averages, and the tower step.
-
-  Attributes:
-    plan: common.devices.DevicePlan, tower i runs on plan.tower_devices[i].
-    num_towers: int.
-    decay_steps: int, steps between learning-rate decays.
-    model: Cifar10Model.
-    global_step: int64 tf.Variable on VARIABLE_DEVICE.
-    ema: MovingAverages.
-  """
-
-  def __init__(self, plan, decay_steps, jit=False):
-    """Creates the variables (initial values from the tf.random global seed).
-
-    Args:
-      plan: common.devices.DevicePlan.
-      decay_steps: int >= 1, `hparams.decay_steps(...)`.
-      jit: bool, compile each tower's forward and backward pass with XLA.
-    """
-    if decay_steps < 1:
-      raise ValueError('decay_steps must be >= 1, got %d' % decay_steps)
-    self.plan = plan
-    self.num_towers = plan.num_towers
-    self.decay_steps = int(decay_steps)
-    # Deviation from upstream: CPU towers compute the LRN with common.lrn's
-    # XLA functions: the same function to ~4e-7 relative (tests/test_lrn.py).
-    self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
-    with tf.device(devices.VARIABLE_DEVICE):
-      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name='global_step')
-    self.ema = MovingAverages(self.model)
-    # Deviation from a whole-step jit_compile: XLA compiles one device's ops
-    # and cannot read variables that live on another device, so with `jit`
-    # each tower's loss-and-gradients function (which receives the variables'
-    # values as arguments) is compiled for its own device.
-    self._tower_fn = (tf.function(self._tower_loss_and_grads, jit_compile=True)
-                      if jit else self._tower_loss_and_grads)
-    self._train_step_fn = tf.function(self._train_step)
-    self._compute_gradients_fn = tf.function(self._averaged_gradients)
-
-  # --- the step -------------------------------------------------------------
-
-  def _tower_loss_and_grads(self, values, images, labels):
-    """One tower: its loss and the gradients w.r.t. the variables' values.
-
-    Args:
-      values: list of tensors, the variables' values in VARIABLE_NAMES order.
-      images: float32 [batch, 24, 24, 3].
-      labels: int32 [batch].
-
-    Returns:
-      (loss float32 scalar, list of gradients shaped like `values`).
-    """
-    with tf.GradientTape() as tape:
-      tape.watch(values)
-      loss = tower_loss(self.model, images, labels, self.model.params(values))
-    return loss, tape.gradient(loss, values)
-
-  def _averaged_gradients(self, images, labels):
-    """Runs the towers and averages their gradients, without applying them.
-
-    Args:
-      images: float32 [num_towers, batch, 24, 24, 3].
-      labels: int32 [num_towers, batch].
-
-    Returns:
-      (list of (averaged gradient, variable) in VARIABLE_NAMES order,
-       tower total losses float32 [num_towers]).
-    """
-    variables = self.model.variable_list()
-    with tf.device(devices.VARIABLE_DEVICE):
-      # Each tower gets its own batch of the one pipeline (legacy: each tower
-      # dequeues its own batch from the shared prefetch queue).
-      tower_images = tf.unstack(images, num=self.num_towers, axis=0)
-      tower_labels = tf.unstack(labels, num=self.num_towers, axis=0)
-      # The variables are read once on their device; each tower receives a
-      # copy of the values (legacy: towers read the CPU variables).
-      values = [var.read_value() for var in variables]
-    tower_grads, tower_losses = [], []
-    for i, device in enumerate(self.plan.tower_devices):
-      with tf.device(device), tf.name_scope('%s_%d' % (TOWER_NAME, i)):
-        loss, grads = self._tower_fn(values, tower_images[i], tower_labels[i])
-      tower_losses.append(loss)
-      tower_grads.append(list(zip(grads, variables)))
-    with tf.device(devices.VARIABLE_DEVICE):
-      # Synchronization point: the towers meet here. Each tower's loss is its
-      # own batch's mean cross-entropy plus one weight-decay term, exactly as
-      # legacy's tower_loss; gradients are linear, so the per-variable mean
-      # over towers of these per-tower gradients is what legacy's
-      # average_gradients computes (the same reduce_mean over the stacked
-      # tower gradients), and - with equal batch sizes - the gradient of the
-      # mean loss over all N*batch images with weight decay counted once.
-      # Nothing is summed across replicas implicitly.
-      grads_and_vars = average_gradients(tower_grads)
-      return grads_and_vars, tf.stack(tower_losses)
-
-  def _train_step(self, images, labels):
-    """One SGD step over all towers; returns tower losses float32 [num_towers]."""
-    grads_and_vars, tower_losses = self._averaged_gradients(images, labels)
-    with tf.device(devices.VARIABLE_DEVICE):
-      # Read before the increment, as exponential_decay inside legacy's
-      # apply_gradients reads it.
-      lr = model_spec.learning_rate(self.global_step, self.decay_steps)
-      for grad, var in grads_and_vars:
-        var.assign_sub(lr * grad)
-      self.global_step.assign_add(1)
-      # Legacy applies the moving averages under control_dependencies on
-      # apply_gradients, so they see the new weights and the incremented
-      # step. tf.function keeps program order for ops on the same variable.
-      self.ema.apply(self.model, model_spec.ema_decay(self.global_step))
-    return tower_losses
-
-  def _batch_counts(self):
-    """The leading sizes `tower_batches` may have, and how errors name them."""
-    return (self.num_towers,), ('%d towers' % self.num_towers, '')
-
-  def _check_batches(self, tower_batches):
-    images, labels = tower_batches
-    images = tf.convert_to_tensor(images, tf.float32)
-    labels = tf.convert_to_tensor(labels, tf.int32)
-    size = hparams.IMAGE_SIZE
-    counts, (leading, note) = self._batch_counts()
-    if (images.shape.rank != 5 or images.shape[0] not in counts
-        or tuple(images.shape[2:]) != (size, size, 3)):
-      raise ValueError('images must be [%s, batch, %d, %d, 3]%s, got %s'
-                       % (leading, size, size, note, images.shape))
-    if tuple(labels.shape) != tuple(images.shape[:2]):
-      raise ValueError('labels must be %s, got %s'
-                       % (tuple(images.shape[:2]), labels.shape))
-    return images, labels
-
-  def train_step(self, tower_batches):
-    """Runs one training step.
-
-    Args:
-      tower_batches: (images float32 [num_towers, batch, 24, 24, 3],
-        labels int32 [num_towers, batch]), e.g. an element of
-        `inputs.distorted_inputs`; tower i trains on images[i], labels[i].
-
-    Returns:
-      float32 tensor [num_towers], each tower's total loss (before the update).
-    """
-    return self._train_step_fn(*self._check_batches(tower_batches))
-
-  def compute_gradients(self, tower_batches):
-    """The averaged gradients at the current variables, without applying them.
-
-    Args:
-      tower_batches: as for `train_step`.
-
-    Returns:
-      (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
-       order; tower total losses float32 [num_towers]).
-    """
-    grads_and_vars, tower_losses = self._compute_gradients_fn(
-        *self._check_batches(tower_batches))
-    return ({name: grad for name, (grad, _) in
-             zip(model_spec.VARIABLE_NAMES, grads_and_vars)}, tower_losses)
-
-  def learning_rate(self):
-    """The learning rate the next step will use, float32 scalar tensor."""
-    return model_spec.learning_rate(self.global_step, self.decay_steps)
-
-  # --- state access (for the cross-check harness and tests) ----------------
-
-  def variables(self):
-    """Dict 'conv1/weights' -> trainable tf.Variable, in VARIABLE_NAMES order."""
-    return self.model.variables_by_name()
-
-  def shadow_variables(self):
-    """Dict 'conv1/weights' -> moving-average tf.Variable, in VARIABLE_NAMES order."""
-    return self.ema.variables_by_name()
-
-  def assign_variables(self, values, shadow_values=None):
-    """Sets the trainable variables and their moving averages.
-
-    Args:
-      values: dict 'conv1/weights' -> array of that variable's shape, for all
-        10 variables.
-      shadow_values: optional dict like `values` for the shadows; by default
-        each shadow is set to its variable's new value, as at a fresh start.
-
-    Raises:
-      ValueError: a name is missing or unknown, or a shape is wrong.
-    """
-    shadow_values = values if shadow_values is None else shadow_values
-    for what, given, targets in (('values', values, self.variables()),
-                                 ('shadow_values', shadow_values,
-                                  self.shadow_variables())):
-      missing = sorted(set(targets) - set(given))
-      unknown = sorted(set(given) - set(targets))
-      if missing or unknown:
-        raise ValueError('%s: missing %s, unknown %s' % (what, missing, unknown))
-      for name, var in targets.items():
-        if tuple(tf.shape(given[name]).numpy()) != tuple(var.shape):
-          raise ValueError('%s[%r] has shape %s, the variable %s'
-                           % (what, name, tuple(tf.shape(given[name]).numpy()),
-                              tuple(var.shape)))
-    for name, var in self.variables().items():
-      var.assign(tf.cast(values[name], tf.float32))
-    for name, var in self.shadow_variables().items():
-      var.assign(tf.cast(shadow_values[name], tf.float32))
-
-
-class StepSaver:
-  """Saves a trainer's checkpoint at most once per global step.
-
-  Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
-  already saved, and returns the checkpoint's path. A failed write is a
-  one-line `common.checkpoints` error: the manager names a checkpoint latest
-  only after writing it whole, so the previous one stays in place. Nothing
-  is written if the directory, locked by this process, was removed under it
-  (`common.lock.LockError`).
-  """
-
-  def __init__(self, trainer, manager, directory, last_saved=None):
-    self.trainer = trainer
-    self.manager = manager
-    self.directory = directory
-    self.last_saved = last_saved  # the global step of the newest save, or None
-
-  def __call__(self):
-    current = int(self.trainer.global_step.numpy())
-    if current != self.last_saved:
-      lock.check(self.directory)
-      try:
-        self.manager.save(checkpoint_number=current)
-      except (tf.errors.OpError, OSError) as e:
-        raise checkpoints.save_failed(self.directory, current, e) from e
-      self.last_saved = current
-    return '%s-%d' % (os.path.join(self.directory, config_lib.CHECKPOINT_BASENAME),
-                      self.last_saved)
-
-
-def checkpoint_object(trainer):
-  """The `tf.train.Checkpoint` of a trainer; keys as in the module docstring."""
-  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: trainer.global_step,
-                                _CKPT_MODEL: trainer.model,
-                                _CKPT_EMA: trainer.ema})
-
-
-def moving_average_checkpoint(model, global_step):
-  """A `tf.train.Checkpoint` that restores the saved moving averages into `model`.
-
-  `model` (a Cifar10Model) takes the place of the trainer's MovingAverages,
-  which has the same structure, so restoring a training checkpoint through
-  this object fills the model's variables with the shadows (upstream eval's
-  `variables_to_restore()`); the raw weights are left out (`expect_partial`).
-
-  Args:
-    model: Cifar10Model to receive the averages.
-    global_step: int64 tf.Variable to receive the step.
-  """
-  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: global_step, _CKPT_EMA: model})
-
-
-def restore_latest(train_dir, checkpoint, warn):
-  """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
-
-  The newest checkpoint that passes its checksums (`common.checkpoints`),
-  usually the manager's latest.
-
-  Args:
-    train_dir: str.
-    checkpoint: `checkpoint_object(trainer)`.
-    warn: callable taking one message (skipped damaged checkpoints).
-
-  An unreadable `checkpoint` state file (empty, not text), which
-  resume_point passed over, is rewritten to name the restored checkpoint
-  (removed when there is none): the CheckpointManager reads it before its
-  first save, which would rewrite it anyway. So call this before creating
-  the manager.
-
-  Returns:
-    The restored checkpoint's path, or None when train_dir has none.
-
-  Raises:
-    common.training.TrainingError: it is a legacy checkpoint, or of another model.
-    common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
-  """
-  resume_from = checkpoints.resume_point(train_dir, warn)
-  if not resume_from:
-    checkpoints.replace_unreadable_state(train_dir, None)
-    return None
-  contents = checkpoints.read(resume_from)
-  if contents.kind != checkpoints.MODERN:
-    step = contents.tensors.get('global_step')
-    what = ('a checkpoint of the upstream script (float32 global_step)'
-            if step is not None and step.dtype.kind == 'f'
-            else 'a legacy (tf.compat.v1 Saver) checkpoint')
-    raise training.TrainingError(
-        '%s is %s; the modern trainer resumes only its own checkpoints. Use '
-        'another --train_dir, or convert this one (`python cli.py convert '
-        '--from_dir %s --to_dir NEW_DIR`) and train NEW_DIR, or train it with '
-        'the legacy trainer.' % (resume_from, what, train_dir))
-  checkpoints.check_fits(resume_from, checkpoint_shapes())
-  try:
-    checkpoint.restore(resume_from).assert_existing_objects_matched()
-  except (AssertionError, ValueError, tf.errors.OpError) as e:
-    raise training.TrainingError(
-        '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (resume_from, checkpoints.reason(e))
-    ) from e
-  # The CheckpointManager cannot read an empty or non-text state file;
-  # resume_point said it skipped it, and the next save replaces it anyway.
-  checkpoints.replace_unreadable_state(train_dir, resume_from)
-  return resume_from
-
-
-def checkpoint_shapes():
-  """Dict checkpoint key -> shape of everything a training checkpoint must hold."""
-  shapes = {checkpoint_key('global_step'): ()}
-  for name in model_spec.VARIABLE_NAMES:
-    shapes[checkpoint_key(name)] = model_spec.variable_shape(name)
-    shapes[checkpoint_key('%s/%s' % (name, EMA_SUFFIX))] = (
-        model_spec.variable_shape(name))
-  return shapes
-
-
-def checkpoint_key(legacy_name):
-  """The modern checkpoint key holding what legacy's Saver names `legacy_name`.
-
-  Args:
-    legacy_name: 'global_step', 'conv1/weights' (any of VARIABLE_NAMES), or
-      'conv1/weights/ExponentialMovingAverage'.
-
-  Returns:
-    str, e.g. 'ema/conv1/weights/.ATTRIBUTES/VARIABLE_VALUE'.
-
-  Raises:
-    KeyError: the name is none of these.
-  """
-  if legacy_name == 'global_step':
-    return '%s/%s' % (_CKPT_GLOBAL_STEP, _CKPT_VALUE)
-  if legacy_name in model_spec.VARIABLE_NAMES:
-    return '%s/%s/%s' % (_CKPT_MODEL, legacy_name, _CKPT_VALUE)
-  suffix = '/' + EMA_SUFFIX
-  if legacy_name.endswith(suffix) and (
-      legacy_name[:-len(suffix)] in model_spec.VARIABLE_NAMES):
-    return '%s/%s/%s' % (_CKPT_EMA, legacy_name[:-len(suffix)], _CKPT_VALUE)
-  raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)
-
 
 # tf.summary.scalar / tf.summary.histogram are implemented by the tensorboard
 # package, which tensorflow no longer installs; these write the same records
@@ -516,97 +51,100 @@ def _histogram_summary(name, values, step):
                    metadata=_HISTOGRAMS_METADATA)
 
 
-def _write_summaries(trainer, step, tower_losses, lr):
+def _write_summaries(state, step, tower_losses, lr):
   """Loss (mean and per tower), learning rate, weight and average histograms."""
+  # Deviation from upstream: every tower's loss summary is written.
   _scalar_summary('loss', tower_losses.mean(), step)
   for i, value in enumerate(tower_losses):
     _scalar_summary('%s_%d/total_loss' % (TOWER_NAME, i), value, step)
   _scalar_summary('learning_rate', lr, step)
-  for name, var in trainer.variables().items():
+  for name, var in state.variables().items():
     _histogram_summary(name, var.numpy(), step)
-  for name, var in trainer.shadow_variables().items():
-    _histogram_summary('%s/%s' % (name, EMA_SUFFIX), var.numpy(), step)
+  for name, var in state.shadow_variables().items():
+    _histogram_summary('%s/%s' % (name, model_spec.EMA_SUFFIX), var.numpy(), step)
 
 
-def train(config, plan, out=print, warn=_stderr):
+def _silent(_):
+  pass
+
+
+def train(config, plan, out=print, warn=training.stderr, on_step=None):
   """Trains until global_step == config.max_steps, resuming from train_dir.
 
+  With config.strategy's engine (modern.engines). With several workers
+  (multiworker), the chief restores and every other worker takes its state;
+  only the chief prints progress and keeps checkpoints and summaries; a stop
+  request on any worker stops all after the same step; a wait for the peers
+  that lasts past --peer_timeout ends the run (see modern.engines).
+
   Args:
-    config: common.config.TrainConfig; config.strategy 'mirrored' or
-      'multiworker' hands the run to `modern.distributed.train`.
+    config: common.config.TrainConfig.
     plan: common.devices.DevicePlan with config.num_gpus tower devices.
     out: callable(str) for progress lines (stdout).
     warn: callable(str) for diagnostics (stderr).
+    on_step: optional callable(step, seconds, images) after every step: the
+      global step reached, the step's wall seconds, and the images it
+      trained on over all replicas (bench paces itself with it).
 
   Returns:
     int, the global step reached (max_steps, or less if stopped by a signal).
 
   Raises:
     common.cifar10_format.DataError: training data missing or malformed.
-    common.training.TrainingError: the loss diverged, or train_dir holds a
-      checkpoint this trainer cannot resume.
+    common.training.TrainingError: the loss diverged, train_dir holds a
+      checkpoint this trainer cannot resume, the peers were lost or another
+      worker was stopped (modern.cluster.StartupError: they never started).
     common.checkpoints.CheckpointError: the latest checkpoint is damaged or
       of another model, or a write into train_dir failed (e.g. disk full).
     common.lock.LockError: another run trains in train_dir.
     common.training.Stopped: SIGINT or SIGTERM came before the first step
       was done; nothing was written.
+    modern.cluster.ClusterError: the multiworker cluster is missing or malformed.
     ValueError: the plan does not match config.num_gpus.
   """
   if plan.num_towers != config.num_gpus:
     raise ValueError('the device plan has %d towers, config.num_gpus is %d'
                      % (plan.num_towers, config.num_gpus))
-  if config.strategy != 'towers':
-    # The tf.distribute engines (MirroredStrategy, MultiWorkerMirroredStrategy)
-    # run this step and loop in modern/distributed.py, which imports this module.
-    from modern import distributed  # pylint: disable=g-import-not-at-top
-    return distributed.train(config, plan, out=out, warn=warn)
-  if config.seed is not None:
-    tf.random.set_seed(config.seed)
-  if config.log_device_placement:
-    tf.debugging.set_log_device_placement(True)
-
-  # Deviation from upstream: train_dir is never deleted (the lock creates it
-  # if missing); training resumes from its latest checkpoint. One run at a
-  # time: a second one would write the same steps and overwrite the first's
-  # checkpoints.
-  with training.StopRequest() as stop, lock.exclusive(config.train_dir,
-                                                      what='modern training'):
+  engine = engines.make(config, plan)
+  out = out if engine.is_chief else _silent  # progress comes from the chief
+  with training.StopRequest() as stop:
     # Until the first step nothing is written: a stop ends the run at once.
     with stop.raising():
-      filenames = fmt.train_files(config.data_dir)
-      examples_per_epoch = fmt.num_examples(filenames)
-      decay_steps = hparams.decay_steps(examples_per_epoch, config.batch_size,
-                                        config.num_gpus)
-      if decay_steps < 1:
-        raise training.TrainingError(
-            'decay_steps = int(%d examples / %d batch / %d towers * %g epochs) '
-            '= 0: too few training examples for this batch size. Use more data '
-            'or a smaller --batch_size.'
-            % (examples_per_epoch, config.batch_size, config.num_gpus,
-               hparams.NUM_EPOCHS_PER_DECAY))
-      trainer = Trainer(plan, decay_steps, jit=config.jit)
-      checkpoint = checkpoint_object(trainer)
-      resume_from = restore_latest(config.train_dir, checkpoint, warn)
-      manager = tf.train.CheckpointManager(  # after restore_latest: see there
-          checkpoint, config.train_dir, max_to_keep=MAX_TO_KEEP,
-          checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-      step = int(trainer.global_step.numpy())
-      if resume_from:
-        out('Resuming from %s at global step %d.' % (resume_from, step))
-      if step >= config.max_steps:
-        warn(training.nothing_to_train(step, config.max_steps,
-                                       config.train_dir))
-        return step
-      iterator = iter(inputs.distorted_inputs(
-          config.data_dir, config.batch_size, config.num_gpus,
-          seed=config.seed))
-    save = StepSaver(trainer, manager, config.train_dir,
-                     last_saved=step if resume_from else None)
-    return _train_loop(config, trainer, iterator, save, decay_steps, stop, out,
-                       warn)
+      # Deviation from upstream: the epoch size is what is on disk, not 50000.
+      examples_per_epoch = fmt.num_examples(fmt.train_files(config.data_dir))
+      # All replicas of all workers count, as upstream's num_gpus counted its towers.
+      decay_steps = training.checked_decay_steps(
+          examples_per_epoch, config.batch_size, config.num_gpus * engine.num_workers)
+    try:
+      # Deviation from upstream: train_dir is never deleted; training resumes.
+      # One run at a time: a second one would write the same steps and
+      # overwrite the first's checkpoints. The lock creates the dir if missing.
+      with lock.exclusive(engine.write_dir, what=engine.lock_what):
+        engine.prepare()
+        with stop.raising():
+          if config.seed is not None:
+            tf.random.set_seed(config.seed)
+          engine.start(decay_steps, warn)
+          if config.log_device_placement:
+            tf.debugging.set_log_device_placement(True)
+          state = engine.trainer.state
+          checkpoint = ckpt_lib.checkpoint_object(state)
+          # Only the chief restores; the others take its state (engine.broadcast).
+          resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint, warn)
+                         if engine.is_chief else None)
+          manager = tf.train.CheckpointManager(  # after restore_latest: see there
+              checkpoint, engine.write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
+              checkpoint_name=config_lib.CHECKPOINT_BASENAME)
+        save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
+        with engine.watching(stop, save, warn):
+          return _train_loop(config, engine, save, resume_from, decay_steps,
+                             stop, out, warn, on_step)
+    finally:
+      engine.close()
 
 
-def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn):
+def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
+                on_step):
   """The steps, with log lines, summaries and checkpoints, until max_steps or a stop.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
@@ -617,50 +155,77 @@ def _train_loop(config, trainer, iterator, save, decay_steps, stop, out, warn):
 
   Raises:
     common.training.Stopped: the stop came before or during this run's
-      first step.
+      first step, in a single process.
   """
-  step = first_step = int(trainer.global_step.numpy())
-  writer = None  # opened after the first step: a stop before it writes nothing
-  while step < config.max_steps and not stop.requested:
-    # The first step traces and compiles the step function and fills the
-    # shuffle buffer: seconds, tens of seconds on a busy machine, with nothing
-    # written yet, so a stop ends it at once.
-    with stop.raising() if step == first_step else contextlib.nullcontext():
-      start_time = time.time()
-      tower_losses = trainer.train_step(next(iterator)).numpy()
-    duration = time.time() - start_time
-    # Deviation from upstream: steps are counted by the global step after
-    # the update (upstream logged and saved its 0-based loop index), so
-    # 'step N' and model.ckpt-N both mean N steps done.
-    step = int(trainer.global_step.numpy())
-    training.check_divergence(step, tower_losses)
-
-    if writer is None:
-      writer = tf.summary.create_file_writer(config.train_dir)
-    if step % config.log_every == 0:
-      # Deviation from upstream: the mean over towers, not the last tower's loss.
-      out(training.log_line(step, float(tower_losses.mean()),
-                            config.global_batch_size / duration, duration))
-    if step % config.summary_every == 0:
-      # The learning rate the step just taken used (read before the increment).
-      lr = float(model_spec.learning_rate(step - 1, decay_steps))
-      try:
-        with writer.as_default():
-          _write_summaries(trainer, step, tower_losses, lr)
-      except (tf.errors.OpError, OSError) as e:  # e.g. disk full
-        raise checkpoints.write_failed(
-            config.train_dir, 'TensorBoard summaries', e) from e
-    if step % config.save_every == 0:
-      save()
-  if step == first_step:  # the stop came before the first step
-    raise training.Stopped(stop.signal_name)
-  path = save()
+  state = engine.trainer.state
+  step = first_step = None
   try:
-    writer.flush()
-  except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-    warn('could not write the last TensorBoard summaries to %s (%s).'
-         % (config.train_dir, str(e).strip().splitlines()[0]))
-  if stop.requested:
-    out('Stopped by %s at global step %d; saved %s.'
-        % (stop.signal_name, step, path))
+    # Synchronization point: every worker takes the chief's state (fresh or
+    # restored), so all resume from the chief's checkpoint.
+    with engine.waiting('the start-up', int(state.global_step.numpy()), first=True):
+      engine.broadcast()
+    step = first_step = int(state.global_step.numpy())
+    if resume_from:
+      out('Resuming from %s at global step %d.' % (resume_from, step))
+      save.last_saved = step
+    if step >= config.max_steps:
+      warn(training.nothing_to_train(step, config.max_steps, config.train_dir))
+      return step
+    with stop.raising() if engine.num_workers == 1 else contextlib.nullcontext():
+      iterator = iter(engine.dataset())
+    writer = None  # opened after the first step: a stop before it writes nothing
+    stopped_by = None
+    while step < config.max_steps and not stopped_by:
+      # The first step traces and compiles the step function and fills the
+      # shuffle buffer: seconds, tens of seconds on a busy machine, with
+      # nothing written yet, so a stop ends it at once. (With peers a stop
+      # rides on the step's vote instead, so that all stop after one step.)
+      with (stop.raising() if step == first_step and engine.num_workers == 1
+            else contextlib.nullcontext()):
+        batches = next(iterator)
+        start_time = time.time()
+        with engine.waiting('the step', step, first=step == first_step):
+          tower_losses, agreed = engine.step(batches, stop)
+      duration = time.time() - start_time
+      # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
+      # Upstream logged and saved its 0-based loop index.
+      step = int(state.global_step.numpy())
+      training.check_divergence(step, tower_losses)
+      if writer is None:
+        writer = tf.summary.create_file_writer(engine.write_dir)
+      if step % config.log_every == 0:
+        # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
+        # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
+        out(training.log_line(step, float(tower_losses.mean()),
+                              engine.global_batch_size / duration, duration))
+      if on_step is not None:
+        on_step(step, duration, engine.global_batch_size)
+      if step % config.summary_every == 0:
+        # The learning rate the step just taken used (read before the increment).
+        lr = float(model_spec.learning_rate(step - 1, decay_steps))
+        try:
+          with writer.as_default():
+            _write_summaries(state, step, tower_losses, lr)
+        except (tf.errors.OpError, OSError) as e:  # e.g. disk full
+          raise checkpoints.write_failed(
+              engine.write_dir, 'TensorBoard summaries', e) from e
+      if step % config.save_every == 0:
+        save()
+      if engine.stops_here(stop, agreed):
+        stopped_by = stop.signal_name or engines.ANOTHER_WORKER
+    path = save()  # with peers every worker saves: the chief's copy is kept
+    try:
+      writer.flush()
+    except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
+      warn('could not write the last TensorBoard summaries to %s (%s).'
+           % (engine.write_dir, str(e).strip().splitlines()[0]))
+    # Synchronization point: no worker leaves before all have saved.
+    with engine.waiting('the final barrier', step):
+      engine.barrier()
+  except engine.peer_errors as e:
+    return engine.lost_peers(e, step, first_step, save, stop, warn)
+  if not stopped_by and engine.stops_here(stop, None):
+    stopped_by = stop.signal_name  # the stop came during the last save
+  if stopped_by:
+    engine.report_stop(stopped_by, step, path, out, warn)
   return step

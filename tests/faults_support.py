@@ -136,6 +136,18 @@ def changed(before, after):
   return sorted(p for p, digest in before.items() if after.get(p) != digest)
 
 
+def free_ports(count):
+  """`count` distinct TCP ports free on 127.0.0.1 right now (for loopback workers)."""
+  sockets = [socket.socket() for _ in range(count)]
+  try:
+    for s in sockets:
+      s.bind(('127.0.0.1', 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
 def closed_port_url():
   """An http URL on 127.0.0.1 where nothing listens (no network is touched)."""
   with socket.socket() as s:

@@ -1,4 +1,4 @@
-"""The cross-check of SPEC §2: it passes for N in {1, 2, 4} and fails when broken.
+"""The cross-check of docs/equivalence.md §2: it passes for N in {1, 2, 4} and fails when broken.
 
 Tolerances are the contract's, stated in crosscheck.py: averaged gradients and
 the N-vs-1 identity 1e-5 (max|a-b| / max|b|), tower losses 1e-6, variables and
@@ -72,7 +72,7 @@ def two_towers(device_plan):
 
 
 def test_fails_when_weight_decay_counted_twice(monkeypatch, two_towers):
-  from modern import train as modern_train
+  from modern import step as modern_train
   original = modern_train.tower_loss
 
   def twice(model, images, labels, params=None):
@@ -117,7 +117,7 @@ def test_fails_with_upstream_unfiltered_weight_decay(monkeypatch, two_towers):
 
 def test_fails_with_sum_instead_of_mean(monkeypatch, two_towers):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import train as modern_train
+  from modern import step as modern_train
 
   def summed(tower_grads):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
@@ -179,7 +179,7 @@ def test_cli_crosscheck_dump_is_rechecked_independently(tmp_path):
 
 def test_cli_crosscheck_exits_1_when_broken(monkeypatch):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import train as modern_train
+  from modern import step as modern_train
 
   def summed(tower_grads):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]

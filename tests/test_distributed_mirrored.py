@@ -1,8 +1,8 @@
-"""modern.distributed in one process: the MirroredStrategy engine, the cluster, the CLI.
+"""modern.engines in one process: the MirroredStrategy engine, the cluster, the CLI.
 
 The MirroredStrategy engine runs on the session's logical CPU devices and is
-compared with modern.train.Trainer (the towers) on the same batches and
-initial variables, with SPEC §2's tolerances. The multi-process tests are in
+compared with modern.step.Trainer (the towers) on the same batches and
+initial variables, with docs/equivalence.md §2's tolerances. The multi-process tests are in
 test_distributed_multiworker.py.
 """
 
@@ -20,12 +20,14 @@ from common import config as config_lib
 from common import devices
 from common import model_spec
 from modern import cluster as cluster_lib
-from modern import distributed
+from modern import engines
 from modern import eval as eval_lib
 from modern import inputs
+from modern import checkpoints as modern_checkpoints
+from modern import step as modern_step
 from modern import train
 
-# SPEC §2 tolerances.
+# docs/equivalence.md §2 tolerances.
 GRAD_REL_TOL = 1e-5  # averaged gradients: max|a - b| <= 1e-5 * max|b|, per variable
 LOSS_REL_TOL = 1e-6  # tower losses
 FINAL_REL_TOL = 1e-4  # variables and moving averages after K steps
@@ -35,6 +37,10 @@ K_STEPS = 3
 def _plan(num_towers):
   return devices.DevicePlan(
       tuple('/device:CPU:%d' % i for i in range(num_towers)), 'cpu', 4)
+
+
+def _mirrored(plan, decay_steps):
+  return engines.ReplicaTrainer(engines.mirrored_strategy(plan), plan, decay_steps)
 
 
 def _batches(num_towers, batch, seed):
@@ -47,8 +53,8 @@ def _batches(num_towers, batch, seed):
 @pytest.fixture(scope='module')
 def initial_values():
   tf.random.set_seed(5)
-  trainer = train.Trainer(_plan(1), decay_steps=100)
-  return {name: var.numpy() for name, var in trainer.variables().items()}
+  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  return {name: var.numpy() for name, var in trainer.state.variables().items()}
 
 
 def _assert_close(got, want, rel_tol, what):
@@ -64,10 +70,10 @@ def _assert_close(got, want, rel_tol, what):
 @pytest.mark.parametrize('num_towers', [2, 4])
 def test_mirrored_gradients_and_losses_equal_the_towers(num_towers, initial_values):
   images, labels = _batches(num_towers, 4, seed=num_towers)
-  towers = train.Trainer(_plan(num_towers), decay_steps=100)
-  towers.assign_variables(initial_values)
-  mirrored = distributed.MirroredTrainer(_plan(num_towers), decay_steps=100)
-  mirrored.assign_variables(initial_values)
+  towers = modern_step.Trainer(_plan(num_towers), decay_steps=100)
+  towers.state.assign_variables(initial_values)
+  mirrored = _mirrored(_plan(num_towers), decay_steps=100)
+  mirrored.state.assign_variables(initial_values)
   assert mirrored.strategy.num_replicas_in_sync == num_towers
   want_grads, want_losses = towers.compute_gradients((images, labels))
   grads, losses = mirrored.compute_gradients((images, labels))
@@ -81,27 +87,27 @@ def test_mirrored_gradients_and_losses_equal_the_towers(num_towers, initial_valu
 
 
 def test_mirrored_steps_equal_the_towers_steps(initial_values):
-  """K steps with the learning-rate decay and the moving averages (SPEC §2.3)."""
-  towers = train.Trainer(_plan(2), decay_steps=2)  # lr 0.1, 0.1, then 0.01
-  towers.assign_variables(initial_values)
-  mirrored = distributed.MirroredTrainer(_plan(2), decay_steps=2)
-  mirrored.assign_variables(initial_values)
+  """K steps with the learning-rate decay and the moving averages (docs/equivalence.md §2.3)."""
+  towers = modern_step.Trainer(_plan(2), decay_steps=2)  # lr 0.1, 0.1, then 0.01
+  towers.state.assign_variables(initial_values)
+  mirrored = _mirrored(_plan(2), decay_steps=2)
+  mirrored.state.assign_variables(initial_values)
   for k in range(K_STEPS):
     batches = _batches(2, 4, seed=100 + k)
     want = towers.train_step(batches).numpy()
     got = mirrored.train_step(batches).numpy()
     np.testing.assert_allclose(got, want, rtol=LOSS_REL_TOL)
-  assert int(mirrored.global_step.numpy()) == K_STEPS
-  _assert_close({k: v.numpy() for k, v in mirrored.variables().items()},
-                {k: v.numpy() for k, v in towers.variables().items()},
+  assert int(mirrored.state.global_step.numpy()) == K_STEPS
+  _assert_close({k: v.numpy() for k, v in mirrored.state.variables().items()},
+                {k: v.numpy() for k, v in towers.state.variables().items()},
                 FINAL_REL_TOL, 'variable')
-  _assert_close({k: v.numpy() for k, v in mirrored.shadow_variables().items()},
-                {k: v.numpy() for k, v in towers.shadow_variables().items()},
+  _assert_close({k: v.numpy() for k, v in mirrored.state.shadow_variables().items()},
+                {k: v.numpy() for k, v in towers.state.shadow_variables().items()},
                 FINAL_REL_TOL, 'moving average')
   # The steps moved the variables, and every replica holds the same copy.
-  moved = mirrored.variables()['local3/weights']
+  moved = mirrored.state.variables()['local3/weights']
   assert np.abs(moved.numpy() - initial_values['local3/weights']).max() > 1e-5
-  for var in list(mirrored.variables().values()) + [mirrored.global_step]:
+  for var in list(mirrored.state.variables().values()) + [mirrored.state.global_step]:
     copies = [copy.numpy() for copy in var.values]
     assert [copy.device for copy in var.values] == [
         tf.DeviceSpec.from_string(d).to_string()
@@ -113,19 +119,19 @@ def test_mirrored_steps_equal_the_towers_steps(initial_values):
 
 def test_mirrored_checkpoints_have_the_towers_layout(initial_values, tmp_path,
                                                       synth_data_dir):
-  mirrored = distributed.MirroredTrainer(_plan(2), decay_steps=100)
-  mirrored.assign_variables(initial_values)
+  mirrored = _mirrored(_plan(2), decay_steps=100)
+  mirrored.state.assign_variables(initial_values)
   mirrored.train_step(_batches(2, 4, seed=1))
-  path = train.checkpoint_object(mirrored).save(str(tmp_path / 'm' / 'model.ckpt'))
-  towers = train.Trainer(_plan(2), decay_steps=100)
-  towers_path = train.checkpoint_object(towers).save(str(tmp_path / 't' / 'model.ckpt'))
+  path = modern_checkpoints.checkpoint_object(mirrored.state).save(str(tmp_path / 'm' / 'model.ckpt'))
+  towers = modern_step.Trainer(_plan(2), decay_steps=100)
+  towers_path = modern_checkpoints.checkpoint_object(towers.state).save(str(tmp_path / 't' / 'model.ckpt'))
   assert ({name: shape for name, shape in tf.train.list_variables(path)}
           == {name: shape for name, shape in tf.train.list_variables(towers_path)})
   # The towers (and eval, and convert) read it.
-  train.checkpoint_object(towers).restore(path).assert_existing_objects_matched()
-  assert int(towers.global_step.numpy()) == 1
-  _assert_close({k: v.numpy() for k, v in towers.shadow_variables().items()},
-                {k: v.numpy() for k, v in mirrored.shadow_variables().items()},
+  modern_checkpoints.checkpoint_object(towers.state).restore(path).assert_existing_objects_matched()
+  assert int(towers.state.global_step.numpy()) == 1
+  _assert_close({k: v.numpy() for k, v in towers.state.shadow_variables().items()},
+                {k: v.numpy() for k, v in mirrored.state.shadow_variables().items()},
                 0.0, 'restored average')
   _, step, count = eval_lib.evaluate_checkpoint(path, synth_data_dir,
                                                 out=lambda _: None)
@@ -133,7 +139,7 @@ def test_mirrored_checkpoints_have_the_towers_layout(initial_values, tmp_path,
 
 
 def test_batches_must_be_one_per_replica():
-  mirrored = distributed.MirroredTrainer(_plan(2), decay_steps=100)
+  mirrored = _mirrored(_plan(2), decay_steps=100)
   with pytest.raises(ValueError, match=r'images must be \[N, batch'):
     mirrored.compute_gradients(_batches(3, 2, seed=0))
 
@@ -155,7 +161,7 @@ def test_train_with_the_mirrored_strategy_saves_and_resumes(synth_data_dir, tmp_
   assert train.train(config, _plan(2), out=lines.append, warn=lines.append) == 15
   assert 'Resuming from %s at global step 10.' % (train_dir / 'model.ckpt-10') in lines
   path = tf.train.latest_checkpoint(str(train_dir))
-  assert tf.train.load_variable(path, train.checkpoint_key('global_step')) == 15
+  assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 15
 
 
 # --- sharding of the training records -----------------------------------------

@@ -94,6 +94,16 @@ def label_out_of_range(ws, impl):
   return _train_args(impl, ws), ws.env
 
 
+def too_few_examples(ws, impl):
+  """One record per training file: 5 examples, too few for batch 2000."""
+  for name in fmt.TRAIN_FILES:
+    with open(ws.batch(name), 'r+b') as f:
+      f.truncate(fmt.RECORD_BYTES)
+  args = _train_args(impl, ws)
+  args[args.index('--batch_size') + 1] = '2000'
+  return args, ws.env
+
+
 def flag(name, value):
   def setup(ws, impl):
     args = _train_args(impl, ws)
@@ -297,6 +307,10 @@ TRAIN_CASES = [
          r'^Error: .*/train/model\.ckpt-2 is a (modern|legacy) \(tf\..*\) '
          r'checkpoint; the (legacy|modern) trainer .*Use another --train_dir',
          'in'),
+    Case('decay_steps_zero', too_few_examples, 1,
+         r'^Error: decay_steps = int\(5 examples / 2000 batch / 1 towers \* 350 '
+         r'epochs\) = 0: too few training examples for this batch size\. Use '
+         r'more data or a smaller --batch_size\.$', 'in'),
     Case('corrupted_checkpoint', corrupted_checkpoint, 1,
          r'^Error: checkpoint .*/train/model\.ckpt-2 is damaged \(Checksum does '
          r'not match: stored \d+ vs\. calculated on the restored bytes \d+\), and '

@@ -55,7 +55,7 @@ def test_the_bound_is_100_times_a_fresh_models_loss(synth_data_dir, device_plan)
   """INITIAL_LOSS = ln(10) + the expected weight decay, as a fresh model measures it."""
   from common import model_spec
   from modern import inputs
-  from modern import train
+  from modern import step as modern_step
   # The weight decay of the model's own table, over truncated-normal weights
   # (tf.random.truncated_normal cuts at 2 stddevs: 0.7737 of the variance).
   decay = sum(layer.wd * 0.5 * 0.7737 * layer.stddev ** 2
@@ -66,7 +66,7 @@ def test_the_bound_is_100_times_a_fresh_models_loss(synth_data_dir, device_plan)
   assert training.DIVERGED_LOSS == 100 * training.INITIAL_LOSS
   # What a fresh model's towers measure on 4 batches of 64, before any step.
   tf.random.set_seed(1)
-  trainer = train.Trainer(devices.plan_devices(4, warn=lambda _: None),
+  trainer = modern_step.Trainer(devices.plan_devices(4, warn=lambda _: None),
                           decay_steps=100)
   batches = next(iter(inputs.distorted_inputs(synth_data_dir, 64, 4, seed=1)))
   _, tower_losses = trainer.compute_gradients(batches)
@@ -93,12 +93,13 @@ def _blow_up(impl, src, train_dir, how):
         sess.run(tf.compat.v1.global_variables_initializer())
         saver.save(sess, os.path.join(train_dir, 'model.ckpt'), global_step=2)
   else:
-    from modern import train
-    trainer = train.Trainer(devices.plan_devices(1, warn=lambda _: None),
+    from modern import checkpoints as modern_checkpoints
+    from modern import step as modern_step
+    trainer = modern_step.Trainer(devices.plan_devices(1, warn=lambda _: None),
                             decay_steps=100)
-    checkpoint = train.checkpoint_object(trainer)
+    checkpoint = modern_checkpoints.checkpoint_object(trainer.state)
     checkpoint.restore(path).assert_existing_objects_matched()
-    weights = trainer.variables()[variable]
+    weights = trainer.state.variables()[variable]
     weights.assign(weights * scale)
     tf.train.CheckpointManager(checkpoint, train_dir, 5,
                                checkpoint_name='model.ckpt').save(2)

@@ -242,7 +242,7 @@ def second_sigint_runs(synth_data_dir, tmp_path_factory):
     dict impl -> (train_dir, seconds from the second signal to the exit,
     exit code, stdout, stderr).
   """
-  save = {'legacy': 'legacy.train:_save', 'modern': 'modern.train:StepSaver.__call__'}
+  save = {'legacy': 'legacy.train:_save', 'modern': 'modern.checkpoints:StepSaver.__call__'}
   runs = {}
   for impl in fs.TRAINERS:
     base = tmp_path_factory.mktemp('%s_sigint_twice' % impl)

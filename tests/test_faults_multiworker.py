@@ -8,8 +8,13 @@ status, no traceback, the facts of its message (host:port, port, host name,
 flag), how long it took, and that no checkpoint in train_dir changed. Every
 worker is killed if it outlives HARD_TIMEOUT_SECS, so nothing hangs CI.
 
-The in-process tests below them cover modern.cluster's rendezvous and
-`_PeerWatchdog` without subprocesses.
+Every multiworker run here has one replica per worker (--num_gpus 1, the
+default): on a CPU-only machine the stock MultiWorkerMirroredStrategy runs
+one, and --num_gpus 2 is a usage error.
+
+The tests below them cover modern.cluster's rendezvous and
+modern.engines.PeerWatchdog in-process, and modern.engines._bounded (the
+backstop on TensorFlow's start-up) in a small subprocess.
 """
 
 import collections
@@ -39,17 +44,6 @@ HARD_TIMEOUT_SECS = 240  # any worker still running then is killed: a failure
 FLAGS = ('--batch_size', '8', '--log_every', '1', '--summary_every', '1000',
          '--peer_timeout', str(PEER_TIMEOUT))
 WAITING = 'waiting up to'  # the stderr line of a worker that waits for its peers
-
-
-def _free_ports(count):
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(('127.0.0.1', 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
 
 
 def _loopback(ports):
@@ -139,7 +133,7 @@ def _checkpoint_files(train_dir):
 def _lone(index):
   """A worker whose only peer never starts: it gives up after --startup_timeout."""
   def run(train_dir, data_dir):
-    hosts = _loopback(_free_ports(2))
+    hosts = _loopback(fs.free_ports(2))
     worker = _Worker(hosts, index, train_dir, data_dir,
                      '--startup_timeout', str(STARTUP_TIMEOUT))
     since = worker.wait_for(WAITING)
@@ -154,7 +148,7 @@ def _lone(index):
 def _signal_during_startup(sig):
   """A lone worker stopped by a signal while it waits for its peer."""
   def run(train_dir, data_dir):
-    worker = _Worker(_loopback(_free_ports(2)), 0, train_dir, data_dir)
+    worker = _Worker(_loopback(fs.free_ports(2)), 0, train_dir, data_dir)
     assert worker.wait_for(WAITING), worker.kill()
     since = time.monotonic()
     worker.proc.send_signal(sig)
@@ -165,10 +159,10 @@ def _signal_during_startup(sig):
 def _locked_then_sigterm(train_dir, data_dir):
   """A chief waits for its peer (holding train_dir); a second chief of another
   cluster on the same train_dir is refused; then SIGTERM ends the first."""
-  first = _Worker(_loopback(_free_ports(2)), 0, train_dir, data_dir)
+  first = _Worker(_loopback(fs.free_ports(2)), 0, train_dir, data_dir)
   assert first.wait_for(WAITING), first.kill()
   started = time.monotonic()
-  second = _Worker(_loopback(_free_ports(2)), 0, train_dir, data_dir)
+  second = _Worker(_loopback(fs.free_ports(2)), 0, train_dir, data_dir)
   refused = _outcome(second, started, train_dir, [
       '%s is in use by another run' % train_dir, 'PID %d ' % first.proc.pid,
       '--train_dir'], None)
@@ -184,7 +178,7 @@ def _port_taken(train_dir, data_dir):
     holder.bind(('127.0.0.1', 0))
     holder.listen(1)
     port = holder.getsockname()[1]
-    hosts = _loopback([port] + _free_ports(1))
+    hosts = _loopback([port] + fs.free_ports(1))
     worker = _Worker(hosts, 0, train_dir, data_dir)
     result = _outcome(worker, worker.started, train_dir, [
         'worker 0 of 2 (%s)' % hosts[0], 'port %d is not free' % port,
@@ -195,7 +189,7 @@ def _port_taken(train_dir, data_dir):
 def _unresolvable(index):
   """A host name that never resolves (the reserved .invalid TLD): this worker's or its peer's."""
   def run(train_dir, data_dir):
-    ports = _free_ports(2)
+    ports = fs.free_ports(2)
     name = 'nosuchworker.invalid'
     hosts = _loopback(ports)
     hosts[index] = '%s:%d' % (name, ports[index])
@@ -208,7 +202,7 @@ def _unresolvable(index):
 
 
 def _tf_config_and_worker_hosts(train_dir, data_dir):
-  hosts = _loopback(_free_ports(2))
+  hosts = _loopback(fs.free_ports(2))
   tf_config = json.dumps({'cluster': {'worker': hosts},
                           'task': {'type': 'worker', 'index': 0}})
   worker = _Worker(hosts, 0, train_dir, data_dir, env={'TF_CONFIG': tf_config})
@@ -219,7 +213,7 @@ def _tf_config_and_worker_hosts(train_dir, data_dir):
 
 def _different_clusters(train_dir, data_dir):
   """Two workers given different --worker_hosts lists: both say so, at once."""
-  a, b, c = _loopback(_free_ports(3))
+  a, b, c = _loopback(fs.free_ports(3))
   workers = [_Worker([a, b], 0, train_dir, data_dir, '--startup_timeout', '60'),
              _Worker([a, b, c], 1, train_dir, data_dir, '--startup_timeout', '60')]
   since = [w.wait_for(WAITING) for w in workers]
@@ -232,7 +226,7 @@ def _different_clusters(train_dir, data_dir):
 def _sigterm_while_peer_hangs(train_dir, data_dir):
   """Two workers train; worker 1 freezes (SIGSTOP); SIGTERM to the chief, which
   waits for it in a step: it stops within seconds, saving its last step."""
-  hosts = _loopback(_free_ports(2))
+  hosts = _loopback(fs.free_ports(2))
   workers = [_Worker(hosts, i, train_dir, data_dir, '--save_every', '1000')
              for i in range(2)]
   try:
@@ -253,7 +247,7 @@ def _sigterm_while_peer_hangs(train_dir, data_dir):
 def _sigterm_to_a_training_non_chief(train_dir, data_dir):
   """Two workers train; SIGTERM to worker 1: both stop after the same step, the
   chief saving it; worker 1 exits 143, the chief 1 (its run did not end)."""
-  hosts = _loopback(_free_ports(2))
+  hosts = _loopback(fs.free_ports(2))
   workers = [_Worker(hosts, i, train_dir, data_dir, '--save_every', '1000')
              for i in range(2)]
   try:
@@ -368,11 +362,11 @@ def test_fault(outcomes, name):
   if name in WRITES_CHECKPOINT:
     # The chief's last completed step, named in its line, is kept whole.
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from modern import train  # pylint: disable=import-outside-toplevel
+    from modern import checkpoints as modern_checkpoints  # pylint: disable=import-outside-toplevel
     saved = lines[-1].rpartition('saved ')[2].split()[0].rstrip('.')
     step = int(saved.rpartition('-')[2])
     assert step >= 2 and tf.train.latest_checkpoint(outcome.train_dir) == saved
-    assert tf.train.load_variable(saved, train.checkpoint_key('global_step')) == step
+    assert tf.train.load_variable(saved, modern_checkpoints.checkpoint_key('global_step')) == step
     logged = [int(m) for m in re.findall(r': step (\d+), loss = ', outcome.out)]
     if logged:  # the chief's: the last step it logged (log_every 1), no later
       assert step == max(logged), outcome.out[-2000:]
@@ -391,7 +385,7 @@ def _cluster(hosts, index):
 
 def test_workers_meet_whichever_starts_first():
   from modern import cluster  # pylint: disable=import-outside-toplevel
-  hosts = _loopback(_free_ports(3))
+  hosts = _loopback(fs.free_ports(3))
   lines, errors = [], []
 
   def worker(index, delay):
@@ -421,7 +415,7 @@ def test_workers_meet_whichever_starts_first():
 
 def test_a_worker_listed_at_the_wrong_index_is_named():
   from modern import cluster  # pylint: disable=import-outside-toplevel
-  hosts = _loopback(_free_ports(2))
+  hosts = _loopback(fs.free_ports(2))
   errors = []
   # The process listening at hosts[1] believes it is worker 0 (as on another
   # machine with the same port numbers): both workers 0 refuse.
@@ -449,83 +443,202 @@ def test_a_worker_listed_at_the_wrong_index_is_named():
              'as worker 1' % hosts[1] in e for e in errors), errors
 
 
-def test_tensorflow_registration_timeout_names_the_missing_workers():
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from modern import distributed  # pylint: disable=import-outside-toplevel
-  hosts = _loopback(_free_ports(3))
-  text = ('Barrier timed out. Id: [Init]Wait_for_all_tasks_to_register::0.\n'
-          '# of tasks that reached the barrier: 1/3.\nThe first task at the '
-          'barrier: /job:worker/replica:0/task:0. Some timed out task names:\n'
-          '/job:worker/replica:0/task:2\n')
-  error = distributed._startup_error(  # pylint: disable=protected-access
-      _cluster(hosts, 0), tf.errors.DeadlineExceededError(None, None, text), 30)
-  message = str(error)
-  assert '%s (worker 2) said hello but did not register' % hosts[2] in message
-  assert hosts[1] not in message and '--startup_timeout' in message
-  # A worker that never reached the leader knows only that.
-  error = distributed._startup_error(  # pylint: disable=protected-access
-      _cluster(hosts, 2), tf.errors.DeadlineExceededError(
-          None, None, 'Deadline Exceeded\nRPC: /tensorflow.CoordinationService/'
-          'RegisterTask'), 30)
-  assert '%s (worker 0) said hello' % hosts[0] in str(error)
-  error = distributed._startup_error(  # pylint: disable=protected-access
-      _cluster(hosts, 1), tf.errors.UnknownError(None, None,
-                                                 'Could not start gRPC server'), 30)
-  assert 'on port %s' % hosts[1].rpartition(':')[2] in str(error)
+# --- modern.engines._bounded: the backstop on TensorFlow's start-up -------------
+
+BOUNDED_MESSAGE = ('Error: worker 0 of 2 (127.0.0.1:1): TensorFlow\'s start-up did '
+                   'not finish within 1 s (--startup_timeout).')
+# Run as `python -c`: enters `_bounded(BOUND, MESSAGE)` around a sleep of BLOCK
+# seconds (time.sleep stands in for TensorFlow's start-up), after saying so on
+# stdout; a KeyboardInterrupt in the block ends it with status 130, quietly.
+_BOUNDED_SCRIPT = '''
+import sys, time
+sys.path.insert(0, sys.argv[4])
+from modern import engines
+bound, block, message = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+print('entering', flush=True)
+try:
+  with engines._bounded(bound, message):
+    time.sleep(block)
+except KeyboardInterrupt:
+  print('interrupted', flush=True)
+  sys.exit(130)
+print('left', flush=True)
+'''
+BOUNDED_EXIT_SECS = 10  # the 1 s bound, the exit and the message's child: ~1.1 s idle
 
 
-class _FakeAbort:
-
-  def __init__(self):
-    self.calls = []
-    self.event = threading.Event()
-
-  def __call__(self, message):
-    self.calls.append((time.monotonic(), message))
-    self.event.set()
-
-
-@pytest.mark.parametrize('stop', [False, True], ids=['peer timeout', 'stop request'])
-def test_the_watchdog_aborts_a_wait_that_goes_on(stop, monkeypatch):
-  from modern import distributed  # pylint: disable=import-outside-toplevel
-  abort, exits = _FakeAbort(), []
-  monkeypatch.setattr(distributed.os, '_exit', exits.append)
-  watchdog = distributed._PeerWatchdog(  # pylint: disable=protected-access
-      _cluster(_loopback(_free_ports(2)), 0), lambda _: None, lambda: None,
-      abort=abort)
+def _bounded_run(bound, block, interrupt_after=None):
+  """(exit status, stdout, stderr, seconds from 'entering' to the exit)."""
+  proc = subprocess.Popen(
+      [sys.executable, '-c', _BOUNDED_SCRIPT, str(bound), str(block),
+       BOUNDED_MESSAGE, fs.ROOT], cwd=fs.ROOT, env=fs.cli_env(),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      start_new_session=True)  # a process group of its own, for the Ctrl-C
   try:
+    first = proc.stdout.readline()  # after the TensorFlow import
+    entered = time.monotonic()
+    assert first == 'entering\n', (first, proc.stderr.read())
+    if interrupt_after is not None:
+      time.sleep(interrupt_after)
+      # As a Ctrl-C in a terminal: to every process of the group.
+      os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  return proc.returncode, first + out, err, time.monotonic() - entered
+
+
+@pytest.mark.slow
+def test_a_start_up_past_its_bound_ends_with_the_message_alone():
+  code, out, err, secs = _bounded_run(1, 30)
+  assert code == 1, (out, err)
+  assert err.strip().splitlines()[-1] == BOUNDED_MESSAGE, err
+  assert 'Traceback' not in err and 'File ' not in err, err  # faulthandler's goes to the pipe
+  assert 'left' not in out
+  # Well before the 30 s block would have ended, after the 1 s bound.
+  assert 1 <= secs <= fs.exit_bound(BOUNDED_EXIT_SECS), secs
+
+
+@pytest.mark.slow
+def test_a_start_up_within_its_bound_says_nothing():
+  code, out, err, _ = _bounded_run(5, 0.5)
+  assert code == 0, (out, err)
+  assert out == 'entering\nleft\n'
+  assert err == ''
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_during_the_bounded_start_up_leaves_no_traceback():
+  """The message's child process is not in the terminal's process group."""
+  code, out, err, _ = _bounded_run(20, 30, interrupt_after=1)
+  assert code == 130, (out, err)
+  assert out.endswith('interrupted\n')
+  assert err == ''  # neither the message nor the child's KeyboardInterrupt
+
+
+# --- modern.engines.PeerWatchdog ------------------------------------------------
+
+SAVED = '/runs/train/model.ckpt-7'
+
+
+class _Ending:
+  """The watchdog's callbacks, faked: every call in order, and when it exits."""
+
+  def __init__(self, saved):
+    self.saved = saved
+    self.calls = []
+    self.exited = threading.Event()
+    self.exit_time = None
+
+  def save_completed(self, step, first_step):
+    self.calls.append(('save', step, first_step))
+    if isinstance(self.saved, Exception):
+      raise self.saved
+    return self.saved
+
+  def warn(self, message):
+    self.calls.append(('warn', message))
+
+  def cleanup(self):
+    self.calls.append(('cleanup',))
+
+  def exit(self, status):
+    self.exit_time = time.monotonic()
+    self.calls.append(('exit', status))
+    self.exited.set()
+
+
+def _watchdog(ending):
+  from modern import engines  # pylint: disable=import-outside-toplevel
+  return engines.PeerWatchdog(
+      _cluster(_loopback([1, 2]), 0), ending.warn,
+      ending.save_completed, ending.cleanup, exit=ending.exit)
+
+
+@pytest.mark.parametrize('saved', [SAVED, None, RuntimeError('the save failed')],
+                         ids=['saved', 'nothing saved', 'the save raised'])
+@pytest.mark.parametrize('stop', [False, True], ids=['peer timeout', 'stop request'])
+def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved):
+  ending = _Ending(saved)
+  watchdog = _watchdog(ending)
+  try:
+    with watchdog.guard(60, 'the start-up', 5, '--startup_timeout'):
+      pass  # the first wait, at the run's first step
+    start = time.monotonic()
     with watchdog.guard(60 if stop else 1, 'the step', 7, '--peer_timeout'):
-      start = time.monotonic()
       if stop:
         watchdog.stop_requested('SIGTERM')
-      assert abort.event.wait(10)
+      assert ending.exited.wait(10)
   finally:
     watchdog.stop()
-  waited = abort.calls[0][0] - start
+  waited = ending.exit_time - start
+  # It polls every POLL_SECS; +1 s for a busy machine.
   if stop:
-    assert watchdog.STOP_GRACE_SECS <= waited < watchdog.STOP_GRACE_SECS + 1
-    assert 'stopped by SIGTERM at global step 7' in watchdog.reason
+    assert watchdog.STOP_GRACE_SECS <= waited < watchdog.STOP_GRACE_SECS + 1, waited
   else:
-    assert 1 <= waited < 2
-    assert 'no answer within 1 s (--peer_timeout)' in watchdog.reason
-  assert len(abort.calls) == 1 and not exits
+    assert 1 <= waited < 2, waited
+  # The chief saves the last completed step (7) of a run that began at 5,
+  # then the line, then the cleanup, then the exit; once (a save that raises
+  # is no save: the exit must come, the main thread being stuck).
+  assert [call[0] for call in ending.calls] == ['save', 'warn', 'cleanup', 'exit']
+  assert ending.calls[0] == ('save', 7, 5)
+  message = ending.calls[1][1]
+  assert '\n' not in message
+  name = 'worker 0 of 2 (127.0.0.1:1)'
+  if stop:
+    assert message.startswith('%s: stopped by SIGTERM at global step 7, ending the '
+                              'step after ' % name), message
+    assert ' s of waiting for the other workers; ' in message
+    assert ('saved %s.' % SAVED if saved == SAVED else
+            'this worker saved no checkpoint') in message
+    assert ending.calls[-1] == ('exit', 143)
+  else:
+    assert message.startswith('Error: %s lost its peers in the step after global '
+                              'step 7: no answer within 1 s (--peer_timeout)' % name)
+    assert ('Saved %s.' % SAVED if saved == SAVED else
+            'This worker saved no checkpoint.') in message
+    assert ending.calls[-1] == ('exit', 1)
+  assert 'Restart every worker with the same flags' in message
 
 
-def test_the_watchdog_leaves_a_stop_alone_when_the_wait_ends():
-  from modern import distributed  # pylint: disable=import-outside-toplevel
-  abort = _FakeAbort()
-  watchdog = distributed._PeerWatchdog(  # pylint: disable=protected-access
-      _cluster(_loopback(_free_ports(2)), 0), lambda _: None, lambda: None,
-      abort=abort)
+def test_the_watchdog_leaves_a_stop_alone_when_the_waits_end_in_time():
+  """A stop rides on the next step's vote: waits that end within the grace are left alone."""
+  ending = _Ending(SAVED)
+  watchdog = _watchdog(ending)
+  from modern import engines  # pylint: disable=import-outside-toplevel
+  # The 4 steps end before STOP_LIMIT_SECS (see the next test).
+  assert 4 * engines.PeerWatchdog.STOP_GRACE_SECS / 2 < engines.PeerWatchdog.STOP_LIMIT_SECS
   try:
     watchdog.stop_requested('SIGINT')
     for step in range(4):  # steps of half the grace each: the stop rides on them
       with watchdog.guard(60, 'the step', step, '--peer_timeout'):
         time.sleep(watchdog.STOP_GRACE_SECS / 2)
-    time.sleep(watchdog.POLL_SECS * 2)
+    time.sleep(watchdog.STOP_GRACE_SECS + 1)  # between waits there is nothing to end
   finally:
     watchdog.stop()
-  assert abort.calls == []
+  assert ending.calls == []
+
+
+def test_the_watchdog_ends_a_stop_that_never_takes_effect():
+  """Past STOP_LIMIT_SECS after a stop, even waits that each end in time are cut."""
+  ending = _Ending(None)
+  watchdog = _watchdog(ending)
+  try:
+    watchdog.stop_requested('SIGINT')
+    since = time.monotonic()
+    step = 0
+    while not ending.exited.is_set() and time.monotonic() - since < 30:
+      with watchdog.guard(60, 'the step', step, '--peer_timeout'):
+        ending.exited.wait(watchdog.STOP_GRACE_SECS / 2)
+      step += 1
+  finally:
+    watchdog.stop()
+  waited = ending.exit_time - since
+  assert watchdog.STOP_LIMIT_SECS <= waited < watchdog.STOP_LIMIT_SECS + 1, waited
+  assert ending.calls[-1] == ('exit', 130)
+  assert 'stopped by SIGINT' in ending.calls[1][1]
 
 
 @pytest.mark.parametrize('args,match', [
@@ -545,3 +658,27 @@ def test_cli_rejects_bad_startup_flags(args, match, tmp_path):
   assert code == 2, out + err
   assert match in err
   assert not (tmp_path / 't').exists()  # nothing started
+
+
+@pytest.mark.slow
+def test_cli_refuses_two_replicas_per_worker_on_a_cpu_only_machine(tmp_path):
+  """The stock strategy runs one replica per CPU-only worker: --num_gpus 2 is a usage error."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  if tf.config.list_physical_devices('GPU'):
+    pytest.skip('this machine has GPUs')
+  train_dir = tmp_path / 'train'
+  train_dir.mkdir()  # an existing, empty train_dir stays empty: no lock, no files
+  result = fs.run_cli(['modern', '--strategy', 'multiworker', '--worker_hosts',
+                       ','.join(_loopback(fs.free_ports(2))), '--task_index', '0',
+                       '--num_gpus', '2', '--data_dir', tmp_path / 'no_data',
+                       '--train_dir', train_dir], env={'TF_CONFIG': ''})
+  context = 'stdout:\n%s\nstderr:\n%s' % (result.stdout, result.stderr)
+  assert result.returncode == 2, context
+  assert 'Traceback' not in result.stderr, context
+  message = result.stderr.strip().splitlines()[-1]
+  assert message.startswith('Error: --strategy multiworker '), context
+  for fact in ('one replica per GPU', '0 GPU(s) for --num_gpus 2',
+               'pass --num_gpus 1 and start more workers'):
+    assert fact in message, (fact, context)
+  assert os.listdir(train_dir) == []
+  assert not (tmp_path / 'no_data').exists()  # nothing downloaded either

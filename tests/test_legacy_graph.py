@@ -208,7 +208,7 @@ def _averaged_gradients(images, labels, num_towers, init_values=None):
 
 @pytest.mark.parametrize('num_towers', [2, 4])
 def test_towers_equal_one_tower_on_the_concatenation(num_towers):
-  """SPEC §2.4: the average is a true mean and weight decay counts once."""
+  """docs/equivalence.md §2.4: the average is a true mean and weight decay counts once."""
   images, labels = _batches(np.random.default_rng(3), num_towers)
   grads, init_values = _averaged_gradients(images, labels, num_towers)
   one_grads, _ = _averaged_gradients(
@@ -216,7 +216,7 @@ def test_towers_equal_one_tower_on_the_concatenation(num_towers):
       init_values)
   assert len(grads) == 10
   for name, grad in grads.items():
-    # SPEC tolerance: max|a - b| / max|b| <= 1e-5.
+    # docs/equivalence.md §2 tolerance: max|a - b| / max|b| <= 1e-5.
     scale = np.max(np.abs(one_grads[name]))
     assert np.max(np.abs(grad - one_grads[name])) / scale <= 1e-5, name
 
@@ -255,3 +255,27 @@ def test_importing_the_package_imports_no_tensorflow():
   code = ('import sys, legacy; '
           'assert "tensorflow" not in sys.modules, "TF imported"')
   subprocess.run([sys.executable, '-c', code], check=True, cwd=ROOT)
+
+
+def test_jit_towers_compile_with_xla_and_give_the_same_losses():
+  """--jit means the same in both trainers: each tower's loss and gradients in XLA."""
+  plan = _plan(2)
+  images, labels = _batches(np.random.default_rng(3), 2)
+  results = {}
+  for jit in (False, True):
+    with tf.Graph().as_default():
+      tf.set_random_seed(1)
+      batches = [(tf.constant(images[i]), tf.constant(labels[i])) for i in range(2)]
+      towers = train.build_towers(batches, plan, DECAY_STEPS, jit=jit)
+      with tf.Session(config=train.session_config(plan)) as sess:
+        sess.run(tf.global_variables_initializer())
+        metadata = tf.RunMetadata()
+        losses = sess.run(towers.tower_losses,
+                          options=tf.RunOptions(output_partition_graphs=True),
+                          run_metadata=metadata)
+      ops = {node.op for graph in metadata.partition_graphs for node in graph.node}
+      results[jit] = (np.array(losses), '_XlaRun' in ops)
+  assert results[False][1] is False and results[True][1] is True
+  # Same initial variables (graph seed), same batches: XLA's fused arithmetic
+  # agrees to float32 rounding.
+  np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5)

@@ -62,10 +62,11 @@ def test_train_resume_and_evaluate(synth_data_dir, tmp_path):
   assert _new_threads(before) == []
 
   # Already there: nothing to train, no thread started.
-  lines = []
-  assert train.train(resumed, _plan(2), out=lines.append,
+  lines, warnings = [], []
+  assert train.train(resumed, _plan(2), out=lines.append, warn=warnings.append,
                      num_threads=NUM_THREADS) == 30
-  assert 'already reached max_steps 30' in lines[-1]
+  # On stderr (warn), as in the modern trainer.
+  assert 'already reached max_steps 30' in warnings[-1]
   assert _new_threads(before) == []
 
   lines = []

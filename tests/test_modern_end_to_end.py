@@ -12,6 +12,8 @@ from common import config as config_lib
 from common import devices
 from common import training
 from modern import eval as eval_lib
+from modern import checkpoints as modern_checkpoints
+from modern import step as modern_step
 from modern import train
 
 
@@ -63,11 +65,11 @@ def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path):
   assert _steps_logged(lines) == [30]  # 10 more steps, not 30
   path = tf.train.latest_checkpoint(str(train_dir))
   assert path == str(train_dir / 'model.ckpt-30')
-  assert tf.train.load_variable(path, train.checkpoint_key('global_step')) == 30
+  assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 30
   # The saved averages lag the weights.
   ema = tf.train.load_variable(
-      path, train.checkpoint_key('local4/weights/ExponentialMovingAverage'))
-  raw = tf.train.load_variable(path, train.checkpoint_key('local4/weights'))
+      path, modern_checkpoints.checkpoint_key('local4/weights/ExponentialMovingAverage'))
+  raw = tf.train.load_variable(path, modern_checkpoints.checkpoint_key('local4/weights'))
   assert not np.array_equal(ema, raw)
 
   assert train.train(config, _plan(2), out=lines.append, warn=warnings.append) == 30
@@ -105,10 +107,10 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data
 
 
 def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir, tmp_path):
-  trainer = train.Trainer(_plan(1), decay_steps=100)
-  trainer.variables()['softmax_linear/biases'].assign(np.full(10, np.nan, np.float32))
-  trainer.global_step.assign(3)
-  manager = tf.train.CheckpointManager(train.checkpoint_object(trainer), str(tmp_path),
+  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  trainer.state.variables()['softmax_linear/biases'].assign(np.full(10, np.nan, np.float32))
+  trainer.state.global_step.assign(3)
+  manager = tf.train.CheckpointManager(modern_checkpoints.checkpoint_object(trainer.state), str(tmp_path),
                                        max_to_keep=5, checkpoint_name='model.ckpt')
   manager.save(checkpoint_number=3)
   config = _config(synth_data_dir, tmp_path, num_gpus=1, batch_size=4, max_steps=10)

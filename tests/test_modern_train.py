@@ -8,9 +8,10 @@ import tensorflow as tf
 
 from common import devices
 from common import model_spec
-from modern import train
+from modern import checkpoints as modern_checkpoints
+from modern import step as modern_step
 
-# SPEC §2: averaged gradients agree to max|a - b| <= 1e-5 * max|b| per variable.
+# docs/equivalence.md §2: averaged gradients agree to max|a - b| <= 1e-5 * max|b| per variable.
 GRAD_REL_TOL = 1e-5
 
 
@@ -29,8 +30,8 @@ def _batches(num_towers, batch, seed):
 @pytest.fixture(scope='module')
 def initial_values():
   tf.random.set_seed(7)
-  trainer = train.Trainer(_plan(1), decay_steps=100)
-  return {name: var.numpy() for name, var in trainer.variables().items()}
+  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  return {name: var.numpy() for name, var in trainer.state.variables().items()}
 
 
 def _assert_grads_close(got, want):
@@ -45,7 +46,7 @@ def test_average_gradients_is_the_mean_over_towers():
   tower_grads = [[(tf.constant([1.0, 2.0]), var_a), (tf.constant(3.0), var_b)],
                  [(tf.constant([3.0, -6.0]), var_a), (tf.constant(5.0), var_b)],
                  [(tf.constant([5.0, 1.0]), var_a), (tf.constant(-2.0), var_b)]]
-  (grad_a, v_a), (grad_b, v_b) = train.average_gradients(tower_grads)
+  (grad_a, v_a), (grad_b, v_b) = modern_step.average_gradients(tower_grads)
   assert v_a is var_a and v_b is var_b
   np.testing.assert_allclose(grad_a.numpy(), [3.0, -1.0], rtol=1e-7)
   np.testing.assert_allclose(grad_b.numpy(), 2.0, rtol=1e-7)
@@ -53,12 +54,12 @@ def test_average_gradients_is_the_mean_over_towers():
 
 @pytest.mark.parametrize('num_towers', [2, 4])
 def test_n_towers_equal_one_tower_on_the_concatenation(num_towers, initial_values):
-  """SPEC §2.4: a true mean, and weight decay counted once."""
+  """docs/equivalence.md §2.4: a true mean, and weight decay counted once."""
   images, labels = _batches(num_towers, 4, seed=num_towers)
-  many = train.Trainer(_plan(num_towers), decay_steps=100)
-  many.assign_variables(initial_values)
-  one = train.Trainer(_plan(1), decay_steps=100)
-  one.assign_variables(initial_values)
+  many = modern_step.Trainer(_plan(num_towers), decay_steps=100)
+  many.state.assign_variables(initial_values)
+  one = modern_step.Trainer(_plan(1), decay_steps=100)
+  one.state.assign_variables(initial_values)
   grads_n, losses_n = many.compute_gradients((images, labels))
   grads_1, losses_1 = one.compute_gradients(
       (images.reshape(1, -1, 24, 24, 3), labels.reshape(1, -1)))
@@ -70,10 +71,10 @@ def test_n_towers_equal_one_tower_on_the_concatenation(num_towers, initial_value
 
 def test_tower_losses_are_each_towers_own(initial_values):
   images, labels = _batches(2, 4, seed=11)
-  trainer = train.Trainer(_plan(2), decay_steps=100)
-  trainer.assign_variables(initial_values)
-  alone = train.Trainer(_plan(1), decay_steps=100)
-  alone.assign_variables(initial_values)
+  trainer = modern_step.Trainer(_plan(2), decay_steps=100)
+  trainer.state.assign_variables(initial_values)
+  alone = modern_step.Trainer(_plan(1), decay_steps=100)
+  alone.state.assign_variables(initial_values)
   _, losses = trainer.compute_gradients((images, labels))
   for i in range(2):
     _, loss_i = alone.compute_gradients((images[i:i + 1], labels[i:i + 1]))
@@ -82,8 +83,8 @@ def test_tower_losses_are_each_towers_own(initial_values):
 
 def test_step_is_sgd_then_moving_average(initial_values):
   """lr from the step before the increment, EMA decay from the step after."""
-  trainer = train.Trainer(_plan(2), decay_steps=1)  # lr 0.1, then 0.01
-  trainer.assign_variables(initial_values)
+  trainer = modern_step.Trainer(_plan(2), decay_steps=1)  # lr 0.1, then 0.01
+  trainer.state.assign_variables(initial_values)
   var = {k: v.astype(np.float32) for k, v in initial_values.items()}
   shadow = dict(var)
   for step, lr in ((0, 0.1), (1, 0.01)):
@@ -94,22 +95,22 @@ def test_step_is_sgd_then_moving_average(initial_values):
     for name in model_spec.VARIABLE_NAMES:
       var[name] = var[name] - np.float32(lr) * grads[name].numpy()
       shadow[name] = shadow[name] - (shadow[name] - var[name]) * (np.float32(1) - decay)
-    assert int(trainer.global_step.numpy()) == step + 1
+    assert int(trainer.state.global_step.numpy()) == step + 1
     for name in model_spec.VARIABLE_NAMES:
       scale = np.abs(var[name]).max()
-      np.testing.assert_allclose(trainer.variables()[name].numpy(), var[name],
+      np.testing.assert_allclose(trainer.state.variables()[name].numpy(), var[name],
                                  rtol=0, atol=1e-6 * scale, err_msg=name)
-      np.testing.assert_allclose(trainer.shadow_variables()[name].numpy(),
+      np.testing.assert_allclose(trainer.state.shadow_variables()[name].numpy(),
                                  shadow[name], rtol=0, atol=1e-6 * scale, err_msg=name)
   # The shadows lag: with decay 2/11 then 3/12 they are not the variables.
-  assert not np.allclose(trainer.shadow_variables()['softmax_linear/weights'].numpy(),
-                         trainer.variables()['softmax_linear/weights'].numpy(),
+  assert not np.allclose(trainer.state.shadow_variables()['softmax_linear/weights'].numpy(),
+                         trainer.state.variables()['softmax_linear/weights'].numpy(),
                          rtol=0, atol=1e-7)
 
 
 def test_ops_of_tower_i_run_on_device_i_and_updates_on_the_cpu():
   plan = _plan(2, first=1)  # towers on CPU:1 and CPU:2, variables on CPU:0
-  trainer = train.Trainer(plan, decay_steps=100)
+  trainer = modern_step.Trainer(plan, decay_steps=100)
   images, labels = _batches(2, 2, seed=0)
   trainer.train_step((images, labels))  # the placement runs, not just builds
   graph = trainer._train_step_fn.get_concrete_function(  # pylint: disable=protected-access
@@ -136,66 +137,66 @@ def test_ops_of_tower_i_run_on_device_i_and_updates_on_the_cpu():
       updates += 1
   assert heavy_per_tower[0] == heavy_per_tower[1] >= 20
   assert updates == 10 + 1 + 10  # SGD, global step, moving averages
-  for var in list(trainer.variables().values()) + list(
-      trainer.shadow_variables().values()) + [trainer.global_step]:
+  for var in list(trainer.state.variables().values()) + list(
+      trainer.state.shadow_variables().values()) + [trainer.state.global_step]:
     assert canonical(var.device).endswith('/device:CPU:0'), var.name
 
 
 def test_jit_towers_give_the_same_gradients(initial_values):
   images, labels = _batches(2, 4, seed=5)
-  plain = train.Trainer(_plan(2), decay_steps=100)
-  plain.assign_variables(initial_values)
-  jitted = train.Trainer(_plan(2), decay_steps=100, jit=True)
-  jitted.assign_variables(initial_values)
+  plain = modern_step.Trainer(_plan(2), decay_steps=100)
+  plain.state.assign_variables(initial_values)
+  jitted = modern_step.Trainer(_plan(2), decay_steps=100, jit=True)
+  jitted.state.assign_variables(initial_values)
   _assert_grads_close(jitted.compute_gradients((images, labels))[0],
                       plain.compute_gradients((images, labels))[0])
 
 
 def test_wrong_number_of_tower_batches_is_refused():
-  trainer = train.Trainer(_plan(2), decay_steps=100)
+  trainer = modern_step.Trainer(_plan(2), decay_steps=100)
   with pytest.raises(ValueError, match='2 towers'):
     trainer.train_step(_batches(3, 2, seed=0))
 
 
 def test_assign_variables_checks_names_and_shapes(initial_values):
-  trainer = train.Trainer(_plan(1), decay_steps=100)
+  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
   partial = dict(initial_values)
   del partial['conv1/biases']
   with pytest.raises(ValueError, match='conv1/biases'):
-    trainer.assign_variables(partial)
+    trainer.state.assign_variables(partial)
   wrong = dict(initial_values, **{'local4/biases': np.zeros(3, np.float32)})
   with pytest.raises(ValueError, match='local4/biases'):
-    trainer.assign_variables(wrong)
+    trainer.state.assign_variables(wrong)
   shadows = {k: v + 1 for k, v in initial_values.items()}
-  trainer.assign_variables(initial_values, shadows)
-  np.testing.assert_array_equal(trainer.variables()['conv2/weights'].numpy(),
+  trainer.state.assign_variables(initial_values, shadows)
+  np.testing.assert_array_equal(trainer.state.variables()['conv2/weights'].numpy(),
                                 initial_values['conv2/weights'])
-  np.testing.assert_array_equal(trainer.shadow_variables()['conv2/weights'].numpy(),
+  np.testing.assert_array_equal(trainer.state.shadow_variables()['conv2/weights'].numpy(),
                                 shadows['conv2/weights'])
 
 
 def test_checkpoint_keys_map_to_legacy_names(tmp_path, initial_values):
-  trainer = train.Trainer(_plan(1), decay_steps=100)
+  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
   shadows = {k: v * 2 for k, v in initial_values.items()}
-  trainer.assign_variables(initial_values, shadows)
-  trainer.global_step.assign(42)
-  manager = tf.train.CheckpointManager(train.checkpoint_object(trainer), str(tmp_path),
+  trainer.state.assign_variables(initial_values, shadows)
+  trainer.state.global_step.assign(42)
+  manager = tf.train.CheckpointManager(modern_checkpoints.checkpoint_object(trainer.state), str(tmp_path),
                                        max_to_keep=5, checkpoint_name='model.ckpt')
   path = manager.save(checkpoint_number=42)  # as train() saves
   assert path == str(tmp_path / 'model.ckpt-42')
   keys = {name for name, _ in tf.train.list_variables(path)}
   legacy = ['global_step'] + list(model_spec.VARIABLE_NAMES) + [
       n + '/ExponentialMovingAverage' for n in model_spec.VARIABLE_NAMES]
-  mapped = {train.checkpoint_key(n) for n in legacy}
+  mapped = {modern_checkpoints.checkpoint_key(n) for n in legacy}
   assert keys - mapped == {'_CHECKPOINTABLE_OBJECT_GRAPH',
                            'save_counter/.ATTRIBUTES/VARIABLE_VALUE'}
   assert mapped <= keys
-  assert tf.train.load_variable(path, train.checkpoint_key('global_step')) == 42
+  assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 42
   for name in model_spec.VARIABLE_NAMES:
     np.testing.assert_array_equal(
-        tf.train.load_variable(path, train.checkpoint_key(name)), initial_values[name])
+        tf.train.load_variable(path, modern_checkpoints.checkpoint_key(name)), initial_values[name])
     np.testing.assert_array_equal(
-        tf.train.load_variable(path, train.checkpoint_key(name + '/ExponentialMovingAverage')),
+        tf.train.load_variable(path, modern_checkpoints.checkpoint_key(name + '/ExponentialMovingAverage')),
         shadows[name])
   with pytest.raises(KeyError):
-    train.checkpoint_key('conv1/weights/Momentum')
+    modern_checkpoints.checkpoint_key('conv1/weights/Momentum')

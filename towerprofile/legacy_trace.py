@@ -85,7 +85,7 @@ def trace(config, plan, steps, warmup=3, trainer_plan=None,
     parts = train.build_train_graph(config, trainer_plan, decay_steps,
                                     num_threads)
     graph.finalize()
-    with tf.Session(config=train.session_config(config, trainer_plan)) as sess:
+    with tf.Session(config=train.session_config(trainer_plan, config.log_device_placement)) as sess:
       sess.run(parts.init_op)
       coord = tf.train.Coordinator(clean_stop_exception_types=(
           tf.errors.OutOfRangeError, tf.errors.CancelledError))

@@ -1,6 +1,6 @@
 """The modern adapter: a few steps of the tf.function trainer under tf.profiler.
 
-The only contact with modern/: `Trainer(plan, decay_steps, jit)`,
+The only contact with modern/: `modern.step.Trainer(plan, decay_steps, jit)`,
 `Trainer.train_step(batch)` and `inputs.distorted_inputs`.
 
 What the trace holds (tensorflow-cpu 2.21, docs/profile-design.md): the
@@ -26,7 +26,7 @@ from common import cifar10_format
 from common import devices
 from common import hparams
 from modern import inputs
-from modern import train
+from modern import step as modern_step
 from towerprofile import analysis
 
 STEP_EVENT = 'towerprofile_step'  # the tf.profiler.experimental.Trace of one step
@@ -220,7 +220,7 @@ def trace(config, plan, steps, warmup=3, trainer_plan=None, logdir=None):
       cifar10_format.train_files(config.data_dir))
   decay_steps = max(1, hparams.decay_steps(examples, config.batch_size,
                                            config.num_gpus))
-  trainer = train.Trainer(trainer_plan, decay_steps, jit=config.jit)
+  trainer = modern_step.Trainer(trainer_plan, decay_steps, jit=config.jit)
   iterator = iter(inputs.distorted_inputs(config.data_dir, config.batch_size,
                                           config.num_gpus, seed=config.seed))
   batch = next(iterator)

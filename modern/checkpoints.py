@@ -1,0 +1,173 @@
+"""Modern checkpoints: their layout, restoring the latest, saving once per step.
+
+Checkpoint layout (`checkpoint_object`, `tf.train.Checkpoint` keys as listed
+by `tf.train.list_variables`), with the legacy `Saver` name each corresponds to:
+
+  global_step/.ATTRIBUTES/VARIABLE_VALUE           global_step (int64 scalar)
+  model/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE  <layer>/<kind>
+  ema/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE    <layer>/<kind>/ExponentialMovingAverage
+  save_counter/.ATTRIBUTES/VARIABLE_VALUE          (tf.train.Checkpoint's own; none)
+  _CHECKPOINTABLE_OBJECT_GRAPH                     (the object graph; none)
+
+where <layer>/<kind> is one of `model_spec.VARIABLE_NAMES` ('conv1/weights',
+..., 'softmax_linear/biases'). `checkpoint_key(legacy_name)` computes the
+left column. Files are `<train_dir>/model.ckpt-<global_step>.{index,data-*}`
+plus the `checkpoint` state file, as with legacy's Saver.
+
+Converting: modern -> legacy names is `tf.train.load_variable(path,
+checkpoint_key(name))` for each legacy name; legacy -> modern is a
+`modern.step.TrainState` given the legacy values with
+`assign_variables(values, shadow_values)` and `global_step.assign(...)`,
+saved through `checkpoint_object(state)`.
+"""
+
+import os
+import threading
+
+import tensorflow as tf
+
+from common import checkpoints
+from common import config as config_lib
+from common import lock
+from common import model_spec
+from common import training
+
+MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
+EMA_SUFFIX = model_spec.EMA_SUFFIX  # legacy's shadow-variable name suffix
+
+# Checkpoint attribute names (the first component of every checkpoint key).
+_CKPT_GLOBAL_STEP = 'global_step'
+_CKPT_MODEL = 'model'
+_CKPT_EMA = 'ema'
+_CKPT_VALUE = '.ATTRIBUTES/VARIABLE_VALUE'
+
+
+class StepSaver:
+  """Saves a training state's checkpoint at most once per global step.
+
+  Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
+  already saved, and returns the checkpoint's path. A failed write is a
+  one-line `common.checkpoints` error: the manager names a checkpoint latest
+  only after writing it whole, so the previous one stays in place. Nothing
+  is written if the directory, locked by this process, was removed under it
+  (`common.lock.LockError`). Safe to call from another thread (the
+  multiworker watchdog saves while the main thread waits for the peers).
+  """
+
+  def __init__(self, state, manager, directory, last_saved=None):
+    self.state = state
+    self.manager = manager
+    self.directory = directory
+    self.last_saved = last_saved  # the global step of the newest save, or None
+
+    self._lock = threading.Lock()
+
+  def __call__(self):
+    with self._lock:
+      return self._save()
+
+  def _save(self):
+    current = int(self.state.global_step.numpy())
+    if current != self.last_saved:
+      lock.check(self.directory)
+      try:
+        self.manager.save(checkpoint_number=current)
+      except (tf.errors.OpError, OSError) as e:
+        raise checkpoints.save_failed(self.directory, current, e) from e
+      self.last_saved = current
+    return '%s-%d' % (os.path.join(self.directory, config_lib.CHECKPOINT_BASENAME),
+                      self.last_saved)
+
+
+def checkpoint_object(state):
+  """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring."""
+  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: state.global_step,
+                                _CKPT_MODEL: state.model,
+                                _CKPT_EMA: state.ema})
+
+
+def restore_latest(train_dir, checkpoint, warn):
+  """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
+
+  The newest checkpoint that passes its checksums (`common.checkpoints`),
+  usually the manager's latest.
+
+  Args:
+    train_dir: str.
+    checkpoint: `checkpoint_object(trainer)`.
+    warn: callable taking one message (skipped damaged checkpoints).
+
+  An unreadable `checkpoint` state file (empty, not text), which
+  resume_point passed over, is rewritten to name the restored checkpoint
+  (removed when there is none): the CheckpointManager reads it before its
+  first save, which would rewrite it anyway. So call this before creating
+  the manager.
+
+  Returns:
+    The restored checkpoint's path, or None when train_dir has none.
+
+  Raises:
+    common.training.TrainingError: it is a legacy checkpoint, or of another model.
+    common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
+  """
+  resume_from = checkpoints.resume_point(train_dir, warn)
+  if not resume_from:
+    checkpoints.replace_unreadable_state(train_dir, None)
+    return None
+  contents = checkpoints.read(resume_from)
+  if contents.kind != checkpoints.MODERN:
+    step = contents.tensors.get('global_step')
+    what = ('a checkpoint of the upstream script (float32 global_step)'
+            if step is not None and step.dtype.kind == 'f'
+            else 'a legacy (tf.compat.v1 Saver) checkpoint')
+    raise training.TrainingError(
+        '%s is %s; the modern trainer resumes only its own checkpoints. Use '
+        'another --train_dir, or convert this one (`python cli.py convert '
+        '--from_dir %s --to_dir NEW_DIR`) and train NEW_DIR, or train it with '
+        'the legacy trainer.' % (resume_from, what, train_dir))
+  checkpoints.check_fits(resume_from, checkpoint_shapes())
+  try:
+    checkpoint.restore(resume_from).assert_existing_objects_matched()
+  except (AssertionError, ValueError, tf.errors.OpError) as e:
+    raise training.TrainingError(
+        '%s does not fit this model (%s). Use another --train_dir, or move '
+        'its checkpoints away.' % (resume_from, checkpoints.reason(e))
+    ) from e
+  # The CheckpointManager cannot read an empty or non-text state file;
+  # resume_point said it skipped it, and the next save replaces it anyway.
+  checkpoints.replace_unreadable_state(train_dir, resume_from)
+  return resume_from
+
+
+def checkpoint_shapes():
+  """Dict checkpoint key -> shape of everything a training checkpoint must hold."""
+  shapes = {checkpoint_key('global_step'): ()}
+  for name in model_spec.VARIABLE_NAMES:
+    shapes[checkpoint_key(name)] = model_spec.variable_shape(name)
+    shapes[checkpoint_key('%s/%s' % (name, EMA_SUFFIX))] = (
+        model_spec.variable_shape(name))
+  return shapes
+
+
+def checkpoint_key(legacy_name):
+  """The modern checkpoint key holding what legacy's Saver names `legacy_name`.
+
+  Args:
+    legacy_name: 'global_step', 'conv1/weights' (any of VARIABLE_NAMES), or
+      'conv1/weights/ExponentialMovingAverage'.
+
+  Returns:
+    str, e.g. 'ema/conv1/weights/.ATTRIBUTES/VARIABLE_VALUE'.
+
+  Raises:
+    KeyError: the name is none of these.
+  """
+  if legacy_name == 'global_step':
+    return '%s/%s' % (_CKPT_GLOBAL_STEP, _CKPT_VALUE)
+  if legacy_name in model_spec.VARIABLE_NAMES:
+    return '%s/%s/%s' % (_CKPT_MODEL, legacy_name, _CKPT_VALUE)
+  suffix = '/' + EMA_SUFFIX
+  if legacy_name.endswith(suffix) and (
+      legacy_name[:-len(suffix)] in model_spec.VARIABLE_NAMES):
+    return '%s/%s/%s' % (_CKPT_EMA, legacy_name[:-len(suffix)], _CKPT_VALUE)
+  raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)

@@ -1,0 +1,722 @@
+"""The engines the one training loop (`modern.train.train`) runs the step on.
+
+  towers       (default) modern.step.Trainer: one tf.function tower per device
+               of the plan, the gradients averaged on the variables' device.
+  mirrored     tf.distribute.MirroredStrategy over the plan's devices: one
+               replica per device, the variables mirrored on every device,
+               the gradients all-reduced on `devices.VARIABLE_DEVICE`.
+  multiworker  tf.distribute.MultiWorkerMirroredStrategy: several worker
+               processes (machines), each with one replica per GPU (or one on
+               its CPU), the gradients all-reduced across every replica of
+               every worker. The cluster comes from TF_CONFIG or from
+               --worker_hosts and --task_index.
+
+An engine is one small class with the interface of `Engine`: the loop asks it
+to build the step, to run one step, and, where several processes train
+together, to agree with its peers (broadcast the restored state, vote on a
+stop, meet at a final barrier, bound every wait). `Engine`'s defaults are
+those of one process, where there is nothing to agree on. `make` picks the
+engine; the loop never asks which one it has.
+
+The replica engines run the towers' update (`modern.step.TrainState`) on
+every replica: no Keras optimizer, the same learning rate and moving averages.
+Every step is synchronous, and the global batch is batch_size x replicas over
+all workers.
+"""
+
+import contextlib
+import faulthandler
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import tensorflow as tf
+
+from common import checkpoints
+from common import devices
+from common import lock
+from common import training
+from modern import cluster as cluster_lib
+from modern import inputs
+from modern import step as step_lib
+
+
+class Engine:
+  """What the training loop asks of an engine; the defaults are one process's.
+
+  Attributes:
+    config: common.config.TrainConfig.
+    plan: common.devices.DevicePlan of this process.
+    trainer: the step (set by `start`); has `.state`, a modern.step.TrainState,
+      and `.num_towers`, the replicas in sync over all workers.
+    num_workers, worker_index, is_chief: this process's place in the run.
+    write_dir: where this process writes checkpoints and summaries.
+    lock_what: what the train_dir lock says of this run.
+    peer_errors: exceptions of a wait for peers, handled by `lost_peers`.
+  """
+
+  num_workers = 1
+  worker_index = 0
+  is_chief = True
+  lock_what = 'modern training'
+  peer_errors = ()
+
+  def __init__(self, config, plan):
+    self.config = config
+    self.plan = plan
+    self.write_dir = config.train_dir
+    self.trainer = None
+
+  def build(self, decay_steps):
+    """The step object (see `trainer`)."""
+    raise NotImplementedError
+
+  def start(self, decay_steps, warn):  # pylint: disable=unused-argument
+    """Builds the step; with peers, meets them first. Nothing is written."""
+    self.trainer = self.build(decay_steps)
+
+  def step(self, batches, stop):  # pylint: disable=unused-argument
+    """One training step: (tower losses numpy [replicas], what the peers agreed).
+
+    Args:
+      batches: an element of `dataset()`.
+      stop: common.training.StopRequest of this process.
+    """
+    return self.trainer.train_step(batches).numpy(), None
+
+  def stops_here(self, stop, agreed):  # pylint: disable=unused-argument
+    """Whether the run stops after the step just taken (`agreed`: see step)."""
+    return stop.requested
+
+  def dataset(self):
+    """The training batches of this process (its shard of the records)."""
+    return inputs.distorted_inputs(
+        self.config.data_dir, self.config.batch_size, self.config.num_gpus,
+        seed=self.config.seed, num_shards=self.num_workers,
+        shard_index=self.worker_index)
+
+  @property
+  def global_batch_size(self):
+    """Images one step trains on, over every replica of every worker."""
+    return self.config.batch_size * self.trainer.num_towers
+
+  def prepare(self):
+    """Called with write_dir locked, before the start."""
+
+  def close(self):
+    """Called when the run ends, however it ends."""
+
+  def watching(self, stop, save, warn):  # pylint: disable=unused-argument
+    """Context for the run after the start: watches the waits for peers."""
+    return contextlib.nullcontext()
+
+  def waiting(self, what, step, first=False):  # pylint: disable=unused-argument
+    """Context for one wait for the peers (`what`) after global step `step`."""
+    return contextlib.nullcontext()
+
+  def broadcast(self):
+    """Gives every process the chief's (restored or fresh) state."""
+
+  def barrier(self):
+    """Returns when every process has reached it."""
+
+  def lost_peers(self, error, step, first_step, save, stop, warn):
+    """After a `peer_errors` error: what the run ends with (see MultiWorker)."""
+    raise error
+
+  def report_stop(self, stopped_by, step, path, out, warn):  # pylint: disable=unused-argument
+    """Says how the run ended after a stop request (`stopped_by`, a signal name)."""
+    out(training.stopped_line(stopped_by, step, path))
+
+
+class Towers(Engine):
+  """One tf.function tower per device of the plan (modern.step.Trainer)."""
+
+  def build(self, decay_steps):
+    return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit)
+
+
+class ReplicaTrainer:
+  """modern.step's step on the replicas of a tf.distribute strategy.
+
+  The interface of modern.step.Trainer (`state`, `num_towers`, `train_step`,
+  `compute_gradients`), plus what keeps several workers together.
+  `tower_batches` = (images [N, B, 24, 24, 3], labels [N, B]) hold either one
+  batch per replica of the whole run (N = num_towers, replica r takes
+  images[r]; every worker passes the same N batches) or one per replica of
+  this worker (N = num_local_replicas, local replica i takes images[i]). With
+  one worker the two are the same.
+
+  Attributes:
+    strategy: the tf.distribute.Strategy.
+    state: modern.step.TrainState, created under the strategy's scope.
+    num_towers: int, replicas in sync over all workers (R).
+    num_local_replicas: int, replicas of this worker.
+    worker_index: int; its replicas have the global ids
+      worker_index * num_local_replicas + 0 .. num_local_replicas - 1.
+  """
+
+  def __init__(self, strategy, plan, decay_steps, jit=False, worker_index=0):
+    local = len(strategy.extended.worker_devices)
+    if local != plan.num_towers:
+      raise ValueError('the strategy has %d local replicas, the plan %d devices'
+                       % (local, plan.num_towers))
+    self.strategy = strategy
+    with strategy.scope():
+      self.state = step_lib.TrainState(plan, decay_steps)
+    self.num_local_replicas = plan.num_towers
+    self.num_towers = strategy.num_replicas_in_sync
+    self.worker_index = int(worker_index)
+    self._replica_fn = (tf.function(self._replica_loss_and_grads, jit_compile=True)
+                        if jit else self._replica_loss_and_grads)
+    self._step_fn = tf.function(self._step)
+    self._gradients_fn = tf.function(self._gradients)
+    self._broadcast_fn = tf.function(self._broadcast_from_chief)
+    self._barrier_fn = tf.function(self._barrier)
+
+  def _replica_loss_and_grads(self, values, images, labels):
+    """One replica: its total loss, and the gradients of its share of the mean."""
+    model = self.state.model
+    with tf.GradientTape() as tape:
+      tape.watch(values)
+      loss = step_lib.tower_loss(model, images, labels, model.params(values))
+      # Why 1/R: the all-reduce SUMs the replicas' gradients, and docs/equivalence.md §2
+      # wants the towers' MEAN of the per-tower gradients, each tower's loss
+      # being its batch's mean cross-entropy plus the weight decay once:
+      #   sum_r grad(loss_r / R) = (1/R) sum_r grad(CE_r + WD)
+      #                          = mean_r grad(CE_r) + grad(WD).
+      # So weight decay is counted once in total (not R times, upstream's
+      # collection bug), and the result is the gradient of the mean loss over
+      # all R * batch images. Scaling the loss by a power of two (R = 2, 4)
+      # scales every backpropagated value exactly, so the sum matches the
+      # towers' reduce_mean to the last bit but for the summation order.
+      scaled_loss = loss / tf.cast(self.num_towers, loss.dtype)
+    return loss, tape.gradient(scaled_loss, values)
+
+  def _replica_step(self, images, labels, vote):
+    """In each replica: its gradients, then the all-reduce over every replica.
+
+    Returns:
+      (list of averaged gradients, identical on every replica;
+       float32 [R + 1]: every replica's loss, then the sum of the stop votes).
+    """
+    context = tf.distribute.get_replica_context()
+    # This replica's own copy of the variables (mirrored on its device).
+    values = [var.read_value() for var in self.state.model.variable_list()]
+    loss, grads = self._replica_fn(values, images, labels)
+    # Each replica's loss goes into its own slot of a vector (zeros elsewhere,
+    # so the sum is exact), and the worker's stop vote into the last slot; one
+    # all-reduce then gives every worker all R losses and whether any worker
+    # wants to stop.
+    slots = tf.range(self.num_towers + 1)
+    report = tf.where(tf.equal(slots, context.replica_id_in_sync_group),
+                      loss, 0.0) + tf.where(tf.equal(slots, self.num_towers),
+                                            vote, 0.0)
+    # Synchronization point: every replica of every worker meets here. The
+    # SUM over replicas of the gradients of loss_r / R is the towers' mean.
+    with tf.name_scope('average_gradients'):
+      reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [report])
+    return reduced[:-1], reduced[-1]
+
+  def _run_replicas(self, images, labels, vote):
+    """All-reduced gradients (per replica), tower losses [R] and the vote sum."""
+    offset = 0
+    if images.shape[0] != self.num_towers:
+      offset = self.worker_index * self.num_local_replicas  # local batches
+    dist_images, dist_labels = (
+        self.strategy.experimental_distribute_values_from_function(
+            lambda ctx, t=tensor: t[ctx.replica_id_in_sync_group - offset])
+        for tensor in (images, labels))
+    grads, report = self.strategy.run(
+        self._replica_step, args=(dist_images, dist_labels, vote))
+    # Identical on every replica after the all-reduce: take the first local one.
+    report = self.strategy.experimental_local_results(report)[0]
+    return grads, report[:self.num_towers], report[self.num_towers]
+
+  def _gradients(self, images, labels):
+    grads, tower_losses, _ = self._run_replicas(images, labels, tf.constant(0.0))
+    return ([self.strategy.experimental_local_results(g)[0] for g in grads],
+            tower_losses)
+
+  def _step(self, images, labels, vote):
+    """One SGD step on every replica; returns (tower losses [R], vote sum)."""
+    grads, tower_losses, votes = self._run_replicas(images, labels, vote)
+    # Each replica's copy gets that replica's (identical) averaged gradient.
+    self.state.apply_gradients(grads, update=self.strategy.extended.update)
+    return tower_losses, votes
+
+  def _check(self, tower_batches):
+    counts = sorted({self.num_towers, self.num_local_replicas})
+    return step_lib.check_batches(
+        tower_batches, counts, 'N', " with N in %s (all replicas, or this "
+        "worker's)" % counts)
+
+  def train_step(self, tower_batches):
+    """As modern.step.Trainer's: tower losses float32 tensor [R]."""
+    return self._step_fn(*self._check(tower_batches), tf.constant(0.0))[0]
+
+  def compute_gradients(self, tower_batches):
+    """As modern.step.Trainer's."""
+    grads, tower_losses = self._gradients_fn(*self._check(tower_batches))
+    return dict(zip(self.state.variables(), grads)), tower_losses
+
+  def train_step_and_vote(self, tower_batches, stop_requested):
+    """One step that also tells every worker whether any wants to stop.
+
+    A stop request (Ctrl-C, SIGTERM) on one worker rides on the step's
+    all-reduce, so every worker stops after the same step.
+
+    Returns:
+      (tower losses float32 numpy [R], bool: some worker wants to stop).
+    """
+    tower_losses, votes = self._step_fn(
+        *self._check(tower_batches), tf.constant(1.0 if stop_requested else 0.0))
+    return tower_losses.numpy(), float(votes.numpy()) > 0.0
+
+  def _broadcast_from_chief(self):
+    state = self.state
+    values = state.model.variable_list() + list(state.shadow_variables().values())
+
+    def replica_fn():
+      context = tf.distribute.get_replica_context()
+      is_source = tf.equal(context.replica_id_in_sync_group, 0)
+      # Replica 0 (the chief's first) sends its values, all others zeros: the
+      # SUM is the chief's values, exactly. The step goes as float64 (exact
+      # below 2**53) in its own all-reduce: one all-reduce packs one dtype.
+      sums = context.all_reduce(
+          tf.distribute.ReduceOp.SUM,
+          [tf.where(is_source, var.read_value(), tf.zeros_like(var)) for var in values])
+      step = context.all_reduce(
+          tf.distribute.ReduceOp.SUM,
+          tf.where(is_source, tf.cast(state.global_step.read_value(), tf.float64),
+                   tf.constant(0.0, tf.float64)))
+      return sums, tf.cast(step, tf.int64)
+
+    sums, step = self.strategy.run(replica_fn)
+    for var, value in zip(values + [state.global_step], list(sums) + [step]):
+      self.strategy.extended.update(var, lambda v, x: v.assign(x), args=(value,))
+
+  def broadcast_from_chief(self):
+    """Sets every worker's variables, averages and global step to the chief's."""
+    self._broadcast_fn()
+
+  def _barrier(self):
+    def replica_fn():
+      return tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, tf.constant(1.0))
+    return self.strategy.experimental_local_results(self.strategy.run(replica_fn))[0]
+
+  def barrier(self):
+    """Returns when every replica of every worker has called it."""
+    self._barrier_fn()
+
+
+def mirrored_strategy(plan):
+  """MirroredStrategy with one replica on each of the plan's devices.
+
+  The gradients meet on the variables' device (`ReductionToOneDevice`), where
+  the towers average theirs; NCCL would need GPUs.
+  """
+  return tf.distribute.MirroredStrategy(
+      devices=list(plan.tower_devices),
+      cross_device_ops=tf.distribute.ReductionToOneDevice(
+          reduce_to_device=devices.VARIABLE_DEVICE))
+
+
+class Mirrored(Engine):
+  """tf.distribute.MirroredStrategy over the plan's devices."""
+
+  def build(self, decay_steps):
+    return ReplicaTrainer(mirrored_strategy(self.plan), self.plan, decay_steps,
+                          jit=self.config.jit)
+
+
+# What a collective raises when a peer is gone: UnavailableError (the peer's
+# process is dead or unreachable), DeadlineExceededError (the collective
+# timeout), and the aborts that follow either.
+PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+               tf.errors.CancelledError, tf.errors.AbortedError)
+WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
+# The collective timeout is this many peer timeouts: a backstop behind the
+# watchdog, which ends a wait first (see PeerWatchdog).
+COLLECTIVE_TIMEOUT_FACTOR = 2
+# TensorFlow's own start-up follows the rendezvous (modern.cluster), when every
+# peer is up, and takes a second; it gets the start-up's time left, but at
+# least this, before the worker gives up (see `_bounded`).
+STARTUP_BACKSTOP_MIN_SECS = 10
+_RESTART = ('Restart every worker with the same flags: they resume from the '
+            'newest checkpoint in the chief\'s --train_dir.')
+ANOTHER_WORKER = 'a stop request of another worker'
+
+
+def multi_worker_strategy(plan, cluster, collective_timeout):
+  """The stock MultiWorkerMirroredStrategy: a replica per GPU of the plan, else one on the CPU.
+
+  Must be created before any other TensorFlow op runs in this process (it
+  starts the process's gRPC server); returns once every worker has started.
+
+  Args:
+    plan: common.devices.DevicePlan, this worker's devices.
+    cluster: modern.cluster.Cluster.
+    collective_timeout: seconds a collective waits for its peers before it
+      fails with DeadlineExceededError.
+  """
+  options = tf.distribute.experimental.CommunicationOptions(
+      implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+      timeout_seconds=float(collective_timeout))
+  gpus = plan.num_towers if plan.kind == 'gpu' else 0
+  return tf.distribute.MultiWorkerMirroredStrategy(
+      cluster_resolver=cluster.cluster_resolver(num_gpus=gpus),
+      communication_options=options)
+
+
+# Run by a child process while TensorFlow's start-up holds Python's lock: it
+# says why the worker ended if faulthandler's timer (which runs without that
+# lock) writes anything to its stdin, and nothing if its stdin just closes.
+_SAY_WHY = 'import sys\nif sys.stdin.buffer.read(1):\n  sys.stderr.write(sys.argv[1])\n'
+
+
+@contextlib.contextmanager
+def _bounded(seconds, message):
+  """Ends the process with status 1 and `message` on stderr if the block lasts `seconds`.
+
+  For a block that holds Python's lock (no thread or signal handler runs):
+  faulthandler's timer thread is C, and exits the process itself.
+  """
+  reader, writer = os.pipe()
+  # A session of its own: a Ctrl-C (SIGINT to the terminal's process group)
+  # must not end it with a KeyboardInterrupt traceback; it ends when its
+  # stdin closes, however this process ends.
+  child = subprocess.Popen([sys.executable, '-c', _SAY_WHY, message + '\n'],
+                           stdin=reader, stdout=subprocess.DEVNULL,
+                           start_new_session=True)
+  os.close(reader)
+  try:
+    with os.fdopen(writer, 'w') as pipe:
+      faulthandler.dump_traceback_later(seconds, exit=True, file=pipe)
+      try:
+        yield
+      finally:
+        faulthandler.cancel_dump_traceback_later()
+  finally:
+    child.wait()
+
+
+class MultiWorker(Engine):
+  """tf.distribute.MultiWorkerMirroredStrategy, this process one of the workers.
+
+  The chief (task 0, or the 'chief' task of TF_CONFIG) locks train_dir,
+  restores, writes checkpoints and summaries there and prints progress; every
+  other worker locks and writes to `<train_dir>/workertemp_<id>` (TensorFlow's
+  multi-worker convention: all workers save, only the chief's copy is kept),
+  removes it when it ends, and prints only warnings and errors.
+
+  The workers meet in Python before TensorFlow's start-up (`modern.cluster`),
+  because TensorFlow's own wait for them cannot be interrupted. After it,
+  every wait for the peers (the first broadcast, each step, the final
+  barrier) is watched (`PeerWatchdog`).
+  """
+
+  peer_errors = PEER_ERRORS
+
+  def __init__(self, config, plan):
+    super().__init__(config, plan)
+    self.cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
+    self.num_workers = self.cluster.num_workers
+    self.worker_index = self.cluster.worker_index
+    self.is_chief = self.cluster.is_chief
+    self.lock_what = 'multiworker training as %s' % self.cluster.name()
+    if not self.is_chief:
+      self.write_dir = os.path.join(config.train_dir, '%s%d' % (
+          WORKER_TEMP_PREFIX, self.worker_index))
+    self._watchdog = None
+
+  def prepare(self):
+    if not self.is_chief:  # left over only if a run was killed
+      for name in os.listdir(self.write_dir):
+        if name != lock.LOCK_FILE:
+          path = os.path.join(self.write_dir, name)
+          if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+          else:
+            os.remove(path)
+
+  def close(self):
+    if not self.is_chief:  # the chief's copy is the one kept
+      shutil.rmtree(self.write_dir, ignore_errors=True)
+
+  def build(self, decay_steps):
+    strategy = multi_worker_strategy(
+        self.plan, self.cluster,
+        COLLECTIVE_TIMEOUT_FACTOR * self.config.peer_timeout)
+    return ReplicaTrainer(strategy, self.plan, decay_steps, jit=self.config.jit,
+                          worker_index=self.worker_index)
+
+  def start(self, decay_steps, warn):
+    """Meets the other workers, then starts TensorFlow's engine on this one.
+
+    Raises:
+      modern.cluster.StartupError: a host name does not resolve, this worker's
+        port is taken, a peer did not answer within --startup_timeout or was
+        started with another cluster, or TensorFlow's start-up failed.
+    """
+    cluster, config = self.cluster, self.config
+    started = time.monotonic()
+    cluster_lib.check_hosts(cluster)
+    cluster_lib.rendezvous(cluster, cluster_lib.listen(cluster),
+                           config.startup_timeout, warn)
+    seconds = max(STARTUP_BACKSTOP_MIN_SECS,
+                  config.startup_timeout - (time.monotonic() - started))
+    # TensorFlow's start-up has no deadline of its own and installs its own
+    # SIGTERM handler (the preemption notifier, unused here): bound it, and
+    # give SIGTERM back to Python's handler (the StopRequest's) afterwards.
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+      with _bounded(seconds, 'Error: %s: every worker said hello, but '
+                    'TensorFlow\'s start-up did not finish within %d s '
+                    '(--startup_timeout): a worker failed or was stopped while '
+                    'starting (see its output). Start every worker again.'
+                    % (cluster.name(), seconds)):
+        self.trainer = self.build(decay_steps)
+    except tf.errors.OpError as e:
+      text = str(e).strip()
+      if 'Could not start gRPC server' in text:
+        reason = ('TensorFlow could not start its server on port %s: another '
+                  'process took it after this worker found it free. Start this '
+                  'worker again, or give it another port in %s (the same list '
+                  'on every worker).' % (cluster.address.rpartition(':')[2],
+                                         cluster.source))
+      else:
+        reason = ('TensorFlow\'s start-up failed (%s: %s). Start every worker '
+                  'again with the same flags.'
+                  % (type(e).__name__, text.splitlines()[0] if text else ''))
+      raise cluster_lib.StartupError('%s: %s' % (cluster.name(), reason)) from None
+    finally:
+      if sigterm is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)
+
+  def step(self, batches, stop):
+    # A stop request rides on the step's all-reduce: every worker learns of
+    # it and stops after this same step.
+    return self.trainer.train_step_and_vote(batches, stop.requested)
+
+  def stops_here(self, stop, agreed):
+    # Every worker stops after the same step: the one whose vote said so.
+    return agreed
+
+  def dataset(self):
+    # tf.data's autotuning thread can hold up the deletion of the iterator at
+    # the end for tens of seconds (TF 2.21), while the other workers wait at
+    # the final barrier; without it AUTOTUNE means one parallel call per core.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return super().dataset().with_options(options)
+
+  @contextlib.contextmanager
+  def watching(self, stop, save, warn):
+    def save_completed(step, first_step):
+      """The chief saves the last step completed in this run, if any."""
+      if not self.is_chief or step is None or step <= first_step:
+        return None
+      try:
+        # A failed step may have incremented the global step before its
+        # all-reduce failed (the increment does not depend on it).
+        self.trainer.state.global_step.assign(step)
+        return save()
+      except (checkpoints.CheckpointError, lock.LockError, tf.errors.OpError,
+              OSError):  # LockError: train_dir was removed under the run
+        return None
+
+    self._save_completed = save_completed
+    self._watchdog = PeerWatchdog(self.cluster, warn, save_completed, self.close)
+    try:
+      # A stop request while the main thread waits for the peers in C++: the
+      # watchdog ends that wait if it goes on.
+      with stop.while_blocked(self._watchdog.stop_requested):
+        yield
+    finally:
+      self._watchdog.stop()
+
+  def waiting(self, what, step, first=False):
+    config = self.config
+    if first and config.startup_timeout > config.peer_timeout:
+      return self._watchdog.guard(config.startup_timeout, what, step,
+                                  '--startup_timeout')
+    return self._watchdog.guard(config.peer_timeout, what, step, '--peer_timeout')
+
+  def broadcast(self):
+    self.trainer.broadcast_from_chief()
+
+  def barrier(self):
+    self.trainer.barrier()
+
+  def lost_peers(self, error, step, first_step, save, stop, warn):
+    """After a wait for the peers failed in this thread: saves what it can, says so.
+
+    Returns:
+      int, the global step, when a stop request (signal) of this worker ended
+      the wait: the run stopped.
+
+    Raises:
+      common.training.TrainingError: the peers were lost.
+    """
+    saved = self._save_completed(step, first_step)
+    step = step if step is not None else int(self.trainer.state.global_step.numpy())
+    name = self.cluster.name()
+    if stop.requested:
+      warn('%s: stopped by %s at global step %d while waiting for the other '
+           'workers; %s' % (name, stop.signal_name, step, _saved(saved).lower()))
+      return step
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(error).__name__
+    for i, line in enumerate(lines):
+      if any(word in line for word in ('aborted by', 'unhealthy', 'Deadline', 'onnect')):
+        reason = line
+        if line.endswith(':') and i + 1 < len(lines):  # the unhealthy tasks follow
+          reason += ' ' + lines[i + 1]
+        break
+    raise training.TrainingError(
+        '%s lost its peers at global step %d (%s: %s). %s %s'
+        % (name, step, type(error).__name__, reason, _saved(saved), _RESTART)) from error
+
+  def report_stop(self, stopped_by, step, path, out, warn):
+    name = self.cluster.name()
+    if not self.is_chief:
+      # Its own copy is removed at the end: the chief's is the one kept.
+      path = os.path.join(self.config.train_dir, os.path.basename(path))
+    if stopped_by == ANOTHER_WORKER:
+      # Not a signal of this process, so not its exit status: the run did not
+      # end, and every worker must be started again.
+      raise training.TrainingError(
+          '%s stopped at global step %d because another worker was stopped '
+          '(SIGINT or SIGTERM); %s saved %s. %s'
+          % (name, step, 'it' if self.is_chief else 'the chief', path, _RESTART))
+    if self.is_chief:
+      out(training.stopped_line(stopped_by, step, path))
+    else:
+      warn('%s: stopped by %s at global step %d; the chief saved %s.'
+           % (name, stopped_by, step, path))
+
+
+def _saved(saved):
+  return ('Saved %s.' % saved) if saved else 'This worker saved no checkpoint.'
+
+
+class PeerWatchdog:
+  """Ends a wait for the peers that lasts too long, or that a stop cuts short.
+
+  The guarded blocks are the waits for the peers (the first broadcast, each
+  step, the final barrier), where the main thread waits in C++ with Python's
+  lock released. A thread watches them: past a block's deadline (the peer
+  timeout), or STOP_GRACE_SECS into a block after a stop request (SIGINT,
+  SIGTERM: `stop_requested`, the StopRequest's `while_blocked` callback), it
+  saves the last step completed (`save_completed`: the update of a step
+  waits for its all-reduce, so the variables hold that step's values), says
+  so, runs `cleanup` and ends the process: status 1, or 128 + the signal's
+  number (os._exit: the main thread is stuck in C++, and TensorFlow offers no
+  public way to abort a collective that waits).
+
+  TensorFlow's collective timeout ends such a wait too, later, but TF 2.21 on
+  CPU sometimes crashes (SIGABRT, SIGSEGV) when it fires, which leaves the
+  user without a message.
+  """
+
+  POLL_SECS = 0.25
+  STOP_GRACE_SECS = 2.0  # a step or barrier still waiting this long after a stop is hung
+  STOP_LIMIT_SECS = 6.0  # after a stop, no wait goes on past this
+
+  def __init__(self, cluster, warn, save_completed, cleanup, exit=os._exit):  # pylint: disable=redefined-builtin,protected-access
+    self._cluster = cluster
+    self._warn = warn
+    self._save_completed = save_completed
+    self._cleanup = cleanup
+    self._exit = exit
+    self._lock = threading.Lock()
+    self._block = None  # (start, deadline, what, step, flag) of the guarded wait
+    self._stop = None  # (time, signal name) of the first stop request
+    self._first_step = None
+    self._stopped = threading.Event()
+    self._thread = threading.Thread(target=self._watch, name='peer-watchdog',
+                                    daemon=True)
+    self._thread.start()
+
+  @contextlib.contextmanager
+  def guard(self, seconds, what, step, flag):
+    """The block waits for the peers at most `seconds` (the value of `flag`)."""
+    now = time.monotonic()
+    with self._lock:
+      if self._first_step is None:
+        self._first_step = step
+      self._block = (now, now + seconds, what, step, flag)
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._block = None
+
+  def stop_requested(self, signal_name):
+    """A stop request came (SIGINT, SIGTERM): waits for the peers end soon."""
+    with self._lock:
+      if self._stop is None:
+        self._stop = (time.monotonic(), signal_name)
+
+  def stop(self):
+    self._stopped.set()
+    self._thread.join()
+
+  def _expired(self, now):
+    """(what to say given the saved path, exit status) if the current wait must end."""
+    if self._block is None:
+      return None
+    start, deadline, what, step, flag = self._block
+    name = self._cluster.name()
+    if self._stop is not None:
+      since, signal_name = self._stop
+      if now > min(max(start, since) + self.STOP_GRACE_SECS,
+                   since + self.STOP_LIMIT_SECS):
+        return (lambda saved: '%s: stopped by %s at global step %d, ending %s '
+                'after %d s of waiting for the other workers; %s %s'
+                % (name, signal_name, step, what, now - max(start, since),
+                   ('saved %s.' % saved) if saved else 'this worker saved no '
+                   'checkpoint: the newest in --train_dir is kept.', _RESTART),
+                step, training.exit_status(signal_name))
+    if now > deadline:
+      return (lambda saved: 'Error: %s lost its peers in %s after global step '
+              '%d: no answer within %d s (%s); a worker stopped, hung or is '
+              'unreachable. %s %s' % (name, what, step, round(deadline - start),
+                                      flag, _saved(saved), _RESTART),
+              step, 1)
+    return None
+
+  def _watch(self):
+    while not self._stopped.wait(self.POLL_SECS):
+      with self._lock:
+        expired = self._expired(time.monotonic())
+        first_step = self._first_step
+      if expired is not None:
+        message, step, status = expired
+        # The exit must come whatever fails on the way: the main thread is stuck.
+        try:
+          try:
+            saved = self._save_completed(step, first_step)
+          except Exception:  # pylint: disable=broad-except
+            saved = None
+          self._warn(message(saved))
+          sys.stdout.flush()
+          sys.stderr.flush()
+          self._cleanup()
+        finally:
+          self._exit(status)
+        return
+
+
+ENGINES = {'towers': Towers, 'mirrored': Mirrored, 'multiworker': MultiWorker}
+
+
+def make(config, plan):
+  """The engine of config.strategy (nothing started: see Engine.start)."""
+  return ENGINES[config.strategy](config, plan)

@@ -1,0 +1,90 @@
+"""modern.train has one training loop, and every engine runs through it.
+
+`modern.train._train_loop` is wrapped to record the engine it is given; each
+of towers, mirrored and multiworker (a one-worker cluster, in its own
+process: MultiWorkerMirroredStrategy must start before any other op) then
+trains 4 steps through `python cli.py modern`'s code and saves model.ckpt-4.
+"""
+
+import os
+import subprocess
+import sys
+
+import tensorflow as tf
+
+import faults_support as fs
+from common import config as config_lib
+from common import devices
+from modern import engines
+from modern import train
+
+# Runs the CLI with modern.train._train_loop wrapped to print its engine's class.
+_SPY = '''
+import sys
+sys.path.insert(0, %(root)r)
+from modern import train
+loop = train._train_loop
+def spy(config, engine, *args, **kwargs):
+  print('ENGINE', type(engine).__name__, flush=True)
+  return loop(config, engine, *args, **kwargs)
+train._train_loop = spy
+import cli
+sys.argv = ['cli.py'] + sys.argv[1:]
+cli.main()
+'''
+
+
+def _spied(monkeypatch):
+  seen = []
+  loop = train._train_loop  # pylint: disable=protected-access
+
+  def spy(config, engine, *args, **kwargs):
+    seen.append(type(engine).__name__)
+    return loop(config, engine, *args, **kwargs)
+
+  monkeypatch.setattr(train, '_train_loop', spy)
+  return seen
+
+
+def _settings(synth_data_dir, train_dir):
+  return dict(data_dir=synth_data_dir, train_dir=str(train_dir), batch_size=8,
+              max_steps=4, log_every=2, summary_every=2, save_every=100, seed=3)
+
+
+def test_towers_and_mirrored_run_through_the_one_loop(synth_data_dir, tmp_path,
+                                                      monkeypatch):
+  seen = _spied(monkeypatch)
+  plan = devices.DevicePlan(('/device:CPU:0', '/device:CPU:1'), 'cpu', 4)
+  for strategy in ('towers', 'mirrored'):
+    train_dir = tmp_path / strategy
+    config = config_lib.TrainConfig(num_gpus=2, strategy=strategy,
+                                    **_settings(synth_data_dir, train_dir))
+    lines = []
+    assert train.train(config, plan, out=lines.append, warn=lines.append) == 4
+    assert sum(': step ' in line for line in lines) == 2, lines
+    assert tf.train.latest_checkpoint(str(train_dir)) == str(train_dir / 'model.ckpt-4')
+  assert seen == ['Towers', 'Mirrored']
+  assert engines.ENGINES == {'towers': engines.Towers, 'mirrored': engines.Mirrored,
+                             'multiworker': engines.MultiWorker}
+
+
+def test_multiworker_runs_through_the_one_loop(synth_data_dir, tmp_path):
+  train_dir = tmp_path / 'multiworker'
+  port = fs.free_ports(1)[0]
+  settings = _settings(synth_data_dir, train_dir)
+  args = ['modern', '--strategy', 'multiworker', '--worker_hosts',
+          '127.0.0.1:%d' % port]
+  for key in ('data_dir', 'train_dir', 'batch_size', 'max_steps', 'log_every',
+              'summary_every', 'save_every', 'seed'):
+    args += ['--' + key, str(settings[key])]
+  env = fs.cli_env()
+  env.pop('TF_CONFIG', None)
+  result = subprocess.run([sys.executable, '-c', _SPY % {'root': fs.ROOT}] + args,
+                          cwd=fs.ROOT, env=env, capture_output=True, text=True,
+                          timeout=180, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.splitlines()
+  assert [l for l in lines if l.startswith('ENGINE')] == ['ENGINE MultiWorker']
+  assert sum(': step ' in line for line in lines) == 2, result.stdout
+  assert tf.train.latest_checkpoint(str(train_dir)) == os.path.join(
+      str(train_dir), 'model.ckpt-4')
