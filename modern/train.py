@@ -226,6 +226,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
       engine.barrier()
   except engine.peer_errors as e:
     return engine.lost_peers(e, step, first_step, save, stop, warn)
+  if not stopped_by and engine.stops_here(stop, None):
+    stopped_by = stop.signal_name  # the stop came during the last save
   if stopped_by:
     engine.report_stop(stopped_by, step, path, out, warn)
   return step

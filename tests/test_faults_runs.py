@@ -184,7 +184,7 @@ _SUMMARIES = {
                'SummaryToEventTransformer.add_summary'),
     'modern': 'modern.train:_write_summaries'}
 _GRAPH = {'legacy': 'legacy.train:build_train_graph',
-          'modern': 'modern.train:Trainer.__init__'}
+          'modern': 'modern.step:Trainer.__init__'}
 _RESTORE = {'legacy': 'legacy.train:_restore_or_initialize',
             'modern': 'modern.checkpoints:restore_latest'}
 # Legacy's first step waits in C++ while the shuffle queue fills: with this
@@ -226,7 +226,7 @@ def _phases(impl):
     ]
   else:
     # Tracing and compiling the step: seconds, tens on a busy machine.
-    first_step = fs.hook('modern.train:Trainer.train_step', say='HOOK first step')
+    first_step = fs.hook('modern.step:Trainer.train_step', say='HOOK first step')
     rows += [
         Phase('first_step', impl, term, [first_step], 'HOOK first step', (),
               False, None),
