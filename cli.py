@@ -20,6 +20,8 @@ if os.environ['TF_CPP_MIN_LOG_LEVEL'] != '0':
 from common import config as config_lib  # pylint: disable=wrong-import-position
 from common import devices  # pylint: disable=wrong-import-position
 from common import hparams  # pylint: disable=wrong-import-position
+from common import prog  # pylint: disable=wrong-import-position
+from common import version  # pylint: disable=wrong-import-position
 
 MAX_TOWERS = devices.MAX_TOWERS
 
@@ -98,14 +100,14 @@ def _ensure_train_data(data_dir):
   if extra:
     raise fmt.DataError(
         '%s is not a CIFAR-10 data file, and training would silently ignore it '
-        '(%d unexpected .bin file(s)). Move it out of %s; `python cli.py data '
-        'check` lists every problem.' % (extra[0], len(extra),
-                                         fmt.batches_dir(data_dir)))
+        '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
+        'problem.' % (extra[0], len(extra), fmt.batches_dir(data_dir),
+                      prog.command('data check')))
   # Fail before building a graph on sizes and label bytes; say which files
   # cannot be real data (all one image, one label, copies), and go on.
   for line in fmt.judge_files(paths):
-    _warn('Warning: %s. Training goes on; `python cli.py data check --data_dir '
-          '%s` lists every problem.' % (line, data_dir))
+    _warn('Warning: %s. Training goes on; `%s` lists every problem.'
+          % (line, prog.command('data check --data_dir %s' % data_dir)))
   return fmt.num_examples(paths)
 
 
@@ -229,6 +231,7 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
 
 
 @click.group(context_settings={'help_option_names': ['-h', '--help']})
+@click.version_option(version.__version__, prog_name=prog.CONSOLE_SCRIPT)
 def cli():
   """Train, evaluate and cross-check the TensorFlow CIFAR-10 multi-GPU trainers.
 
@@ -302,8 +305,9 @@ def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
       raise click.UsageError('--%s is for --strategy multiworker.' % given[0])
     return
   if run_crosscheck:
-    raise click.UsageError('--crosscheck runs in one process; run `python cli.py '
-                           'crosscheck` before a --strategy multiworker run.')
+    raise click.UsageError('--crosscheck runs in one process; run `%s` before '
+                           'a --strategy multiworker run.'
+                           % prog.command('crosscheck'))
   if worker_hosts and task_index >= len(worker_hosts):
     raise click.BadParameter('%d is not an index of the %d --worker_hosts (0..%d).'
                              % (task_index, len(worker_hosts), len(worker_hosts) - 1),
@@ -543,7 +547,8 @@ def convert(from_dir, to_dir):
       raise click.ClickException(_first_line(e)) from None
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
              'checkpoint: %s' % (from_kind, from_dir, step, to_kind, path))
-  click.echo('Continue with `python cli.py %s --train_dir %s`.' % (to_kind, to_dir))
+  click.echo('Continue with `%s`.' % prog.command('%s --train_dir %s'
+                                                   % (to_kind, to_dir)))
 
 
 def _comma_list(convert, allowed=None, bound=None):
@@ -687,8 +692,9 @@ def check(data_dir):
     for problem in problems:
       _warn(problem)
     raise click.ClickException(
-        '%d problem(s) in %s. Re-download (`python cli.py data download`) or '
-        'regenerate (`python cli.py data synth --force`).' % (len(problems), data_dir))
+        '%d problem(s) in %s. Re-download (`%s`) or regenerate (`%s`).'
+        % (len(problems), data_dir, prog.command('data download'),
+           prog.command('data synth --force')))
   click.echo('%s: all %d files are valid.' % (data_dir, len(counts)))
 
 

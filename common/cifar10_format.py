@@ -29,6 +29,7 @@ import socket
 import numpy as np
 
 from common import hparams
+from common import prog
 
 BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
 TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))
@@ -256,16 +257,17 @@ def _files(data_dir, names, what):
   paths = [os.path.join(d, n) for n in names]
   for path in paths:
     if os.path.exists(path) and not os.path.isfile(path):
-      raise DataError('%s is %s, not a data file. Move it away; `python cli.py '
-                      'data check --data_dir %s` lists every problem.'
-                      % (path, _not_a_file(path), data_dir))
+      raise DataError('%s is %s, not a data file. Move it away; `%s` lists '
+                      'every problem.' % (path, _not_a_file(path), prog.command(
+                          'data check --data_dir %s' % data_dir)))
   missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
     raise DataError(
-        'missing %s data file %s (%d of %d missing). Run `python cli.py data '
-        'download --data_dir %s` for CIFAR-10, or `python cli.py data synth '
-        '--data_dir %s` for generated data.'
-        % (what, missing[0], len(missing), len(paths), data_dir, data_dir))
+        'missing %s data file %s (%d of %d missing). Run `%s` for CIFAR-10, or '
+        '`%s` for generated data.'
+        % (what, missing[0], len(missing), len(paths),
+           prog.command('data download --data_dir %s' % data_dir),
+           prog.command('data synth --data_dir %s' % data_dir)))
   return paths
 
 
@@ -291,8 +293,8 @@ def num_examples(paths):
     if size == 0 or size % RECORD_BYTES:
       raise DataError(
           '%s: size %d bytes is not a positive multiple of the %d-byte record. '
-          'Re-download or regenerate the data (`python cli.py data check` lists '
-          'every problem).' % (path, size, RECORD_BYTES))
+          'Re-download or regenerate the data (`%s` lists every problem).'
+          % (path, size, RECORD_BYTES, prog.command('data check')))
     total += size // RECORD_BYTES
   return total
 

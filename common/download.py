@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 
 from common import cifar10_format as fmt
+from common import prog
 
 DATA_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz'
 ARCHIVE_NAME = 'cifar-10-binary.tar.gz'  # also the name of a local copy in data_dir
@@ -66,10 +67,10 @@ def sha256_of(path):
 
 
 def _offline_advice(data_dir):
-  return ('Without network access, run `python cli.py data synth --data_dir %s` '
-          'for generated data, or copy %s (%d bytes, SHA-256 %s) to %s and run '
-          'this again.' % (data_dir, ARCHIVE_NAME, ARCHIVE_BYTES, ARCHIVE_SHA256,
-                           archive_path(data_dir)))
+  return ('Without network access, run `%s` for generated data, or copy %s '
+          '(%d bytes, SHA-256 %s) to %s and run this again.'
+          % (prog.command('data synth --data_dir %s' % data_dir), ARCHIVE_NAME,
+             ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir)))
 
 
 def _fetch(url, data_dir, progress, timeout):
