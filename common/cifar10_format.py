@@ -35,6 +35,8 @@ BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
 TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))
 EVAL_FILES = ('test_batch.bin',)
 META_FILE = 'batches.meta.txt'
+# Written with a generated data set (common.generated); never in CIFAR-10's.
+GENERATED_FILE = 'GENERATED.json'
 CLASS_NAMES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog',
                'horse', 'ship', 'truck')
 
@@ -453,7 +455,9 @@ def _swap_in(stage, target):
     return
   for name in os.listdir(target):
     src, dst = os.path.join(target, name), os.path.join(stage, name)
-    if os.path.lexists(dst):
+    # The old set's marker describes the old set: a new generated set brings
+    # its own, and a set written without one must not inherit it.
+    if os.path.lexists(dst) or name == GENERATED_FILE:
       continue
     if os.path.isdir(src) and not os.path.islink(src):
       shutil.copytree(src, dst, symlinks=True)
