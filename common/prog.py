@@ -9,6 +9,7 @@ No TensorFlow here.
 """
 
 import os
+import shlex
 import sys
 
 CONSOLE_SCRIPT = 'cifar10-towers'  # setup.py: entry_points console_scripts
@@ -31,3 +32,22 @@ def name(argv0=None):
 def command(args):
   """`args` (a str such as 'data check --data_dir D') as the user would run it."""
   return '%s %s' % (name(), args)
+
+
+def converted_dir(train_dir, to_kind):
+  """Where a hint suggests converting train_dir to: `<train_dir>_<to_kind>`."""
+  return '%s_%s' % (os.path.normpath(train_dir), to_kind)
+
+
+def convert_command(train_dir, to_kind):
+  """The exact `convert` command that turns train_dir into a `to_kind` one.
+
+  For the trainers' errors on the other trainer's checkpoint: a command the
+  user can copy as it is, into `converted_dir(train_dir, to_kind)`.
+
+  Args:
+    train_dir: str, the train_dir holding the other trainer's checkpoint.
+    to_kind: 'legacy' or 'modern', the trainer that refused it.
+  """
+  return command('convert --from_dir %s --to_dir %s' % (
+      shlex.quote(train_dir), shlex.quote(converted_dir(train_dir, to_kind))))

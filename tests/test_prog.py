@@ -40,6 +40,19 @@ def test_name_from_argv0():
   assert prog.command('data check') == 'python cli.py data check'  # under pytest
 
 
+def test_convert_command_is_exact_and_runs_as_the_cli_parses_it():
+  assert prog.convert_command('/tmp/cifar10_train/', 'modern') == (
+      'python cli.py convert --from_dir /tmp/cifar10_train/ --to_dir '
+      '/tmp/cifar10_train_modern')
+  assert prog.convert_command('my runs', 'legacy') == (
+      "python cli.py convert --from_dir 'my runs' --to_dir 'my runs_legacy'")
+  # Every flag it names is one `convert` has.
+  import cli  # pylint: disable=import-outside-toplevel
+  flags = {opt for p in cli.convert.params for opt in p.opts}
+  words = prog.convert_command('/a', 'modern').split()
+  assert {w for w in words if w.startswith('--')} <= flags
+
+
 def test_version_is_setup_pys():
   result = _run([sys.executable, 'setup.py', '--version'], fs.ROOT)
   assert result.returncode == 0, result.stderr
