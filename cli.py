@@ -20,6 +20,8 @@ if os.environ['TF_CPP_MIN_LOG_LEVEL'] != '0':
 from common import config as config_lib  # pylint: disable=wrong-import-position
 from common import devices  # pylint: disable=wrong-import-position
 from common import hparams  # pylint: disable=wrong-import-position
+from common import prog  # pylint: disable=wrong-import-position
+from common import version  # pylint: disable=wrong-import-position
 
 MAX_TOWERS = devices.MAX_TOWERS
 
@@ -98,14 +100,14 @@ def _ensure_train_data(data_dir):
   if extra:
     raise fmt.DataError(
         '%s is not a CIFAR-10 data file, and training would silently ignore it '
-        '(%d unexpected .bin file(s)). Move it out of %s; `python cli.py data '
-        'check` lists every problem.' % (extra[0], len(extra),
-                                         fmt.batches_dir(data_dir)))
+        '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
+        'problem.' % (extra[0], len(extra), fmt.batches_dir(data_dir),
+                      prog.command('data check')))
   # Fail before building a graph on sizes and label bytes; say which files
   # cannot be real data (all one image, one label, copies), and go on.
   for line in fmt.judge_files(paths):
-    _warn('Warning: %s. Training goes on; `python cli.py data check --data_dir '
-          '%s` lists every problem.' % (line, data_dir))
+    _warn('Warning: %s. Training goes on; `%s` lists every problem.'
+          % (line, prog.command('data check --data_dir %s' % data_dir)))
   return fmt.num_examples(paths)
 
 
@@ -267,6 +269,7 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
           _check_multiworker_gpus(num_gpus)
         with _user_errors():
           _ensure_train_data(data_dir)
+          _say_if_generated(data_dir, 'Training')
           plan = devices.plan_devices(num_gpus, warn=_warn)
           from common import memory  # refuse what cannot fit, before building
           memory.check_training(impl, plan, batch_size, data_dir)
@@ -301,6 +304,7 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
 
 
 @click.group(context_settings={'help_option_names': ['-h', '--help']})
+@click.version_option(version.__version__, prog_name=prog.CONSOLE_SCRIPT)
 def cli():
   """Train, evaluate and cross-check the TensorFlow CIFAR-10 multi-GPU trainers.
 
@@ -375,8 +379,9 @@ def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
       raise click.UsageError('--%s is for --strategy multiworker.' % given[0])
     return
   if run_crosscheck:
-    raise click.UsageError('--crosscheck runs in one process; run `python cli.py '
-                           'crosscheck` before a --strategy multiworker run.')
+    raise click.UsageError('--crosscheck runs in one process; run `%s` before '
+                           'a --strategy multiworker run.'
+                           % prog.command('crosscheck'))
   if worker_hosts and task_index >= len(worker_hosts):
     raise click.BadParameter('%d is not an index of the %d --worker_hosts (0..%d).'
                              % (task_index, len(worker_hosts), len(worker_hosts) - 1),
@@ -466,6 +471,7 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
     paths = fmt.eval_files(data_dir)
     for line in fmt.judge_files(paths):  # reads and validates every record
       _warn('Warning: %s; a precision measured on it means nothing.' % line)
+    _say_if_generated(data_dir, 'Evaluating')
     available = fmt.num_examples(paths)
     if num_examples is not None and num_examples > available:
       _warn('--num_examples %d is more than the %d records of the test set in '
@@ -625,9 +631,8 @@ def convert(from_dir, to_dir):
              'checkpoint (optimizer %s, its slots included): %s'
              % (from_kind, from_dir, step, to_kind, optimizer, path))
   # A resume with another --optimizer is refused: say which one it needs.
-  click.echo('Continue with `python cli.py %s --train_dir %s%s`.'
-             % (to_kind, to_dir, '' if optimizer == 'sgd'
-                else ' --optimizer %s' % optimizer))
+  click.echo('Continue with `%s`.' % prog.command('%s --train_dir %s%s' % (
+      to_kind, to_dir, '' if optimizer == 'sgd' else ' --optimizer %s' % optimizer)))
 
 
 def _comma_list(convert, allowed=None, bound=None):
@@ -726,6 +731,58 @@ _data_dir_option = click.option(
     help='Directory that holds (or will hold) cifar-10-batches-bin/.')
 
 
+_force_option = click.option(
+    '--force', is_flag=True,
+    help='Also replace data this command did not write: CIFAR-10, your own, '
+         'or the other generator\'s.')
+
+
+def _replacing(data_dir, generator, force):
+  """What `data <generator>` would replace in data_dir; refuses with exit 1.
+
+  `data synth` and `data digits` treat what is there alike: each replaces its
+  own kind of generated data, and anything else - data without a marker
+  (CIFAR-10, a 170 MB download, or the user's own) or the other generator's
+  data - only with --force.
+
+  Returns:
+    str: '' when there is no data, else ', replacing ...' for the report line.
+  """
+  from common import generated
+  marker = generated.read(data_dir)
+  if marker is None:
+    if not generated.holds_data(data_dir):
+      return ''
+    what = 'data not marked as generated (CIFAR-10, or your own)'
+  elif marker['generator'] == generator:
+    return ', replacing the %s there' % generated.describe(marker)
+  else:
+    what = generated.describe(marker)
+  if not force:
+    raise click.ClickException(
+        '%s holds %s; left it as it is. Pass --force to replace it with '
+        'generated data (%s), or pass another --data_dir.'
+        % (data_dir, what, generator))
+  return ', replacing the %s there (--force)' % what
+
+
+def _say_written(counts, generator, data_dir, replacing):
+  click.echo('Wrote %d training and %d test records of generated data (%s) to '
+             '%s%s.' % (sum(v for k, v in counts.items()
+                            if k.startswith('data_batch')),
+                        counts.get('test_batch.bin', 0), generator, data_dir,
+                        replacing))
+
+
+def _say_if_generated(data_dir, doing):
+  """One line on stderr when data_dir holds generated data, not CIFAR-10."""
+  from common import generated
+  marker = generated.read(data_dir)
+  if marker is not None:
+    _warn('%s on %s in %s, not on CIFAR-10.'
+          % (doing, generated.describe(marker), data_dir))
+
+
 @data.command()
 @_data_dir_option
 @click.option('--train_per_file', type=click.IntRange(min=1), default=1000,
@@ -733,21 +790,15 @@ _data_dir_option = click.option(
 @click.option('--num_test', type=click.IntRange(min=1), default=1000,
               show_default=True, help='Records in test_batch.bin.')
 @click.option('--seed', type=int, default=0, show_default=True)
-@click.option('--force', is_flag=True, help='Overwrite data that is already there.')
+@_force_option
 def synth(data_dir, train_per_file, num_test, seed, force):
   """Generate learnable CIFAR-format data (works offline)."""
-  from common import download
-  if download.is_present(data_dir) and not force:
-    _warn('%s already holds data; left it as it is (pass --force to overwrite '
-          'it with generated data).' % data_dir)
-    return
+  replacing = _replacing(data_dir, 'synth', force)
   with _user_errors():
     from common import synth as synth_lib
     counts = synth_lib.generate(data_dir, train_per_file=train_per_file,
                                 num_test=num_test, seed=seed)
-  click.echo('Wrote %d training and %d test records of generated data to %s.'
-             % (sum(v for k, v in counts.items() if k.startswith('data_batch')),
-                counts.get('test_batch.bin', 0), data_dir))
+  _say_written(counts, 'synth', data_dir, replacing)
 
 
 @data.command()
@@ -764,36 +815,46 @@ def download(data_dir):
 def check(data_dir):
   """Validate every data file and report all problems at once."""
   from common import cifar10_format as fmt
+  from common import generated
   problems, counts = fmt.check_data_dir(data_dir)
+  marker = generated.read(data_dir)
   for name, count in counts.items():
     click.echo('%s: %d records, ok' % (name, count))
   if problems:
     for problem in problems:
       _warn(problem)
+    if marker is not None:
+      again = generated.command(marker)
+      raise click.ClickException(
+          '%d problem(s) in %s (%s). Regenerate it (`%s`).'
+          % (len(problems), data_dir, generated.describe(marker),
+             again or prog.command('data %s --data_dir %s'
+                                   % (marker['generator'], data_dir))))
     raise click.ClickException(
-        '%d problem(s) in %s. Re-download (`python cli.py data download`) or '
-        'regenerate (`python cli.py data synth --force`).' % (len(problems), data_dir))
-  click.echo('%s: all %d files are valid.' % (data_dir, len(counts)))
+        '%d problem(s) in %s. Re-download (`%s`) or regenerate (`%s`).'
+        % (len(problems), data_dir, prog.command('data download'),
+           prog.command('data synth --force')))
+  if marker is not None:
+    click.echo('%s: all %d files are valid %s, not CIFAR-10.'
+               % (data_dir, len(counts), generated.describe(marker)))
+  else:
+    click.echo('%s: all %d files are valid.' % (data_dir, len(counts)))
 
 
 @data.command()
 @_data_dir_option
 @click.option('--seed', type=int, default=0, show_default=True)
-def digits(data_dir, seed):
+@_force_option
+def digits(data_dir, seed, force):
   """Convert scikit-learn's bundled handwritten digits (a real image set) to CIFAR format."""
-  from common import download
-  if download.is_present(data_dir):
-    raise click.ClickException('%s already holds data; choose another --data_dir.'
-                               % data_dir)
+  replacing = _replacing(data_dir, 'digits', force)
   from common import digits as digits_lib
   with _user_errors():
     try:
       counts = digits_lib.convert_digits(data_dir, seed=seed)
     except ImportError as e:
       raise click.ClickException(_first_line(e)) from None
-  click.echo('Wrote %d training and %d test records of digits to %s.'
-             % (sum(v for k, v in counts.items() if k.startswith('data_batch')),
-                counts.get('test_batch.bin', 0), data_dir))
+  _say_written(counts, 'digits', data_dir, replacing)
 
 
 # Set when a signal stopped training. By then the checkpoint is written, the
