@@ -183,7 +183,7 @@ def convert(from_dir, to_dir, warn=None):
   """
   contents = checkpoints.for_conversion(from_dir, warn)
   if contents is None:
-    raise ConvertError('no checkpoint in %s; pass the --train_dir you trained into.'
+    raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
                        % from_dir)
   if os.path.isfile(to_dir):
     raise ConvertError('%s is a file; pass a new directory as --to_dir.' % to_dir)

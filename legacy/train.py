@@ -23,6 +23,7 @@ from common import hparams
 from common import lock
 from common import lrn as lrn_lib
 from common import optimizer as optimizer_lib
+from common import prog
 from common import training
 from legacy import inputs
 from legacy import model
@@ -387,9 +388,10 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,
     # which fails in the finalized graph; say what it is instead.
     raise training.TrainingError(
         '%s is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer '
-        'cannot resume from it. Use another --train_dir, or convert it: '
-        '`python cli.py convert --from_dir %s --to_dir NEW_DIR`.'
-        % (checkpoint, train_dir))
+        'cannot resume from it. Convert it (`%s`) and train with --train_dir '
+        '%s, or use another --train_dir.'
+        % (checkpoint, prog.convert_command(train_dir, 'legacy'),
+           prog.converted_dir(train_dir, 'legacy')))
   # Before check_fits: an SGD checkpoint lacks Adam's slots, which is not
   # "another model" but another optimizer; an Adam checkpoint resumed with
   # SGD would lose its slots silently.

@@ -35,6 +35,7 @@ from common import config as config_lib
 from common import lock
 from common import model_spec
 from common import optimizer as optimizer_lib
+from common import prog
 from common import training
 
 MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
@@ -132,10 +133,11 @@ def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimize
             if step is not None and step.dtype.kind == 'f'
             else 'a legacy (tf.compat.v1 Saver) checkpoint')
     raise training.TrainingError(
-        '%s is %s; the modern trainer resumes only its own checkpoints. Use '
-        'another --train_dir, or convert this one (`python cli.py convert '
-        '--from_dir %s --to_dir NEW_DIR`) and train NEW_DIR, or train it with '
-        'the legacy trainer.' % (resume_from, what, train_dir))
+        '%s is %s; the modern trainer resumes only its own checkpoints. '
+        'Convert it (`%s`) and train with --train_dir %s, or use another '
+        '--train_dir, or train this one with the legacy trainer.'
+        % (resume_from, what, prog.convert_command(train_dir, 'modern'),
+           prog.converted_dir(train_dir, 'modern')))
   # Before check_fits and restore: an SGD checkpoint lacks Adam's slots
   # (another optimizer, not another model), and an Adam checkpoint restored
   # into an SGD run would lose its slots silently.
