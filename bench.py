@@ -455,7 +455,7 @@ def worker_main(argv):
   """`python bench.py --contend SPEC` (paced) or `--worker SPEC` (one shot)."""
   if len(argv) != 2 or argv[0] not in ('--contend', '--worker'):
     print('usage: python bench.py --contend|--worker SPEC_JSON (internal; use '
-          '`python cli.py bench`)', file=sys.stderr)
+          '`cifar10-towers bench` or `python cli.py bench`)', file=sys.stderr)
     return 2
   spec = json.loads(argv[1])
   try:

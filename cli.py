@@ -20,6 +20,8 @@ if os.environ['TF_CPP_MIN_LOG_LEVEL'] != '0':
 from common import config as config_lib  # pylint: disable=wrong-import-position
 from common import devices  # pylint: disable=wrong-import-position
 from common import hparams  # pylint: disable=wrong-import-position
+from common import prog  # pylint: disable=wrong-import-position
+from common import version  # pylint: disable=wrong-import-position
 
 MAX_TOWERS = devices.MAX_TOWERS
 
@@ -98,14 +100,14 @@ def _ensure_train_data(data_dir):
   if extra:
     raise fmt.DataError(
         '%s is not a CIFAR-10 data file, and training would silently ignore it '
-        '(%d unexpected .bin file(s)). Move it out of %s; `python cli.py data '
-        'check` lists every problem.' % (extra[0], len(extra),
-                                         fmt.batches_dir(data_dir)))
+        '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
+        'problem.' % (extra[0], len(extra), fmt.batches_dir(data_dir),
+                      prog.command('data check')))
   # Fail before building a graph on sizes and label bytes; say which files
   # cannot be real data (all one image, one label, copies), and go on.
   for line in fmt.judge_files(paths):
-    _warn('Warning: %s. Training goes on; `python cli.py data check --data_dir '
-          '%s` lists every problem.' % (line, data_dir))
+    _warn('Warning: %s. Training goes on; `%s` lists every problem.'
+          % (line, prog.command('data check --data_dir %s' % data_dir)))
   return fmt.num_examples(paths)
 
 
@@ -179,9 +181,80 @@ def _train_options(f):
   return f
 
 
+def _optimizer_options(f):
+  """The update rule, shared by `legacy`, `modern` and `crosscheck` (common.optimizer)."""
+  from common import optimizer as optimizer_lib
+  defaults = optimizer_lib.Optimizer()
+  options = [
+      click.option('--optimizer', type=click.Choice(optimizer_lib.NAMES),
+                   default=defaults.name, show_default=True,
+                   help='sgd: upstream\'s plain gradient descent; momentum and '
+                        'adam: TF1\'s MomentumOptimizer and AdamOptimizer (both '
+                        'trainers compute the same update). The learning rate '
+                        'follows upstream\'s staircase decay in all three.'),
+      click.option('--learning_rate', type=click.FloatRange(min=0.0, min_open=True),
+                   default=defaults.learning_rate, show_default=True,
+                   help='Initial learning rate (upstream\'s 0.1; Adam wants '
+                        'about 0.001).'),
+      click.option('--momentum', type=click.FloatRange(min=0.0),
+                   default=defaults.momentum, show_default=True,
+                   help='--optimizer momentum: accum = momentum * accum + grad.'),
+      click.option('--adam_beta1', type=click.FloatRange(0.0, 1.0, max_open=True),
+                   default=defaults.adam_beta1, show_default=True,
+                   help='--optimizer adam: decay of the first moment.'),
+      click.option('--adam_beta2', type=click.FloatRange(0.0, 1.0, max_open=True),
+                   default=defaults.adam_beta2, show_default=True,
+                   help='--optimizer adam: decay of the second moment.'),
+      click.option('--adam_epsilon', type=click.FloatRange(min=0.0, min_open=True),
+                   default=defaults.adam_epsilon, show_default=True,
+                   help='--optimizer adam: added to sqrt(v).'),
+      click.option('--clip_norm', type=click.FloatRange(min=0.0, min_open=True),
+                   default=None,
+                   help='Clip the gradients to this global norm '
+                        '(tf.clip_by_global_norm); default: no clipping.'),
+      click.option('--clip_where', type=click.Choice(optimizer_lib.CLIP_WHERE),
+                   default=defaults.clip_where, show_default=True,
+                   help='averaged: clip the towers\' mean gradient; per_tower: '
+                        'clip each tower\'s before the mean, which is NOT the '
+                        'same as one tower on all the images (README).'),
+  ]
+  for option in reversed(options):
+    f = option(f)
+  return f
+
+
+def _optimizer_from(options):
+  """Pops the optimizer flags from a command's options: common.optimizer.Optimizer.
+
+  A flag that the chosen optimizer ignores is a usage error (exit 2), so a
+  typo such as `--adam_beta1` with `--optimizer momentum` is not lost.
+  """
+  from common import optimizer as optimizer_lib
+  values = {name: options.pop(name) for name in (
+      'optimizer', 'learning_rate', 'momentum', 'adam_beta1', 'adam_beta2',
+      'adam_epsilon', 'clip_norm', 'clip_where')}
+  source = click.get_current_context().get_parameter_source
+  given = {name for name in values
+           if source(name) != click.core.ParameterSource.DEFAULT}
+  needs = {'momentum': 'momentum', 'adam_beta1': 'adam', 'adam_beta2': 'adam',
+           'adam_epsilon': 'adam'}
+  for name, optimizer in needs.items():
+    if name in given and values['optimizer'] != optimizer:
+      raise click.UsageError('--%s is for --optimizer %s (this run has --optimizer '
+                             '%s).' % (name, optimizer, values['optimizer']))
+  if 'clip_where' in given and values['clip_norm'] is None:
+    raise click.UsageError('--clip_where needs --clip_norm.')
+  return optimizer_lib.Optimizer(
+      name=values['optimizer'], learning_rate=values['learning_rate'],
+      momentum=values['momentum'], adam_beta1=values['adam_beta1'],
+      adam_beta2=values['adam_beta2'], adam_epsilon=values['adam_epsilon'],
+      clip_norm=values['clip_norm'], clip_where=values['clip_where'])
+
+
 def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every,
            summary_every, save_every, log_device_placement, seed, run_crosscheck,
            **distribution):
+  optimizer = _optimizer_from(distribution)
   from common import training
   # Held for the whole command, and shared by the trainer's own: a signal at
   # any phase is a request to stop. Until the first step nothing is written,
@@ -196,6 +269,7 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
           _check_multiworker_gpus(num_gpus)
         with _user_errors():
           _ensure_train_data(data_dir)
+          _say_if_generated(data_dir, 'Training')
           plan = devices.plan_devices(num_gpus, warn=_warn)
           from common import memory  # refuse what cannot fit, before building
           memory.check_training(impl, plan, batch_size, data_dir)
@@ -204,12 +278,13 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
               batch_size=batch_size, max_steps=max_steps, log_every=log_every,
               summary_every=summary_every, save_every=save_every,
               log_device_placement=log_device_placement, seed=seed,
-              **distribution)
+              optimizer=optimizer, **distribution)
           if run_crosscheck:
             _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
                         data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
                         engines=('towers', 'mirrored')
-                        if config.strategy == 'mirrored' else ('towers',))
+                        if config.strategy == 'mirrored' else ('towers',),
+                        optimizer=optimizer)
           if impl == 'legacy':
             from legacy import train as trainer
           else:
@@ -229,6 +304,7 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
 
 
 @click.group(context_settings={'help_option_names': ['-h', '--help']})
+@click.version_option(version.__version__, prog_name=prog.CONSOLE_SCRIPT)
 def cli():
   """Train, evaluate and cross-check the TensorFlow CIFAR-10 multi-GPU trainers.
 
@@ -239,6 +315,7 @@ def cli():
 
 @cli.command()
 @_train_options
+@_optimizer_options
 def legacy(**options):
   """Train with the original queue-runner multi-tower trainer (tf.compat.v1)."""
   _train('legacy', **options)
@@ -302,8 +379,9 @@ def _check_distribution(strategy, worker_hosts, task_index, peer_timeout,
       raise click.UsageError('--%s is for --strategy multiworker.' % given[0])
     return
   if run_crosscheck:
-    raise click.UsageError('--crosscheck runs in one process; run `python cli.py '
-                           'crosscheck` before a --strategy multiworker run.')
+    raise click.UsageError('--crosscheck runs in one process; run `%s` before '
+                           'a --strategy multiworker run.'
+                           % prog.command('crosscheck'))
   if worker_hosts and task_index >= len(worker_hosts):
     raise click.BadParameter('%d is not an index of the %d --worker_hosts (0..%d).'
                              % (task_index, len(worker_hosts), len(worker_hosts) - 1),
@@ -330,6 +408,7 @@ def _check_multiworker_gpus(num_gpus):
 
 @cli.command()
 @_train_options
+@_optimizer_options
 @_strategy_options
 def modern(**options):
   """Train with the TF2 rewrite: tf.data input, one tf.function tower per device."""
@@ -392,6 +471,7 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
     paths = fmt.eval_files(data_dir)
     for line in fmt.judge_files(paths):  # reads and validates every record
       _warn('Warning: %s; a precision measured on it means nothing.' % line)
+    _say_if_generated(data_dir, 'Evaluating')
     available = fmt.num_examples(paths)
     if num_examples is not None and num_examples > available:
       _warn('--num_examples %d is more than the %d records of the test set in '
@@ -409,14 +489,14 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
 
 
 def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
-                engines=('towers',)):
+                engines=('towers',), optimizer=None):
   """Runs the cross-check, prints its tables; ClickException (exit 1) if it fails."""
   import crosscheck as crosscheck_lib
   tolerances = None if rtol is None else {'grad_rtol': rtol}
   reports, images, labels, init = crosscheck_lib.run(
       plan, batch_size=batch_size, steps=steps, seed=seed, data_dir=data_dir,
       decay_steps=decay_steps, engines=engines, tolerances=tolerances,
-      progress=_warn)
+      progress=_warn, **({} if optimizer is None else {'optimizer': optimizer}))
   for engine, report in reports.items():
     click.echo('legacy vs modern (%s):' % engine)
     click.echo(crosscheck_lib.format_report(report))
@@ -456,22 +536,26 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
               default='towers', show_default=True,
               help='mirrored also compares tf.distribute.MirroredStrategy with '
                    'legacy (3-way: legacy, towers, mirrored).')
+@_optimizer_options
 def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
-               strategy):
+               strategy, **optimizer_options):
   """Prove legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
 
   Builds both trainers from the same initial variables, feeds both the same N
   tower batches, and compares the averaged gradients, the tower losses, the
   variables and moving averages after K steps, and the N-towers-vs-1 identity.
-  Exits 0 when every figure is within the contract, 1 otherwise.
+  Exits 0 when every figure is within the contract, 1 otherwise. With
+  --optimizer momentum or adam it also compares every slot after K steps,
+  with --clip_norm the clipped averaged gradient.
   """
+  optimizer = _optimizer_from(optimizer_options)
   with _user_errors():
     if data_dir is not None:
       _ensure_train_data(data_dir)
     plan = devices.plan_devices(num_gpus, warn=_warn)
     engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
     _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
-                engines)
+                engines, optimizer)
 
 
 @cli.command()
@@ -530,8 +614,9 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
 
-  Weights, moving averages and the global step move bit for bit; training
-  continues from the converted checkpoint and eval gives the same precision.
+  Weights, moving averages, the global step and the optimizer's slots
+  (momentum, Adam) move bit for bit; training continues from the converted
+  checkpoint and eval gives the same precision.
   """
   import convert as convert_lib
   with _user_errors():
@@ -539,11 +624,15 @@ def convert(from_dir, to_dir):
     try:
       from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir,
                                                            warn=_warn)
+      optimizer = convert_lib.read_state(path)[4]
     except (convert_lib.ConvertError, checkpoints.CheckpointError) as e:
       raise click.ClickException(_first_line(e)) from None
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
-             'checkpoint: %s' % (from_kind, from_dir, step, to_kind, path))
-  click.echo('Continue with `python cli.py %s --train_dir %s`.' % (to_kind, to_dir))
+             'checkpoint (optimizer %s, its slots included): %s'
+             % (from_kind, from_dir, step, to_kind, optimizer, path))
+  # A resume with another --optimizer is refused: say which one it needs.
+  click.echo('Continue with `%s`.' % prog.command('%s --train_dir %s%s' % (
+      to_kind, to_dir, '' if optimizer == 'sgd' else ' --optimizer %s' % optimizer)))
 
 
 def _comma_list(convert, allowed=None, bound=None):
@@ -642,6 +731,58 @@ _data_dir_option = click.option(
     help='Directory that holds (or will hold) cifar-10-batches-bin/.')
 
 
+_force_option = click.option(
+    '--force', is_flag=True,
+    help='Also replace data this command did not write: CIFAR-10, your own, '
+         'or the other generator\'s.')
+
+
+def _replacing(data_dir, generator, force):
+  """What `data <generator>` would replace in data_dir; refuses with exit 1.
+
+  `data synth` and `data digits` treat what is there alike: each replaces its
+  own kind of generated data, and anything else - data without a marker
+  (CIFAR-10, a 170 MB download, or the user's own) or the other generator's
+  data - only with --force.
+
+  Returns:
+    str: '' when there is no data, else ', replacing ...' for the report line.
+  """
+  from common import generated
+  marker = generated.read(data_dir)
+  if marker is None:
+    if not generated.holds_data(data_dir):
+      return ''
+    what = 'data not marked as generated (CIFAR-10, or your own)'
+  elif marker['generator'] == generator:
+    return ', replacing the %s there' % generated.describe(marker)
+  else:
+    what = generated.describe(marker)
+  if not force:
+    raise click.ClickException(
+        '%s holds %s; left it as it is. Pass --force to replace it with '
+        'generated data (%s), or pass another --data_dir.'
+        % (data_dir, what, generator))
+  return ', replacing the %s there (--force)' % what
+
+
+def _say_written(counts, generator, data_dir, replacing):
+  click.echo('Wrote %d training and %d test records of generated data (%s) to '
+             '%s%s.' % (sum(v for k, v in counts.items()
+                            if k.startswith('data_batch')),
+                        counts.get('test_batch.bin', 0), generator, data_dir,
+                        replacing))
+
+
+def _say_if_generated(data_dir, doing):
+  """One line on stderr when data_dir holds generated data, not CIFAR-10."""
+  from common import generated
+  marker = generated.read(data_dir)
+  if marker is not None:
+    _warn('%s on %s in %s, not on CIFAR-10.'
+          % (doing, generated.describe(marker), data_dir))
+
+
 @data.command()
 @_data_dir_option
 @click.option('--train_per_file', type=click.IntRange(min=1), default=1000,
@@ -649,21 +790,15 @@ _data_dir_option = click.option(
 @click.option('--num_test', type=click.IntRange(min=1), default=1000,
               show_default=True, help='Records in test_batch.bin.')
 @click.option('--seed', type=int, default=0, show_default=True)
-@click.option('--force', is_flag=True, help='Overwrite data that is already there.')
+@_force_option
 def synth(data_dir, train_per_file, num_test, seed, force):
   """Generate learnable CIFAR-format data (works offline)."""
-  from common import download
-  if download.is_present(data_dir) and not force:
-    _warn('%s already holds data; left it as it is (pass --force to overwrite '
-          'it with generated data).' % data_dir)
-    return
+  replacing = _replacing(data_dir, 'synth', force)
   with _user_errors():
     from common import synth as synth_lib
     counts = synth_lib.generate(data_dir, train_per_file=train_per_file,
                                 num_test=num_test, seed=seed)
-  click.echo('Wrote %d training and %d test records of generated data to %s.'
-             % (sum(v for k, v in counts.items() if k.startswith('data_batch')),
-                counts.get('test_batch.bin', 0), data_dir))
+  _say_written(counts, 'synth', data_dir, replacing)
 
 
 @data.command()
@@ -680,36 +815,46 @@ def download(data_dir):
 def check(data_dir):
   """Validate every data file and report all problems at once."""
   from common import cifar10_format as fmt
+  from common import generated
   problems, counts = fmt.check_data_dir(data_dir)
+  marker = generated.read(data_dir)
   for name, count in counts.items():
     click.echo('%s: %d records, ok' % (name, count))
   if problems:
     for problem in problems:
       _warn(problem)
+    if marker is not None:
+      again = generated.command(marker)
+      raise click.ClickException(
+          '%d problem(s) in %s (%s). Regenerate it (`%s`).'
+          % (len(problems), data_dir, generated.describe(marker),
+             again or prog.command('data %s --data_dir %s'
+                                   % (marker['generator'], data_dir))))
     raise click.ClickException(
-        '%d problem(s) in %s. Re-download (`python cli.py data download`) or '
-        'regenerate (`python cli.py data synth --force`).' % (len(problems), data_dir))
-  click.echo('%s: all %d files are valid.' % (data_dir, len(counts)))
+        '%d problem(s) in %s. Re-download (`%s`) or regenerate (`%s`).'
+        % (len(problems), data_dir, prog.command('data download'),
+           prog.command('data synth --force')))
+  if marker is not None:
+    click.echo('%s: all %d files are valid %s, not CIFAR-10.'
+               % (data_dir, len(counts), generated.describe(marker)))
+  else:
+    click.echo('%s: all %d files are valid.' % (data_dir, len(counts)))
 
 
 @data.command()
 @_data_dir_option
 @click.option('--seed', type=int, default=0, show_default=True)
-def digits(data_dir, seed):
+@_force_option
+def digits(data_dir, seed, force):
   """Convert scikit-learn's bundled handwritten digits (a real image set) to CIFAR format."""
-  from common import download
-  if download.is_present(data_dir):
-    raise click.ClickException('%s already holds data; choose another --data_dir.'
-                               % data_dir)
+  replacing = _replacing(data_dir, 'digits', force)
   from common import digits as digits_lib
   with _user_errors():
     try:
       counts = digits_lib.convert_digits(data_dir, seed=seed)
     except ImportError as e:
       raise click.ClickException(_first_line(e)) from None
-  click.echo('Wrote %d training and %d test records of digits to %s.'
-             % (sum(v for k, v in counts.items() if k.startswith('data_batch')),
-                counts.get('test_batch.bin', 0), data_dir))
+  _say_written(counts, 'digits', data_dir, replacing)
 
 
 # Set when a signal stopped training. By then the checkpoint is written, the

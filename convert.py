@@ -1,7 +1,10 @@
 """Moving a train_dir between the trainers: legacy Saver <-> modern tf.train.Checkpoint.
 
-What moves: the 10 weights, their 10 moving averages and the global step, bit
-for bit. Each side's checkpoint is written by that side's own code (legacy's
+What moves: the 10 weights, their 10 moving averages, the global step and
+every slot of the optimizer (momentum's accumulators; Adam's m, v, beta1_power
+and beta2_power; plain SGD has none), bit for bit. Legacy names the slots as
+TF1's optimizers do ('conv1/weights/Adam'), modern keeps the same names under
+'optimizer/' (modern/checkpoints.py). Each side's checkpoint is written by that side's own code (legacy's
 graph and `Saver`, modern's `TrainState` and `CheckpointManager`), so the result is
 what that trainer would have saved itself, and it resumes or evaluates it
 without knowing it was converted.
@@ -16,8 +19,7 @@ from common import checkpoints
 from common import config as config_lib
 from common import devices
 from common import model_spec
-
-
+from common import optimizer as optimizer_lib
 
 class ConvertError(Exception):
   """A conversion cannot be done; the message says why and what to do."""
@@ -36,7 +38,7 @@ def _key(kind, legacy_name):
 
 
 def read_state(path):
-  """The weights, moving averages and global step saved in a checkpoint.
+  """The weights, moving averages, global step and optimizer slots of a checkpoint.
 
   Args:
     path: checkpoint prefix of either trainer, e.g. '<dir>/model.ckpt-1000'.
@@ -52,15 +54,18 @@ def read_state(path):
 
 
 def state_of(contents):
-  """The weights, moving averages and global step of a checkpoint read whole.
+  """The weights, moving averages, global step and slots of a checkpoint read whole.
 
   Args:
     contents: common.checkpoints.Contents.
 
   Returns:
-    (kind, values, shadows, step): kind is checkpoints.LEGACY or MODERN;
-    values and shadows map 'conv1/weights' etc. to numpy arrays; step is int
-    (upstream's float32 global step as the int it counts).
+    (kind, values, shadows, step, optimizer, slots): kind is
+    checkpoints.LEGACY or MODERN; values and shadows map 'conv1/weights' etc.
+    to numpy arrays; step is int (upstream's float32 global step as the int
+    it counts); optimizer is the name of the optimizer that wrote it ('sgd',
+    'momentum', 'adam', by the slots it holds); slots maps each of its slot
+    names (common.optimizer.slot_names) to a numpy array.
 
   Raises:
     ConvertError: it lacks a variable of this model, or has a wrong shape.
@@ -80,16 +85,35 @@ def state_of(contents):
       target[name] = value
   if _key(kind, 'global_step') not in tensors:
     raise ConvertError('%s has no global step (%s).' % (path, _key(kind, 'global_step')))
-  return kind, values, shadows, checkpoints.global_step(contents)
+  optimizer = optimizer_lib.of_names(tensors, lambda name: _key(kind, name))
+  slots = {}
+  for name in optimizer_lib.slot_names(optimizer):
+    key = _key(kind, name)
+    if key not in tensors:
+      raise ConvertError('%s (%s checkpoint of optimizer %s) has no %s; its '
+                         'optimizer state is incomplete.' % (path, kind, optimizer, key))
+    if tensors[key].shape != optimizer_lib.slot_shape(name):
+      raise ConvertError('%s: %s has shape %s, this model needs %s.'
+                         % (path, key, tensors[key].shape,
+                            optimizer_lib.slot_shape(name)))
+    slots[name] = tensors[key]
+  return (kind, values, shadows, checkpoints.global_step(contents), optimizer,
+          slots)
 
 
-def write_modern(directory, values, shadows, step):
-  """Saves the state as the modern trainer does; returns the checkpoint prefix."""
+def write_modern(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
+                 slots=None):
+  """Saves the state as the modern trainer does; returns the checkpoint prefix.
+
+  `optimizer` names the optimizer whose `slots` (name -> array) are saved.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   from modern import step as modern_step  # pylint: disable=g-import-not-at-top
-  state = modern_step.TrainState(_host_plan(), decay_steps=1)
+  state = modern_step.TrainState(_host_plan(), decay_steps=1,
+                                 optimizer=optimizer_lib.Optimizer(name=optimizer))
   state.assign_variables(values, shadows)
+  state.assign_slots(slots or {})
   state.global_step.assign(step)
   manager = tf.train.CheckpointManager(
       modern_checkpoints.checkpoint_object(state), directory,
@@ -98,8 +122,12 @@ def write_modern(directory, values, shadows, step):
   return manager.save(checkpoint_number=step)
 
 
-def write_legacy(directory, values, shadows, step):
+def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
+                 slots=None):
   """Saves the state as the legacy trainer does; returns the checkpoint prefix.
+
+  `optimizer` names the optimizer whose `slots` (name -> array) are saved:
+  the graph holds TF1's own optimizer, so the slots are the variables it makes.
 
   The graph is legacy's own `build_towers` (fed placeholders it never runs),
   so the Saver sees exactly the variables a legacy train_dir holds.
@@ -110,14 +138,23 @@ def write_legacy(directory, values, shadows, step):
   with tf.Graph().as_default():
     images = tf1.placeholder(tf.float32, [1, 24, 24, 3])
     labels = tf1.placeholder(tf.int32, [1])
-    towers = legacy_train.build_towers([(images, labels)], _host_plan(), 1)
+    towers = legacy_train.build_towers(
+        [(images, labels)], _host_plan(), 1,
+        optimizer=optimizer_lib.Optimizer(name=optimizer))
     variables = {v.op.name: v for v in tf1.trainable_variables()}
+    everything = {v.op.name: v for v in tf1.global_variables()}
+    slots = slots or {}
+    if set(slots) != set(optimizer_lib.slot_names(optimizer)):
+      raise ValueError('slots of %s: expected %s, got %s' % (
+          optimizer, optimizer_lib.slot_names(optimizer), sorted(slots)))
     saver = tf1.train.Saver(tf1.global_variables(), save_relative_paths=True)
     with tf1.Session(config=legacy_train.session_config(_host_plan())) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(values[name], sess)
         towers.ema.average(variables[name]).load(shadows[name], sess)
+      for name, value in slots.items():
+        everything[name].load(value, sess)
       towers.global_step.load(np.int64(step), sess)
       return saver.save(sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),
                         global_step=step)
@@ -146,14 +183,14 @@ def convert(from_dir, to_dir, warn=None):
   """
   contents = checkpoints.for_conversion(from_dir, warn)
   if contents is None:
-    raise ConvertError('no checkpoint in %s; pass the --train_dir you trained into.'
+    raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
                        % from_dir)
   if os.path.isfile(to_dir):
     raise ConvertError('%s is a file; pass a new directory as --to_dir.' % to_dir)
   if os.path.isdir(to_dir) and os.listdir(to_dir):
     raise ConvertError('%s is not empty; pass a new or empty directory as '
                        '--to_dir (nothing there was changed).' % to_dir)
-  kind, values, shadows, step = state_of(contents)
+  kind, values, shadows, step, optimizer, slots = state_of(contents)
   to_kind = checkpoints.MODERN if kind == checkpoints.LEGACY else checkpoints.LEGACY
   target = os.path.abspath(to_dir)
   staging = '%s.converting-%d' % (target, os.getpid())
@@ -161,7 +198,7 @@ def convert(from_dir, to_dir, warn=None):
   os.makedirs(staging)
   try:
     writer = write_modern if to_kind == checkpoints.MODERN else write_legacy
-    prefix = writer(staging, values, shadows, step)
+    prefix = writer(staging, values, shadows, step, optimizer, slots)
     if os.path.isdir(target):
       os.rmdir(target)  # empty, checked above
     os.rename(staging, target)

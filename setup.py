@@ -1,10 +1,23 @@
 """cifar10-towers: the classic TF CIFAR-10 multi-GPU trainer, its TF2 rewrite, and the proof they agree."""
 
+import os
+
 from setuptools import setup
+
+
+def _version():
+  """common/version.py's __version__, read without importing the package."""
+  namespace = {}
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'common',
+                      'version.py')
+  with open(path, encoding='utf-8') as f:
+    exec(f.read(), namespace)  # pylint: disable=exec-used
+  return namespace['__version__']
+
 
 setup(
     name='cifar10-towers',
-    version='0.1.0',
+    version=_version(),
     description=('The TensorFlow CIFAR-10 multi-GPU ("tower") trainer on '
                  'tf.compat.v1, its TF2 rewrite, and a cross-check that they '
                  'compute the same averaged gradients.'),

@@ -29,11 +29,14 @@ import socket
 import numpy as np
 
 from common import hparams
+from common import prog
 
 BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
 TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))
 EVAL_FILES = ('test_batch.bin',)
 META_FILE = 'batches.meta.txt'
+# Written with a generated data set (common.generated); never in CIFAR-10's.
+GENERATED_FILE = 'GENERATED.json'
 CLASS_NAMES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog',
                'horse', 'ship', 'truck')
 
@@ -256,16 +259,17 @@ def _files(data_dir, names, what):
   paths = [os.path.join(d, n) for n in names]
   for path in paths:
     if os.path.exists(path) and not os.path.isfile(path):
-      raise DataError('%s is %s, not a data file. Move it away; `python cli.py '
-                      'data check --data_dir %s` lists every problem.'
-                      % (path, _not_a_file(path), data_dir))
+      raise DataError('%s is %s, not a data file. Move it away; `%s` lists '
+                      'every problem.' % (path, _not_a_file(path), prog.command(
+                          'data check --data_dir %s' % data_dir)))
   missing = [p for p in paths if not os.path.isfile(p)]
   if missing:
     raise DataError(
-        'missing %s data file %s (%d of %d missing). Run `python cli.py data '
-        'download --data_dir %s` for CIFAR-10, or `python cli.py data synth '
-        '--data_dir %s` for generated data.'
-        % (what, missing[0], len(missing), len(paths), data_dir, data_dir))
+        'missing %s data file %s (%d of %d missing). Run `%s` for CIFAR-10, or '
+        '`%s` for generated data.'
+        % (what, missing[0], len(missing), len(paths),
+           prog.command('data download --data_dir %s' % data_dir),
+           prog.command('data synth --data_dir %s' % data_dir)))
   return paths
 
 
@@ -291,8 +295,8 @@ def num_examples(paths):
     if size == 0 or size % RECORD_BYTES:
       raise DataError(
           '%s: size %d bytes is not a positive multiple of the %d-byte record. '
-          'Re-download or regenerate the data (`python cli.py data check` lists '
-          'every problem).' % (path, size, RECORD_BYTES))
+          'Re-download or regenerate the data (`%s` lists every problem).'
+          % (path, size, RECORD_BYTES, prog.command('data check')))
     total += size // RECORD_BYTES
   return total
 
@@ -451,7 +455,9 @@ def _swap_in(stage, target):
     return
   for name in os.listdir(target):
     src, dst = os.path.join(target, name), os.path.join(stage, name)
-    if os.path.lexists(dst):
+    # The old set's marker describes the old set: a new generated set brings
+    # its own, and a set written without one must not inherit it.
+    if os.path.lexists(dst) or name == GENERATED_FILE:
       continue
     if os.path.isdir(src) and not os.path.islink(src):
       shutil.copytree(src, dst, symlinks=True)

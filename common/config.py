@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 from common import hparams
+from common import optimizer as optimizer_lib
 
 DEFAULT_DATA_DIR = '/tmp/cifar10_data'  # upstream's default
 DEFAULT_TRAIN_DIR = '/tmp/cifar10_train'  # upstream's default
@@ -28,6 +29,7 @@ class TrainConfig:
   task_index: int = 0  # multiworker: this worker's index in worker_hosts (0 = chief)
   peer_timeout: int = 60  # multiworker: seconds a step waits for its peers, then fails
   startup_timeout: int = 600  # multiworker: seconds the workers wait for each other to start
+  optimizer: optimizer_lib.Optimizer = optimizer_lib.Optimizer()  # the update; default upstream's SGD
 
   def __post_init__(self):
     if self.num_gpus < 1:

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from common import cifar10_format as fmt
+from common import generated
 from common import hparams
 from common import synth
 
@@ -73,19 +74,22 @@ def split(labels, test_fraction, rng):
           rng.permutation(np.concatenate(test)))
 
 
-def convert_digits(data_dir, test_fraction=1 / 6, seed=0):
+def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
   """Writes scikit-learn's digits as `<data_dir>/cifar-10-batches-bin/`.
 
   The training images are spread evenly over `data_batch_1..5.bin`, the test
-  images go to `test_batch.bin`, and `batches.meta.txt` names the classes
-  '0'..'9'. The files are written aside and replace an existing directory's
-  files all at once (`cifar10_format.staged_batches_dir`): an interrupted or
-  failed run changes nothing.
+  images go to `test_batch.bin`, `batches.meta.txt` names the classes
+  '0'..'9', and the marker `GENERATED.json` (`common.generated`) says the set
+  is generated. The files are written aside and replace an existing
+  directory's files all at once (`cifar10_format.staged_batches_dir`): an
+  interrupted or failed run changes nothing.
 
   Args:
     data_dir: str, the data directory (created if missing).
     test_fraction: float in (0, 1), share of each class held out for testing.
     seed: int, seeds the split and the order of the records.
+    mark: bool, write GENERATED.json; False only for data that stands in
+      for CIFAR-10 (the tests' fixtures), which no command will label.
 
   Returns:
     dict file name -> number of records written.
@@ -114,4 +118,7 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0):
                       labels[test_idx])
     counts[name] = int(test_idx.size)
     synth.write_meta(out_dir, CLASS_NAMES)
+    if mark:
+      generated.write_marker(out_dir, 'digits', data_dir, ['--seed', seed],
+                             seed=seed, test_fraction=test_fraction)
   return counts

@@ -22,6 +22,8 @@ import urllib.error
 import urllib.request
 
 from common import cifar10_format as fmt
+from common import generated
+from common import prog
 
 DATA_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz'
 ARCHIVE_NAME = 'cifar-10-binary.tar.gz'  # also the name of a local copy in data_dir
@@ -66,10 +68,10 @@ def sha256_of(path):
 
 
 def _offline_advice(data_dir):
-  return ('Without network access, run `python cli.py data synth --data_dir %s` '
-          'for generated data, or copy %s (%d bytes, SHA-256 %s) to %s and run '
-          'this again.' % (data_dir, ARCHIVE_NAME, ARCHIVE_BYTES, ARCHIVE_SHA256,
-                           archive_path(data_dir)))
+  return ('Without network access, run `%s` for generated data, or copy %s '
+          '(%d bytes, SHA-256 %s) to %s and run this again.'
+          % (prog.command('data synth --data_dir %s' % data_dir), ARCHIVE_NAME,
+             ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir)))
 
 
 def _fetch(url, data_dir, progress, timeout):
@@ -244,7 +246,8 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
                                progress=None, timeout=30):
   """Makes sure `<data_dir>/cifar-10-batches-bin` holds the CIFAR-10 files.
 
-  Does nothing when all six .bin files are there. Otherwise uses
+  Does nothing when all six .bin files are there and are not generated data
+  (`common.generated`); refuses when generated data is there. Otherwise uses
   `<data_dir>/cifar-10-binary.tar.gz` if it exists, else downloads `url` (http,
   https or file) to it through a temp file; verifies the SHA-256 either way,
   then unpacks safely (see the module docstring). The verified archive is kept,
@@ -262,10 +265,19 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     PRESENT, LOCAL_ARCHIVE or DOWNLOADED: what was done.
 
   Raises:
-    DownloadError: the URL could not be reached, the digest does not match,
-      the archive is unsafe or not CIFAR-10, or data_dir is full, read-only or
-      not writable; data_dir is left as it was.
+    DownloadError: data_dir holds generated data, the URL could not be
+      reached, the digest does not match, the archive is unsafe or not
+      CIFAR-10, or data_dir is full, read-only or not writable; data_dir is
+      left as it was.
   """
+  marker = generated.read(data_dir)
+  if marker is not None:
+    # Not PRESENT: that would call it CIFAR-10. Nor unpack over it: the
+    # result would mix the two sets and keep the marker.
+    raise DownloadError(
+        '%s holds %s, not CIFAR-10; nothing was downloaded. To get CIFAR-10 '
+        'there, remove %s and run this again, or pass another --data_dir.'
+        % (data_dir, generated.describe(marker), fmt.batches_dir(data_dir)))
   if is_present(data_dir):
     return PRESENT
   # The directories this call creates, deepest first, to remove on failure.

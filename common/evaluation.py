@@ -21,6 +21,7 @@ import datetime
 import os
 
 from common import checkpoints
+from common import prog
 
 EvalCounts = collections.namedtuple('EvalCounts', [
     'true_count',  # records whose top prediction is the label
@@ -145,6 +146,6 @@ def _nothing_to_evaluate(checkpoint_dir, found):
         'Train again with --train_dir %s, or pass another --checkpoint_dir.'
         % (checkpoint_dir, checkpoint_dir))
   return checkpoints.CheckpointError(
-      'no checkpoint in %s. Train first (`python cli.py legacy` or `modern` '
-      'with --train_dir %s), or pass the --checkpoint_dir you trained into.'
-      % (checkpoint_dir, checkpoint_dir))
+      'no checkpoint in %s. Train first (`%s` or `modern` with --train_dir '
+      '%s), or pass the --checkpoint_dir you trained into.'
+      % (checkpoint_dir, prog.command('legacy'), checkpoint_dir))

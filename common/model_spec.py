@@ -118,15 +118,17 @@ def weight_decay(weights, wd):
   return tf.multiply(tf.nn.l2_loss(weights), wd, name='weight_loss')
 
 
-def learning_rate(global_step, decay_steps):
+def learning_rate(global_step, decay_steps, initial=hparams.INITIAL_LEARNING_RATE):
   """Upstream's staircase exponential decay, as a plain formula.
 
-  lr = INITIAL_LEARNING_RATE * LEARNING_RATE_DECAY_FACTOR ** floor(step / decay_steps)
-  (what `tf.compat.v1.train.exponential_decay(..., staircase=True)` computes).
+  lr = initial * LEARNING_RATE_DECAY_FACTOR ** floor(step / decay_steps)
+  (what `tf.compat.v1.train.exponential_decay(..., staircase=True)` computes);
+  `initial` is upstream's INITIAL_LEARNING_RATE unless --learning_rate says
+  otherwise.
   """
   step = tf.cast(global_step, tf.float32)
   exponent = tf.floor(step / float(decay_steps))
-  return hparams.INITIAL_LEARNING_RATE * tf.pow(
+  return initial * tf.pow(
       hparams.LEARNING_RATE_DECAY_FACTOR, exponent)
 
 

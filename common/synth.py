@@ -39,6 +39,7 @@ import os
 import numpy as np
 
 from common import cifar10_format as fmt
+from common import generated
 from common import hparams
 
 CLASS_NAMES = ('hstripes4', 'hstripes8', 'vstripes4', 'vstripes8', 'checker4',
@@ -139,12 +140,13 @@ def _balanced_labels(rng, n):
   return rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
 
 
-def generate(data_dir, train_per_file=1000, num_test=1000, seed=0):
+def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True):
   """Writes a generated data set in the CIFAR-10 binary layout.
 
   Creates `<data_dir>/cifar-10-batches-bin/` with `data_batch_1.bin` ..
   `data_batch_5.bin` (`train_per_file` records each), `test_batch.bin`
-  (`num_test` records) and `batches.meta.txt` (the class names, one a line).
+  (`num_test` records), `batches.meta.txt` (the class names, one a line) and
+  the marker `GENERATED.json` (`common.generated`).
   The files are written aside and replace an existing directory's files all
   at once (`cifar10_format.staged_batches_dir`): an interrupted or failed run
   changes nothing.
@@ -154,6 +156,8 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0):
     train_per_file: int >= 1, records in each training file.
     num_test: int >= 1, records in the test file.
     seed: int, the same seed gives byte-identical files.
+    mark: bool, write GENERATED.json; False only for data that stands in
+      for CIFAR-10 (the tests' fixtures), which no command will label.
 
   Returns:
     dict file name -> number of records written.
@@ -185,6 +189,12 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0):
     fmt.write_records(os.path.join(out_dir, name), images, labels)
     counts[name] = num_test
     write_meta(out_dir, CLASS_NAMES)
+    if mark:
+      generated.write_marker(
+          out_dir, 'synth', data_dir,
+          ['--train_per_file', train_per_file, '--num_test', num_test,
+           '--seed', seed],
+          train_per_file=train_per_file, num_test=num_test, seed=seed)
   return counts
 
 

@@ -14,6 +14,7 @@ from common import checkpoints
 from common import cifar10_format
 from common import evaluation
 from common import hparams
+from common import prog
 from common import training
 from legacy import inputs
 from legacy import model
@@ -189,9 +190,10 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   """
   found = checkpoints.newest_intact(checkpoint_dir)
   if found.contents is None:
-    raise EvalError('No checkpoint found in %s. Train first (`python cli.py '
-                    'legacy --train_dir %s`) or pass the train_dir as '
-                    '--checkpoint_dir.' % (checkpoint_dir, checkpoint_dir))
+    raise EvalError('No checkpoint found in %s. Train first (`%s`) or pass '
+                    'the train_dir as --checkpoint_dir.' % (
+                        checkpoint_dir,
+                        prog.command('legacy --train_dir %s' % checkpoint_dir)))
   counts = evaluate_contents(found.contents, data_dir, batch_size, num_examples)
   precision = counts.true_count / counts.total_count
   out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))

@@ -22,6 +22,8 @@ from common import devices
 from common import hparams
 from common import lock
 from common import lrn as lrn_lib
+from common import optimizer as optimizer_lib
+from common import prog
 from common import training
 from legacy import inputs
 from legacy import model
@@ -33,6 +35,7 @@ Towers = collections.namedtuple('Towers', [
     'tower_losses',  # list of N float32 scalars, each tower's total loss
     'mean_loss',  # float32 scalar, mean of tower_losses
     'averaged_grads',  # list of (gradient, variable), mean over the towers
+    'applied_grads',  # what the optimizer applies: averaged_grads, clipped if asked
     'ema',  # the tf.train.ExponentialMovingAverage of the trainable variables
     'summaries',  # list of summary tensors: towers, lr, loss, grads, variables
 ])
@@ -106,7 +109,28 @@ def average_gradients(tower_grads):
   return average_grads
 
 
-def build_towers(tower_batches, plan, decay_steps, jit=False):
+def make_optimizer(spec, lr):
+  """TF1's own optimizer for a common.optimizer.Optimizer, at learning rate `lr`.
+
+  Its slots get TF1's names ('conv1/weights/Momentum', '.../Adam',
+  '.../Adam_1', 'beta1_power', 'beta2_power'), which checkpoints keep.
+  """
+  if spec.name == optimizer_lib.MOMENTUM:
+    return tf.train.MomentumOptimizer(lr, spec.momentum)
+  if spec.name == optimizer_lib.ADAM:
+    return tf.train.AdamOptimizer(lr, beta1=spec.adam_beta1, beta2=spec.adam_beta2,
+                                  epsilon=spec.adam_epsilon)
+  return tf.train.GradientDescentOptimizer(lr)
+
+
+def _clip(grads_and_vars, clip_norm):
+  """The gradients scaled together so that their global norm is <= clip_norm."""
+  clipped, _ = tf.clip_by_global_norm([g for g, _ in grads_and_vars], clip_norm)
+  return list(zip(clipped, [v for _, v in grads_and_vars]))
+
+
+def build_towers(tower_batches, plan, decay_steps, jit=False,
+                 optimizer=optimizer_lib.Optimizer()):
   """Builds the towers, the averaged update and the moving average.
 
   Used by `train` (batches from the prefetch queue) and by the cross-check
@@ -121,6 +145,8 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
       (`common.hparams.decay_steps`).
     jit: bool, compile each tower's loss and gradients with XLA (as the
       modern towers do with `jit`).
+    optimizer: common.optimizer.Optimizer, the update (default upstream's
+      SGD) and the gradient clipping.
 
   Returns:
     Towers.
@@ -130,11 +156,11 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
                      % (len(tower_batches), plan.num_towers))
   with tf.device(devices.VARIABLE_DEVICE):
     global_step = tf.train.get_or_create_global_step()
-    lr = tf.train.exponential_decay(hparams.INITIAL_LEARNING_RATE,
+    lr = tf.train.exponential_decay(optimizer.learning_rate,
                                     global_step, decay_steps,
                                     hparams.LEARNING_RATE_DECAY_FACTOR,
                                     staircase=True)
-    opt = tf.train.GradientDescentOptimizer(lr)
+    opt = make_optimizer(optimizer, lr)
 
     tower_grads, tower_losses, summaries = [], [], []
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
@@ -156,11 +182,20 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
             tf.get_variable_scope().reuse_variables()
             # Deviation from upstream: every tower's loss summary is written.
             summaries.extend(tf.get_collection(tf.GraphKeys.SUMMARIES, scope))
-            tower_grads.append(opt.compute_gradients(loss))
+            grads_and_vars = opt.compute_gradients(loss)
+            if optimizer.clips_per_tower:
+              # Each tower's gradients by their own global norm, before the
+              # average: not the same as clipping the average (README).
+              grads_and_vars = _clip(grads_and_vars, optimizer.clip_norm)
+            tower_grads.append(grads_and_vars)
             tower_losses.append(loss)
 
     # Synchronization point: every tower's gradients and losses meet here.
     grads = average_gradients(tower_grads)
+    applied = grads
+    if optimizer.clips_averaged:
+      with tf.name_scope('clip_gradients'):
+        applied = _clip(grads, optimizer.clip_norm)
     # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
     mean_loss = tf.reduce_mean(tf.stack(tower_losses), name='mean_loss')
 
@@ -169,7 +204,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
     for grad, var in grads:
       summaries.append(tf.summary.histogram(var.op.name + '/gradients', grad))
 
-    apply_gradient_op = opt.apply_gradients(grads, global_step=global_step)
+    apply_gradient_op = opt.apply_gradients(applied, global_step=global_step)
 
     for var in tf.trainable_variables():
       summaries.append(tf.summary.histogram(var.op.name, var))
@@ -185,8 +220,8 @@ def build_towers(tower_batches, plan, decay_steps, jit=False):
       variables_averages_op = ema.apply(tf.trainable_variables())
     train_op = tf.group(apply_gradient_op, variables_averages_op, name='train')
 
-  return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads, ema,
-                summaries)
+  return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
+                applied, ema, summaries)
 
 
 def session_config(plan, log_device_placement=False):
@@ -258,7 +293,7 @@ def train(config, plan, out=print, warn=training.stderr,
           plan, config.log_device_placement)) as sess:
         with stop.raising():
           step = _restore_or_initialize(sess, graph_parts, config.train_dir,
-                                        out, warn)
+                                        out, warn, config.optimizer)
         if step >= config.max_steps:
           warn(training.nothing_to_train(step, config.max_steps,
                                          config.train_dir))
@@ -314,7 +349,8 @@ def build_train_graph(config, plan, decay_steps,
   if config.seed is not None:
     tf.set_random_seed(config.seed)
   tower_batches = tower_input_batches(config, num_threads)
-  towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit)
+  towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit,
+                        optimizer=config.optimizer)
 
   # Deviation from upstream: the `checkpoint` state file records paths
   # relative to train_dir, so a copied or moved train_dir resumes from its
@@ -327,7 +363,8 @@ def build_train_graph(config, plan, decay_steps,
   return TrainGraph(towers, saver, summary_op, init_op, close_queues)
 
 
-def _restore_or_initialize(sess, graph_parts, train_dir, out, warn):
+def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,
+                           optimizer=optimizer_lib.Optimizer()):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
   A train_dir of the upstream script resumes too: its `global_step` is
@@ -337,7 +374,8 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn):
   Raises:
     common.checkpoints.CheckpointError: the latest checkpoint is damaged, or
       is one of another model (names or shapes differ).
-    common.training.TrainingError: it is a modern checkpoint.
+    common.training.TrainingError: it is a modern checkpoint, or one of
+      another optimizer than `optimizer` (common.optimizer.Optimizer).
   """
   # The newest checkpoint that passes its checksums (see common.checkpoints).
   checkpoint = checkpoints.resume_point(train_dir, warn)
@@ -350,9 +388,17 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn):
     # which fails in the finalized graph; say what it is instead.
     raise training.TrainingError(
         '%s is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer '
-        'cannot resume from it. Use another --train_dir, or convert it: '
-        '`python cli.py convert --from_dir %s --to_dir NEW_DIR`.'
-        % (checkpoint, train_dir))
+        'cannot resume from it. Convert it (`%s`) and train with --train_dir '
+        '%s, or use another --train_dir.'
+        % (checkpoint, prog.convert_command(train_dir, 'legacy'),
+           prog.converted_dir(train_dir, 'legacy')))
+  # Before check_fits: an SGD checkpoint lacks Adam's slots, which is not
+  # "another model" but another optimizer; an Adam checkpoint resumed with
+  # SGD would lose its slots silently.
+  refusal = optimizer_lib.mismatch(
+      checkpoint, optimizer_lib.of_names(contents.tensors), optimizer.name)
+  if refusal:
+    raise training.TrainingError(refusal)
   checkpoints.check_fits(checkpoint, {
       v.op.name: tuple(v.shape.as_list()) for v in tf.global_variables()})
   upstream = contents.tensors['global_step'].dtype.kind == 'f'

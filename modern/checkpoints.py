@@ -6,19 +6,23 @@ by `tf.train.list_variables`), with the legacy `Saver` name each corresponds to:
   global_step/.ATTRIBUTES/VARIABLE_VALUE           global_step (int64 scalar)
   model/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE  <layer>/<kind>
   ema/<layer>/<kind>/.ATTRIBUTES/VARIABLE_VALUE    <layer>/<kind>/ExponentialMovingAverage
+  optimizer/<slot>/.ATTRIBUTES/VARIABLE_VALUE      <slot> (momentum and Adam only)
   save_counter/.ATTRIBUTES/VARIABLE_VALUE          (tf.train.Checkpoint's own; none)
   _CHECKPOINTABLE_OBJECT_GRAPH                     (the object graph; none)
 
 where <layer>/<kind> is one of `model_spec.VARIABLE_NAMES` ('conv1/weights',
-..., 'softmax_linear/biases'). `checkpoint_key(legacy_name)` computes the
+..., 'softmax_linear/biases') and <slot> one of the optimizer's slot names
+(`common.optimizer`: '<layer>/<kind>/Momentum', '<layer>/<kind>/Adam',
+'<layer>/<kind>/Adam_1', 'beta1_power', 'beta2_power'); a plain SGD
+checkpoint has no `optimizer/` node. `checkpoint_key(legacy_name)` computes the
 left column. Files are `<train_dir>/model.ckpt-<global_step>.{index,data-*}`
 plus the `checkpoint` state file, as with legacy's Saver.
 
 Converting: modern -> legacy names is `tf.train.load_variable(path,
 checkpoint_key(name))` for each legacy name; legacy -> modern is a
 `modern.step.TrainState` given the legacy values with
-`assign_variables(values, shadow_values)` and `global_step.assign(...)`,
-saved through `checkpoint_object(state)`.
+`assign_variables(values, shadow_values)`, `assign_slots(slots)` and
+`global_step.assign(...)`, saved through `checkpoint_object(state)`.
 """
 
 import os
@@ -30,6 +34,8 @@ from common import checkpoints
 from common import config as config_lib
 from common import lock
 from common import model_spec
+from common import optimizer as optimizer_lib
+from common import prog
 from common import training
 
 MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
@@ -39,6 +45,7 @@ EMA_SUFFIX = model_spec.EMA_SUFFIX  # legacy's shadow-variable name suffix
 _CKPT_GLOBAL_STEP = 'global_step'
 _CKPT_MODEL = 'model'
 _CKPT_EMA = 'ema'
+_CKPT_OPTIMIZER = 'optimizer'
 _CKPT_VALUE = '.ATTRIBUTES/VARIABLE_VALUE'
 
 
@@ -81,12 +88,14 @@ class StepSaver:
 
 def checkpoint_object(state):
   """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring."""
-  return tf.train.Checkpoint(**{_CKPT_GLOBAL_STEP: state.global_step,
-                                _CKPT_MODEL: state.model,
-                                _CKPT_EMA: state.ema})
+  objects = {_CKPT_GLOBAL_STEP: state.global_step, _CKPT_MODEL: state.model,
+             _CKPT_EMA: state.ema}
+  if state.slots is not None:  # SGD's checkpoints stay as they were
+    objects[_CKPT_OPTIMIZER] = state.slots
+  return tf.train.Checkpoint(**objects)
 
 
-def restore_latest(train_dir, checkpoint, warn):
+def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimizer()):
   """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
 
   The newest checkpoint that passes its checksums (`common.checkpoints`),
@@ -96,6 +105,8 @@ def restore_latest(train_dir, checkpoint, warn):
     train_dir: str.
     checkpoint: `checkpoint_object(trainer)`.
     warn: callable taking one message (skipped damaged checkpoints).
+    optimizer: common.optimizer.Optimizer of the run; a checkpoint of
+      another optimizer is refused.
 
   An unreadable `checkpoint` state file (empty, not text), which
   resume_point passed over, is rewritten to name the restored checkpoint
@@ -107,7 +118,8 @@ def restore_latest(train_dir, checkpoint, warn):
     The restored checkpoint's path, or None when train_dir has none.
 
   Raises:
-    common.training.TrainingError: it is a legacy checkpoint, or of another model.
+    common.training.TrainingError: it is a legacy checkpoint, of another
+      model, or of another optimizer.
     common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
   """
   resume_from = checkpoints.resume_point(train_dir, warn)
@@ -121,11 +133,20 @@ def restore_latest(train_dir, checkpoint, warn):
             if step is not None and step.dtype.kind == 'f'
             else 'a legacy (tf.compat.v1 Saver) checkpoint')
     raise training.TrainingError(
-        '%s is %s; the modern trainer resumes only its own checkpoints. Use '
-        'another --train_dir, or convert this one (`python cli.py convert '
-        '--from_dir %s --to_dir NEW_DIR`) and train NEW_DIR, or train it with '
-        'the legacy trainer.' % (resume_from, what, train_dir))
-  checkpoints.check_fits(resume_from, checkpoint_shapes())
+        '%s is %s; the modern trainer resumes only its own checkpoints. '
+        'Convert it (`%s`) and train with --train_dir %s, or use another '
+        '--train_dir, or train this one with the legacy trainer.'
+        % (resume_from, what, prog.convert_command(train_dir, 'modern'),
+           prog.converted_dir(train_dir, 'modern')))
+  # Before check_fits and restore: an SGD checkpoint lacks Adam's slots
+  # (another optimizer, not another model), and an Adam checkpoint restored
+  # into an SGD run would lose its slots silently.
+  refusal = optimizer_lib.mismatch(
+      resume_from, optimizer_lib.of_names(contents.tensors, checkpoint_key),
+      optimizer.name)
+  if refusal:
+    raise training.TrainingError(refusal)
+  checkpoints.check_fits(resume_from, checkpoint_shapes(optimizer.name))
   try:
     checkpoint.restore(resume_from).assert_existing_objects_matched()
   except (AssertionError, ValueError, tf.errors.OpError) as e:
@@ -139,13 +160,19 @@ def restore_latest(train_dir, checkpoint, warn):
   return resume_from
 
 
-def checkpoint_shapes():
-  """Dict checkpoint key -> shape of everything a training checkpoint must hold."""
+def checkpoint_shapes(optimizer=optimizer_lib.SGD):
+  """Dict checkpoint key -> shape of everything a training checkpoint must hold.
+
+  Args:
+    optimizer: the optimizer's name ('sgd', 'momentum', 'adam'): its slots too.
+  """
   shapes = {checkpoint_key('global_step'): ()}
   for name in model_spec.VARIABLE_NAMES:
     shapes[checkpoint_key(name)] = model_spec.variable_shape(name)
     shapes[checkpoint_key('%s/%s' % (name, EMA_SUFFIX))] = (
         model_spec.variable_shape(name))
+  for name in optimizer_lib.slot_names(optimizer):
+    shapes[checkpoint_key(name)] = optimizer_lib.slot_shape(name)
   return shapes
 
 
@@ -153,8 +180,10 @@ def checkpoint_key(legacy_name):
   """The modern checkpoint key holding what legacy's Saver names `legacy_name`.
 
   Args:
-    legacy_name: 'global_step', 'conv1/weights' (any of VARIABLE_NAMES), or
-      'conv1/weights/ExponentialMovingAverage'.
+    legacy_name: 'global_step', 'conv1/weights' (any of VARIABLE_NAMES),
+      'conv1/weights/ExponentialMovingAverage', or an optimizer slot
+      ('conv1/weights/Momentum', '.../Adam', '.../Adam_1', 'beta1_power',
+      'beta2_power').
 
   Returns:
     str, e.g. 'ema/conv1/weights/.ATTRIBUTES/VARIABLE_VALUE'.
@@ -170,4 +199,6 @@ def checkpoint_key(legacy_name):
   if legacy_name.endswith(suffix) and (
       legacy_name[:-len(suffix)] in model_spec.VARIABLE_NAMES):
     return '%s/%s/%s' % (_CKPT_EMA, legacy_name[:-len(suffix)], _CKPT_VALUE)
+  if any(legacy_name in optimizer_lib.slot_names(o) for o in optimizer_lib.NAMES):
+    return '%s/%s/%s' % (_CKPT_OPTIMIZER, legacy_name, _CKPT_VALUE)
   raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)

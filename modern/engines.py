@@ -39,6 +39,7 @@ import tensorflow as tf
 from common import checkpoints
 from common import devices
 from common import lock
+from common import optimizer as optimizer_lib
 from common import training
 from modern import cluster as cluster_lib
 from modern import inputs
@@ -137,7 +138,8 @@ class Towers(Engine):
   """One tf.function tower per device of the plan (modern.step.Trainer)."""
 
   def build(self, decay_steps):
-    return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit)
+    return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit,
+                            optimizer=self.config.optimizer)
 
 
 class ReplicaTrainer:
@@ -160,14 +162,15 @@ class ReplicaTrainer:
       worker_index * num_local_replicas + 0 .. num_local_replicas - 1.
   """
 
-  def __init__(self, strategy, plan, decay_steps, jit=False, worker_index=0):
+  def __init__(self, strategy, plan, decay_steps, jit=False, worker_index=0,
+               optimizer=optimizer_lib.Optimizer()):
     local = len(strategy.extended.worker_devices)
     if local != plan.num_towers:
       raise ValueError('the strategy has %d local replicas, the plan %d devices'
                        % (local, plan.num_towers))
     self.strategy = strategy
     with strategy.scope():
-      self.state = step_lib.TrainState(plan, decay_steps)
+      self.state = step_lib.TrainState(plan, decay_steps, optimizer)
     self.num_local_replicas = plan.num_towers
     self.num_towers = strategy.num_replicas_in_sync
     self.worker_index = int(worker_index)
@@ -195,7 +198,10 @@ class ReplicaTrainer:
       # scales every backpropagated value exactly, so the sum matches the
       # towers' reduce_mean to the last bit but for the summation order.
       scaled_loss = loss / tf.cast(self.num_towers, loss.dtype)
-    return loss, tape.gradient(scaled_loss, values)
+    grads = tape.gradient(scaled_loss, values)
+    # --clip_where per_tower: this replica's own gradients, by their global
+    # norm, before the all-reduce; they carry the 1/R, so does the bound.
+    return loss, self.state.clip_tower(grads, 1.0 / self.num_towers)
 
   def _replica_step(self, images, labels, vote):
     """In each replica: its gradients, then the all-reduce over every replica.
@@ -245,6 +251,12 @@ class ReplicaTrainer:
   def _step(self, images, labels, vote):
     """One SGD step on every replica; returns (tower losses [R], vote sum)."""
     grads, tower_losses, votes = self._run_replicas(images, labels, vote)
+    # --clip_where averaged: in every replica, on its identical averaged
+    # gradients (clip_by_global_norm needs them all at once, which the
+    # per-variable `update` does not give).
+    if self.state.optimizer.clips_averaged:
+      grads = self.strategy.run(lambda *g: self.state.clip_averaged(list(g)),
+                                args=tuple(grads))
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
     return tower_losses, votes
@@ -279,7 +291,10 @@ class ReplicaTrainer:
 
   def _broadcast_from_chief(self):
     state = self.state
-    values = state.model.variable_list() + list(state.shadow_variables().values())
+    # The optimizer's slots too: a resumed momentum or Adam run goes on from
+    # the chief's.
+    values = (state.model.variable_list() + list(state.shadow_variables().values())
+              + list(state.slot_variables().values()))
 
     def replica_fn():
       context = tf.distribute.get_replica_context()
@@ -332,7 +347,7 @@ class Mirrored(Engine):
 
   def build(self, decay_steps):
     return ReplicaTrainer(mirrored_strategy(self.plan), self.plan, decay_steps,
-                          jit=self.config.jit)
+                          jit=self.config.jit, optimizer=self.config.optimizer)
 
 
 # What a collective raises when a peer is gone: UnavailableError (the peer's
@@ -454,7 +469,8 @@ class MultiWorker(Engine):
         self.plan, self.cluster,
         COLLECTIVE_TIMEOUT_FACTOR * self.config.peer_timeout)
     return ReplicaTrainer(strategy, self.plan, decay_steps, jit=self.config.jit,
-                          worker_index=self.worker_index)
+                          worker_index=self.worker_index,
+                          optimizer=self.config.optimizer)
 
   def start(self, decay_steps, warn):
     """Meets the other workers, then starts TensorFlow's engine on this one.

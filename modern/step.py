@@ -1,16 +1,20 @@
-"""One training step in TF2: tf.function towers, averaged gradients, SGD, moving averages.
+"""One training step in TF2: tf.function towers, averaged gradients, the update, moving averages.
 
 The step of upstream `cifar10_multi_gpu_train.py` (docs/equivalence.md §1)
 without `tf.compat.v1`: the variables live on `devices.VARIABLE_DEVICE`; each
 step reads them once there, sends the values to N towers (one per device of
 the `DevicePlan`), each tower computes its own batch's loss and gradients, the
-gradients meet on the variables' device to be averaged, and plain gradient
-descent, the global step and the moving averages are updated there.
+gradients meet on the variables' device to be averaged, and the update (plain
+gradient descent, or momentum or Adam: common.optimizer), the global step and
+the moving averages are updated there.
 
 No Keras optimizer: `tf.keras.optimizers.SGD` under a distribution strategy
 sums gradients across replicas implicitly, which changes the arithmetic the
 equivalence contract (docs/equivalence.md §2) compares. The update is written
-out instead (`TrainState.apply_gradients`), once for every engine.
+out instead (`TrainState.apply_gradients`), once for every engine, with the
+kernels TF1's MomentumOptimizer and AdamOptimizer run in legacy
+(`ResourceApplyMomentum`, `ResourceApplyAdam`), so both trainers do the same
+arithmetic.
 """
 
 import tensorflow as tf
@@ -19,6 +23,7 @@ from common import devices
 from common import hparams
 from common import lrn
 from common import model_spec
+from common import optimizer as optimizer_lib
 from modern import model as model_lib
 
 TOWER_NAME = hparams.TOWER_NAME
@@ -64,8 +69,64 @@ def _assign(var, fn, args=()):
   return fn(var, *args)
 
 
+def clip(grads, clip_norm):
+  """`tf.clip_by_global_norm` of a list of gradients (what legacy's graph runs)."""
+  with tf.name_scope('clip_gradients'):
+    return tf.clip_by_global_norm(grads, clip_norm)[0]
+
+
+# The updates of TF1's optimizers, kernel for kernel (their _resource_apply_dense
+# and _finish), so that legacy and modern agree to the last bit but for the
+# gradients' own rounding. Module functions so that a test can break one.
+
+def apply_sgd(var, grad, lr):
+  """var -= lr * grad."""
+  return var.assign_sub(lr * grad)
+
+
+def apply_momentum(var, accum, grad, lr, momentum):
+  """accum = momentum * accum + grad; var -= lr * accum (MomentumOptimizer)."""
+  return tf.raw_ops.ResourceApplyMomentum(
+      var=var.handle, accum=accum.handle, lr=lr, grad=grad, momentum=momentum,
+      use_locking=False, use_nesterov=False)
+
+
+def apply_adam(var, m, v, beta1_power, beta2_power, grad, lr, beta1, beta2,
+               epsilon):
+  """AdamOptimizer's step: m, v updated, var -= lr_t * m / (sqrt(v) + epsilon).
+
+  lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), the bias correction,
+  with beta*_power = beta* ** step (the step counted from 1).
+  """
+  return tf.raw_ops.ResourceApplyAdam(
+      var=var.handle, m=m.handle, v=v.handle,
+      beta1_power=beta1_power.read_value(), beta2_power=beta2_power.read_value(),
+      lr=lr, beta1=beta1, beta2=beta2, epsilon=epsilon, grad=grad,
+      use_locking=False, use_nesterov=False)
+
+
+class OptimizerSlots(tf.Module):
+  """The optimizer's slots as a tree of modules, so that a checkpoint keys them
+  'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'."""
+
+  def __init__(self):
+    super().__init__(name='optimizer')
+
+  def add(self, legacy_name, variable):
+    node = self
+    parts = legacy_name.split('/')
+    for part in parts[:-1]:
+      child = node.__dict__.get(part)
+      if child is None:
+        child = tf.Module(name=part)
+        setattr(node, part, child)
+      node = child
+    setattr(node, parts[-1], variable)
+
+
 class TrainState:
-  """What a step changes: the model, the global step and the moving averages.
+  """What a step changes: the model, the optimizer's slots, the global step
+  and the moving averages.
 
   Created under a tf.distribute strategy's scope, the variables are mirrored
   (one copy per replica); `apply_gradients` then takes the strategy's
@@ -73,17 +134,20 @@ class TrainState:
 
   Attributes:
     model: Cifar10Model.
+    optimizer: common.optimizer.Optimizer.
+    slots: OptimizerSlots, or None for SGD (no slots).
     global_step: int64 tf.Variable on VARIABLE_DEVICE.
     ema: modern.model.MovingAverages.
     decay_steps: int, steps between learning-rate decays.
   """
 
-  def __init__(self, plan, decay_steps):
+  def __init__(self, plan, decay_steps, optimizer=optimizer_lib.Optimizer()):
     """Creates the variables (initial values from the tf.random global seed).
 
     Args:
       plan: common.devices.DevicePlan the towers run on.
       decay_steps: int >= 1, `hparams.decay_steps(...)`.
+      optimizer: common.optimizer.Optimizer; default upstream's SGD.
     """
     if decay_steps < 1:
       raise ValueError('decay_steps must be >= 1, got %d' % decay_steps)
@@ -95,21 +159,81 @@ class TrainState:
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                      name='global_step')
     self.ema = model_lib.MovingAverages(self.model)
+    self.optimizer = optimizer
+    # As TF1's optimizers create them: slots zero, beta powers at beta (the
+    # power of step 1).
+    self._slots = {}
+    initial = {'beta1_power': optimizer.adam_beta1,
+               'beta2_power': optimizer.adam_beta2}
+    with tf.device(devices.VARIABLE_DEVICE):
+      for name in optimizer.slot_names():
+        value = (initial[name] if name in initial
+                 else tf.zeros(optimizer_lib.slot_shape(name), tf.float32))
+        self._slots[name] = tf.Variable(value, dtype=tf.float32,
+                                        trainable=False, name=name)
+    self.slots = None
+    if self._slots:
+      self.slots = OptimizerSlots()
+      for name, var in self._slots.items():
+        self.slots.add(name, var)
 
-  def apply_gradients(self, grads, update=_assign):
-    """Plain SGD with upstream's decayed rate, the step's increment, the averages.
+  def clip_tower(self, grads, scale=1.0):
+    """One tower's gradients, clipped by their global norm if --clip_where per_tower.
 
     Args:
-      grads: list of averaged gradients in VARIABLE_NAMES order.
-      update: callable(var, fn, args=()) running fn(copy, *args) on every copy
-        of `var` (a strategy's `extended.update`); default: the one copy.
+      grads: list of one tower's gradients.
+      scale: the factor the gradients carry (a replica's 1/R): the bound is
+        scaled with them, so the result is scale x the clipped gradients.
     """
+    if not self.optimizer.clips_per_tower:
+      return grads
+    return clip(grads, self.optimizer.clip_norm * scale)
+
+  def clip_averaged(self, grads):
+    """The averaged gradients, clipped by their global norm if --clip_where averaged."""
+    if not self.optimizer.clips_averaged:
+      return grads
+    return clip(grads, self.optimizer.clip_norm)
+
+  def apply_gradients(self, grads, update=_assign):
+    """The optimizer's update at upstream's decayed rate, the step's increment, the averages.
+
+    Args:
+      grads: list of averaged gradients in VARIABLE_NAMES order, already
+        clipped (`clip_averaged`).
+      update: callable(var, fn, args=()) running fn(copy, *args) on every copy
+        of `var` (a strategy's `extended.update`, which hands fn each
+        replica's own copy of the variables in args too); default: the one copy.
+    """
+    spec = self.optimizer
+    slots = self._slots
     with tf.name_scope('update'):
       # Read before the increment, as exponential_decay inside legacy's
       # apply_gradients reads it.
-      lr = model_spec.learning_rate(self.global_step, self.decay_steps)
-      for grad, var in zip(grads, self.model.variable_list()):
-        update(var, lambda v, g: v.assign_sub(lr * g), args=(grad,))
+      lr = model_spec.learning_rate(self.global_step, self.decay_steps,
+                                    spec.learning_rate)
+      for name, grad, var in zip(model_spec.VARIABLE_NAMES, grads,
+                                 self.model.variable_list()):
+        if spec.name == optimizer_lib.MOMENTUM:
+          momentum = tf.constant(spec.momentum, tf.float32)
+          update(var, lambda v, a, g: apply_momentum(v, a, g, lr, momentum),
+                 args=(slots[name + '/Momentum'], grad))
+        elif spec.name == optimizer_lib.ADAM:
+          constants = [tf.constant(x, tf.float32) for x in (
+              spec.adam_beta1, spec.adam_beta2, spec.adam_epsilon)]
+          update(var, lambda v, m, s, b1, b2, g: apply_adam(
+              v, m, s, b1, b2, g, lr, *constants),
+                 args=(slots[name + '/Adam'], slots[name + '/Adam_1'],
+                       slots['beta1_power'], slots['beta2_power'], grad))
+        else:
+          update(var, lambda v, g: apply_sgd(v, g, lr), args=(grad,))
+      if spec.name == optimizer_lib.ADAM:
+        # After every variable's update, as AdamOptimizer._finish does
+        # (tf.function orders these writes after the reads above).
+        for power, beta in (('beta1_power', spec.adam_beta1),
+                            ('beta2_power', spec.adam_beta2)):
+          beta = tf.constant(beta, tf.float32)
+          update(slots[power], lambda p, b: p.assign(p * b), args=(beta,))
       self.global_step.assign_add(1)
     with tf.name_scope('moving_average'):
       # Deviation from upstream: the moving averages see the updated variables and the new step.
@@ -132,6 +256,27 @@ class TrainState:
   def shadow_variables(self):
     """Dict 'conv1/weights' -> moving-average tf.Variable, in VARIABLE_NAMES order."""
     return self.ema.variables_by_name()
+
+  def slot_variables(self):
+    """Dict legacy slot name ('conv1/weights/Adam', 'beta1_power', ...) -> tf.Variable."""
+    return dict(self._slots)
+
+  def assign_slots(self, values):
+    """Sets every slot; `values` maps each name of `slot_variables()` to an array.
+
+    Raises:
+      ValueError: a name is missing or unknown, or a shape is wrong.
+    """
+    missing = sorted(set(self._slots) - set(values))
+    unknown = sorted(set(values) - set(self._slots))
+    if missing or unknown:
+      raise ValueError('slots: missing %s, unknown %s' % (missing, unknown))
+    for name, var in self._slots.items():
+      if tuple(tf.shape(values[name]).numpy()) != tuple(var.shape):
+        raise ValueError('slot %r has shape %s, the variable %s'
+                         % (name, tuple(tf.shape(values[name]).numpy()),
+                            tuple(var.shape)))
+      var.assign(tf.cast(values[name], tf.float32))
 
   def assign_variables(self, values, shadow_values=None):
     """Sets the trainable variables and their moving averages.
@@ -195,17 +340,19 @@ class Trainer:
     state: TrainState.
   """
 
-  def __init__(self, plan, decay_steps, jit=False):
+  def __init__(self, plan, decay_steps, jit=False,
+               optimizer=optimizer_lib.Optimizer()):
     """Creates the state (see TrainState) and the step's functions.
 
     Args:
       plan: common.devices.DevicePlan.
       decay_steps: int >= 1, `hparams.decay_steps(...)`.
       jit: bool, compile each tower's forward and backward pass with XLA.
+      optimizer: common.optimizer.Optimizer; default upstream's SGD.
     """
     self.plan = plan
     self.num_towers = plan.num_towers
-    self.state = TrainState(plan, decay_steps)
+    self.state = TrainState(plan, decay_steps, optimizer)
     # Not a whole-step jit_compile: XLA compiles one device's ops
     # and cannot read variables that live on another device, so with `jit`
     # each tower's loss-and-gradients function (which receives the variables'
@@ -235,6 +382,9 @@ class Trainer:
   def _averaged_gradients(self, images, labels):
     """Runs the towers and averages their gradients, without applying them.
 
+    (With --clip_where per_tower, each tower's are clipped before the
+    average; with averaged, `TrainState.clip_averaged` comes after this.)
+
     Args:
       images: float32 [num_towers, batch, 24, 24, 3].
       labels: int32 [num_towers, batch].
@@ -256,6 +406,9 @@ class Trainer:
     for i, device in enumerate(self.plan.tower_devices):
       with tf.device(device), tf.name_scope('%s_%d' % (TOWER_NAME, i)):
         loss, grads = self._tower_fn(values, tower_images[i], tower_labels[i])
+        # With --clip_where per_tower, on the tower's device before the
+        # average, as legacy clips inside each tower.
+        grads = self.state.clip_tower(grads)
       tower_losses.append(loss)
       tower_grads.append(list(zip(grads, variables)))
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'):
@@ -271,10 +424,10 @@ class Trainer:
       return grads, tf.stack(tower_losses)
 
   def _train_step(self, images, labels):
-    """One SGD step over all towers; returns tower losses float32 [num_towers]."""
+    """One training step over all towers; returns tower losses float32 [num_towers]."""
     grads, tower_losses = self._averaged_gradients(images, labels)
     with tf.device(devices.VARIABLE_DEVICE):
-      self.state.apply_gradients(grads)
+      self.state.apply_gradients(self.state.clip_averaged(grads))
     return tower_losses
 
   def _check(self, tower_batches):

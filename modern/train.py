@@ -130,7 +130,8 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
           state = engine.trainer.state
           checkpoint = ckpt_lib.checkpoint_object(state)
           # Only the chief restores; the others take its state (engine.broadcast).
-          resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint, warn)
+          resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint, warn,
+                                                 config.optimizer)
                          if engine.is_chief else None)
           manager = tf.train.CheckpointManager(  # after restore_latest: see there
               checkpoint, engine.write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
@@ -202,7 +203,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
         on_step(step, duration, engine.global_batch_size)
       if step % config.summary_every == 0:
         # The learning rate the step just taken used (read before the increment).
-        lr = float(model_spec.learning_rate(step - 1, decay_steps))
+        lr = float(model_spec.learning_rate(step - 1, decay_steps,
+                                            config.optimizer.learning_rate))
         try:
           with writer.as_default():
             _write_summaries(state, step, tower_losses, lr)

@@ -23,8 +23,13 @@ def device_plan():
 
 @pytest.fixture(scope='session')
 def synth_data_dir(tmp_path_factory):
-  """A small generated CIFAR-format data dir (shared, read-only for tests)."""
+  """A small generated CIFAR-format data dir (shared, read-only for tests).
+
+  Unmarked (no GENERATED.json): it stands in for CIFAR-10, so training and
+  eval on it print nothing about generated data, and the tests pin their
+  stderr as on the real set. tests/test_generated.py covers marked data.
+  """
   from common import synth
   data_dir = str(tmp_path_factory.mktemp('synth_data'))
-  synth.generate(data_dir, train_per_file=200, num_test=300, seed=0)
+  synth.generate(data_dir, train_per_file=200, num_test=300, seed=0, mark=False)
   return data_dir

@@ -23,7 +23,8 @@ DATA_NAMES = fmt.TRAIN_FILES + fmt.EVAL_FILES
 def source(tmp_path_factory):
   """A small generated data set to pack: its directory and its decoded files."""
   data_dir = str(tmp_path_factory.mktemp('source'))
-  synth.generate(data_dir, train_per_file=4, num_test=6, seed=5)
+  # Unmarked, as the archive's files are: it stands in for CIFAR-10's.
+  synth.generate(data_dir, train_per_file=4, num_test=6, seed=5, mark=False)
   files = {}
   for name in os.listdir(fmt.batches_dir(data_dir)):
     with open(os.path.join(fmt.batches_dir(data_dir), name), 'rb') as f:
@@ -178,7 +179,7 @@ def test_http_url_verified_and_extracted(tmp_path, source, server):
 def test_present_data_means_no_download(tmp_path, source, server):
   base, _, requests = server
   data_dir = str(tmp_path / 'data')
-  synth.generate(data_dir, train_per_file=2, num_test=2)
+  synth.generate(data_dir, train_per_file=2, num_test=2, mark=False)
   before = _snapshot(data_dir)
   result = download.maybe_download_and_extract(
       data_dir, url=base + '/missing.tar.gz', sha256='0' * 64)
@@ -186,6 +187,26 @@ def test_present_data_means_no_download(tmp_path, source, server):
   assert requests == []
   assert _snapshot(data_dir) == before
   assert download.is_present(data_dir)
+
+
+@pytest.mark.parametrize('whole', [True, False], ids=['whole', 'partial'])
+def test_generated_data_is_not_present_cifar10(tmp_path, source, server, whole):
+  """Marked generated data is neither reported as CIFAR-10 nor unpacked over."""
+  base, _, requests = server
+  data_dir = str(tmp_path / 'data')
+  synth.generate(data_dir, train_per_file=2, num_test=2, seed=4)
+  if not whole:  # a download would fill the gap, mixing the two sets
+    os.remove(os.path.join(fmt.batches_dir(data_dir), 'data_batch_3.bin'))
+  before = _snapshot(data_dir)
+  with pytest.raises(download.DownloadError) as e:
+    download.maybe_download_and_extract(data_dir, url=base + '/c10.tar.gz',
+                                        sha256='0' * 64)
+  assert str(e.value) == (
+      '%s holds generated data (synth), not CIFAR-10; nothing was downloaded. '
+      'To get CIFAR-10 there, remove %s and run this again, or pass another '
+      '--data_dir.' % (data_dir, fmt.batches_dir(data_dir)))
+  assert requests == []
+  assert _snapshot(data_dir) == before
 
 
 def test_wrong_sha256_refused_and_data_dir_unchanged(tmp_path, source, server):

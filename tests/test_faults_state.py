@@ -346,10 +346,10 @@ def test_eval_and_convert_read_an_upstream_train_dir(upstream_dir, synth_data_di
   assert code == 1
   assert _errors(err) == [
       'Error: %s is a checkpoint of the upstream script (float32 global_step); '
-      'the modern trainer resumes only its own checkpoints. Use another '
-      '--train_dir, or convert this one (`python cli.py convert --from_dir %s '
-      '--to_dir NEW_DIR`) and train NEW_DIR, or train it with the legacy '
-      'trainer.' % (prefix, train_dir)]
+      'the modern trainer resumes only its own checkpoints. Convert it '
+      '(`python cli.py convert --from_dir %s --to_dir %s_modern`) and train '
+      'with --train_dir %s_modern, or use another --train_dir, or train this '
+      'one with the legacy trainer.' % (prefix, train_dir, train_dir, train_dir)]
 
   converted = str(tmp_path / 'converted')
   code, out, err, exception = fs.invoke_cli(

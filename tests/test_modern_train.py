@@ -198,5 +198,8 @@ def test_checkpoint_keys_map_to_legacy_names(tmp_path, initial_values):
     np.testing.assert_array_equal(
         tf.train.load_variable(path, modern_checkpoints.checkpoint_key(name + '/ExponentialMovingAverage')),
         shadows[name])
+  # Optimizer slots have keys since --optimizer (common.optimizer); others do not.
+  assert (modern_checkpoints.checkpoint_key('conv1/weights/Momentum')
+          == 'optimizer/conv1/weights/Momentum/.ATTRIBUTES/VARIABLE_VALUE')
   with pytest.raises(KeyError):
-    modern_checkpoints.checkpoint_key('conv1/weights/Momentum')
+    modern_checkpoints.checkpoint_key('conv1/weights/RMSProp')

@@ -1,0 +1,92 @@
+"""Generated data is labelled as such, so no command reports it as CIFAR-10.
+
+`data synth` and `data digits` (`common.synth.generate`,
+`common.digits.convert_digits`) write `cifar-10-batches-bin/GENERATED.json`
+with the .bin files, inside the same staged swap, so a data set and its label
+appear together or not at all. It names the generator ('synth' or 'digits'),
+the command that rewrites the same bytes, the seed and the parameters, and
+when it was written. Data without it is taken for CIFAR-10 (or the user's
+own): `data download` says CIFAR-10 is present only then, and the generators
+replace it only with --force. No TensorFlow here.
+"""
+
+import datetime
+import json
+import os
+import shlex
+
+from common import cifar10_format as fmt
+from common import prog
+
+MARKER_FILE = fmt.GENERATED_FILE
+
+
+def marker_path(data_dir):
+  """`<data_dir>/cifar-10-batches-bin/GENERATED.json`."""
+  return os.path.join(fmt.batches_dir(data_dir), MARKER_FILE)
+
+
+def write_marker(directory, generator, data_dir, args, **params):
+  """Writes GENERATED.json into `directory` (a staging directory).
+
+  Args:
+    directory: where the new .bin files are being written.
+    generator: 'synth' or 'digits'.
+    data_dir: the data directory the set is for (named in the command).
+    args: list of the command's flags after `--data_dir D`, e.g.
+      ['--seed', '0']: with them `data <generator>` writes the same bytes.
+    **params: everything the set depends on, recorded as is (JSON values).
+  """
+  command_args = ' '.join(['data', generator, '--data_dir', shlex.quote(data_dir)]
+                          + [shlex.quote(str(a)) for a in args])
+  info = {
+      'generator': generator,
+      'args': command_args,  # without the program: see `command`
+      'command': prog.command(command_args),
+      'params': params,
+      'written': datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec='seconds'),
+  }
+  fmt.write_atomically(os.path.join(directory, MARKER_FILE),
+                       json.dumps(info, indent=2, sort_keys=True) + '\n')
+
+
+def read(data_dir):
+  """The marker of `data_dir`'s data set, or None when it has none.
+
+  Returns:
+    dict with at least 'generator' (str; 'unknown' when the file is there but
+    unreadable or not this format: it still says the data is generated).
+  """
+  path = marker_path(data_dir)
+  if not os.path.lexists(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      info = json.load(f)
+  except (OSError, ValueError):
+    info = None
+  if not isinstance(info, dict):
+    info = {}
+  if not isinstance(info.get('generator'), str) or not info['generator']:
+    info['generator'] = 'unknown'
+  return info
+
+
+def describe(info):
+  """'generated data (synth)': what every message calls a marked data set."""
+  return 'generated data (%s)' % info['generator']
+
+
+def command(info):
+  """The command that rewrites this set, for the program as run now; None if unknown."""
+  args = info.get('args')
+  return prog.command(args) if isinstance(args, str) and args else None
+
+
+def holds_data(data_dir):
+  """True when cifar-10-batches-bin/ holds any of the six data files."""
+  d = fmt.batches_dir(data_dir)
+  return os.path.isdir(d) and any(
+      os.path.lexists(os.path.join(d, name))
+      for name in fmt.TRAIN_FILES + fmt.EVAL_FILES)

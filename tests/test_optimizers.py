@@ -1,0 +1,296 @@
+"""Momentum, Adam and gradient clipping: both trainers equal, slots converted bit for bit.
+
+Tolerances are the contract's (crosscheck.py, docs/equivalence.md §2): the
+averaged and clipped gradients 1e-5, tower losses 1e-6, variables, moving
+averages and every slot after K steps 1e-4. The cross-check matrix runs on
+tiny batches (2 images per tower, 2 steps) to keep the suite's time: what it
+compares is the arithmetic, not learning.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow.compat.v1 as tf1
+from click.testing import CliRunner
+
+import cli
+import convert
+import crosscheck
+from common import config as config_lib
+from common import devices
+from common import model_spec
+from common import optimizer as optimizer_lib
+from common import training
+
+CLIP = 1.0  # well below the initial gradients' global norm: clipping is active
+
+
+def _plan(device_plan, n):
+  return devices.DevicePlan(device_plan.tower_devices[:n], device_plan.kind,
+                            device_plan.num_cpu_devices)
+
+
+def _failed(report):
+  return {(check, name) for check, name, _, _ in report.failures()}
+
+
+def _global_norm(grads):
+  return float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64))
+                           for g in grads.values())))
+
+
+@pytest.mark.parametrize('clip_where', optimizer_lib.CLIP_WHERE)
+@pytest.mark.parametrize('name', optimizer_lib.NAMES)
+@pytest.mark.parametrize('num_towers', [1, 2, 3])
+def test_crosscheck_matrix(device_plan, num_towers, name, clip_where):
+  spec = optimizer_lib.Optimizer(name=name, clip_norm=CLIP, clip_where=clip_where)
+  report = crosscheck.run(_plan(device_plan, num_towers), batch_size=2, steps=2,
+                          seed=num_towers, optimizer=spec)[0]['towers']
+  assert report.passed, crosscheck.format_report(report)
+  slots = [row for row in report.rows if row[0] == '3 slot after K steps']
+  assert [row[1] for row in slots] == list(spec.slot_names())
+  for slot_name, value in report.legacy.final_slots.items():
+    if '/' in slot_name:  # a real comparison: the slots moved from zero
+      assert np.any(value != 0), slot_name
+  if clip_where == optimizer_lib.AVERAGED:
+    # Clipping is active, and the identity held to the contract.
+    assert _global_norm(report.legacy.applied) == pytest.approx(CLIP, rel=1e-5)
+    assert any(row[0] == '1 clipped averaged gradient' for row in report.rows)
+    assert report.per_tower_identity_gap() is None
+  else:
+    gap = report.per_tower_identity_gap()
+    assert gap is not None
+    if num_towers == 1:
+      assert gap <= crosscheck.GRAD_RTOL  # one tower: nothing to differ
+    else:
+      assert gap > 1e-2  # the pitfall, measured
+      assert 'NOT 1 tower on the concatenation' in crosscheck.format_report(report)
+
+
+@pytest.mark.parametrize('name,clip_where', [('adam', 'averaged'),
+                                              ('momentum', 'per_tower')])
+def test_mirrored_strategy_applies_the_same_update(device_plan, name, clip_where):
+  """The replica engines update every slot through TrainState (mirrored slots)."""
+  spec = optimizer_lib.Optimizer(name=name, clip_norm=CLIP, clip_where=clip_where)
+  reports = crosscheck.run(_plan(device_plan, 2), batch_size=2, steps=2, seed=6,
+                           engines=('mirrored',), optimizer=spec)[0]
+  assert reports['mirrored'].passed, crosscheck.format_report(reports['mirrored'])
+
+
+def test_adam_without_bias_correction_fails(monkeypatch, device_plan):
+  from modern import step as modern_step
+
+  def uncorrected(var, m, v, beta1_power, beta2_power, grad, lr, beta1, beta2,
+                  epsilon):
+    del beta1_power, beta2_power
+    # Beta powers of 0: lr_t = lr * sqrt(1 - 0) / (1 - 0) = lr, no correction.
+    return tf.raw_ops.ResourceApplyAdam(
+        var=var.handle, m=m.handle, v=v.handle, beta1_power=tf.constant(0.0),
+        beta2_power=tf.constant(0.0), lr=lr, beta1=beta1, beta2=beta2,
+        epsilon=epsilon, grad=grad)
+
+  monkeypatch.setattr(modern_step, 'apply_adam', uncorrected)
+  spec = optimizer_lib.Optimizer(name='adam', clip_norm=CLIP)
+  report = crosscheck.run(_plan(device_plan, 2), batch_size=2, steps=2, seed=7,
+                          optimizer=spec)[0]['towers']
+  failed = _failed(report)
+  assert ('3 variable after K steps', 'conv1/weights') in failed
+  # The gradients and losses at the start do not depend on the update.
+  assert not any(check.startswith('1 ') or check.startswith('2 ')
+                 for check, _ in failed)
+
+
+def test_clipping_per_tower_when_averaged_asked_fails(monkeypatch, device_plan):
+  from modern import step as modern_step
+  monkeypatch.setattr(modern_step.TrainState, 'clip_tower',
+                      lambda self, grads, scale=1.0: modern_step.clip(
+                          grads, self.optimizer.clip_norm * scale))
+  monkeypatch.setattr(modern_step.TrainState, 'clip_averaged',
+                      lambda self, grads: grads)
+  spec = optimizer_lib.Optimizer(name='momentum', clip_norm=CLIP,
+                                 clip_where='averaged')
+  report = crosscheck.run(_plan(device_plan, 2), batch_size=2, steps=2, seed=8,
+                          optimizer=spec)[0]['towers']
+  failed = _failed(report)
+  assert ('1 averaged gradient', 'local3/weights') in failed
+  assert ('1 clipped averaged gradient', 'local3/weights') in failed
+  assert ('3 slot after K steps', 'local3/weights/Momentum') in failed
+  assert any(check.startswith('4 identity (modern)') for check, _ in failed)
+  assert not any(check.startswith('4 identity (legacy)') for check, _ in failed)
+
+
+def test_sum_instead_of_mean_fails_even_when_clipping_hides_it(monkeypatch,
+                                                               device_plan):
+  """Clipping the sum to the same norm as the mean gives the same update; the
+  averaged-gradient rows still catch it."""
+  from modern import step as modern_step
+
+  def summed(tower_grads):
+    return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
+
+  monkeypatch.setattr(modern_step, 'average_gradients', summed)
+  spec = optimizer_lib.Optimizer(name='adam', clip_norm=CLIP)
+  report = crosscheck.run(_plan(device_plan, 2), batch_size=2, steps=2, seed=9,
+                          optimizer=spec)[0]['towers']
+  failed = _failed(report)
+  assert {('1 averaged gradient', n) for n in model_spec.VARIABLE_NAMES} <= failed
+  # What clipping hides: the clipped sum is the clipped mean, so the update,
+  # the variables after K steps and the (clipped) identity all agree.
+  assert not any(check.startswith('3 ') or check.startswith('4 ')
+                 or check.startswith('1 clipped') for check, _ in failed)
+
+
+def test_cli_crosscheck_adam_per_tower_says_the_identity_does_not_hold():
+  result = CliRunner().invoke(cli.cli, [
+      'crosscheck', '--num_gpus', '2', '--batch_size', '2', '--steps', '1',
+      '--optimizer', 'adam', '--learning_rate', '0.001', '--clip_norm', '1',
+      '--clip_where', 'per_tower'])
+  assert result.exit_code == 0, result.output
+  assert 'PASS: all' in result.output
+  assert 'not held' in result.output
+  assert 'NOT 1 tower on the concatenation' in result.output
+
+
+def test_optimizer_flags_for_another_optimizer_are_usage_errors():
+  result = CliRunner().invoke(cli.cli, ['legacy', '--adam_beta1', '0.8',
+                                        '--optimizer', 'momentum'])
+  assert result.exit_code == 2
+  assert '--adam_beta1 is for --optimizer adam' in result.output
+
+
+# --- checkpoints: slots converted bit for bit, resume refused across optimizers --
+
+ADAM = optimizer_lib.Optimizer(name='adam', learning_rate=0.001, clip_norm=CLIP)
+DECAY_STEPS = 1000
+
+
+@pytest.fixture(scope='module')
+def adam_legacy_dir(tmp_path_factory, synth_data_dir, device_plan):
+  """A legacy train_dir after 4 Adam steps with clipping, on 2 towers."""
+  from legacy import train as legacy_train
+  train_dir = str(tmp_path_factory.mktemp('adam_legacy'))
+  config = config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=train_dir,
+                                  num_gpus=2, batch_size=8, max_steps=4,
+                                  save_every=100, optimizer=ADAM)
+  legacy_train.train(config, _plan(device_plan, 2), out=lambda _: None,
+                     warn=lambda _: None, num_threads=2)
+  return train_dir
+
+
+def _tensors(path):
+  return {name: tf.train.load_variable(path, name)
+          for name, _ in tf.train.list_variables(path)}
+
+
+def _legacy_losses(path, plan, images, labels, steps):
+  """Tower losses of `steps` legacy steps on fixed batches, from checkpoint `path`."""
+  from legacy import train as legacy_train
+  with tf.Graph().as_default():
+    batches = [(tf.constant(images[i]), tf.constant(labels[i]))
+               for i in range(images.shape[0])]
+    towers = legacy_train.build_towers(batches, plan, DECAY_STEPS, optimizer=ADAM)
+    saver = tf1.train.Saver(tf1.global_variables())
+    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
+      saver.restore(sess, path)
+      return np.array([sess.run([towers.train_op, towers.tower_losses])[1]
+                       for _ in range(steps)])
+
+
+def _modern_losses(path, plan, images, labels, steps):
+  """The same with modern's towers, from a modern checkpoint."""
+  from modern import checkpoints as modern_checkpoints
+  from modern import step as modern_step
+  trainer = modern_step.Trainer(plan, DECAY_STEPS, optimizer=ADAM)
+  modern_checkpoints.checkpoint_object(trainer.state).restore(
+      path).assert_existing_objects_matched()
+  return np.array([trainer.train_step((images, labels)).numpy()
+                   for _ in range(steps)])
+
+
+def test_adam_round_trip_is_bit_for_bit_and_trains_on_the_same(
+    adam_legacy_dir, tmp_path, device_plan):
+  from common import checkpoints
+  modern_dir, back_dir = str(tmp_path / 'modern'), str(tmp_path / 'back')
+  _, _, step, modern_path = convert.convert(adam_legacy_dir, modern_dir)
+  assert step == 4
+  _, _, _, back_path = convert.convert(modern_dir, back_dir)
+  original_path = checkpoints.latest(adam_legacy_dir)
+  original, back = _tensors(original_path), _tensors(back_path)
+  # 10 weights, 10 averages, global_step, 20 Adam slots, 2 beta powers.
+  assert len(original) == 43
+  assert set(back) == set(original)
+  for name, value in original.items():
+    assert back[name].dtype == value.dtype, name
+    assert np.array_equal(back[name], value), name
+  assert original['beta1_power'] == np.float32(0.9) ** 5  # step 4, then one more
+  modern = _tensors(modern_path)
+  from modern import checkpoints as modern_checkpoints
+  for name in ADAM.slot_names():
+    assert np.array_equal(modern[modern_checkpoints.checkpoint_key(name)],
+                          original[name]), name
+
+  # Training on from the converted checkpoint continues the unconverted one's
+  # loss curve (modern from the converted, legacy from the original).
+  plan = _plan(device_plan, 2)
+  images, labels = crosscheck.draw_batches(2, 8, seed=11)
+  legacy_curve = _legacy_losses(original_path, plan, images, labels, 5)
+  modern_curve = _modern_losses(modern_path, plan, images, labels, 5)
+  assert legacy_curve.shape == (5, 2)
+  np.testing.assert_allclose(modern_curve, legacy_curve, rtol=1e-4, atol=0)
+  assert not np.allclose(legacy_curve[0], legacy_curve[-1])  # it trains
+
+
+def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
+                                          tmp_path, device_plan):
+  from legacy import train as legacy_train
+  from modern import train as modern_train
+  plan = _plan(device_plan, 1)
+
+  def config(train_dir, optimizer):
+    return config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=train_dir,
+                                  num_gpus=1, batch_size=4, max_steps=10,
+                                  optimizer=optimizer)
+
+  sgd = optimizer_lib.Optimizer()
+  # An Adam checkpoint resumed with SGD: legacy, and modern after conversion.
+  with pytest.raises(training.TrainingError,
+                     match='trained with --optimizer adam; this run has '
+                           '--optimizer sgd, which would drop'):
+    legacy_train.train(config(adam_legacy_dir, sgd), plan, out=lambda _: None,
+                       warn=lambda _: None, num_threads=1)
+  modern_dir = str(tmp_path / 'modern')
+  convert.convert(adam_legacy_dir, modern_dir)
+  with pytest.raises(training.TrainingError, match='Resume it with --optimizer adam'):
+    modern_train.train(config(modern_dir, sgd), plan, out=lambda _: None,
+                       warn=lambda _: None)
+  # The reverse: an SGD checkpoint resumed with Adam or momentum.
+  init = crosscheck.initial_values(0)
+  sgd_modern, sgd_legacy = str(tmp_path / 'sgd_modern'), str(tmp_path / 'sgd_legacy')
+  os.makedirs(sgd_modern)
+  os.makedirs(sgd_legacy)
+  convert.write_modern(sgd_modern, init, init, 3)
+  convert.write_legacy(sgd_legacy, init, init, 3)
+  with pytest.raises(training.TrainingError, match='which would zero-fill'):
+    modern_train.train(config(sgd_modern, ADAM), plan, out=lambda _: None,
+                       warn=lambda _: None)
+  with pytest.raises(training.TrainingError, match='--optimizer sgd; this run has '
+                                                   '--optimizer momentum'):
+    legacy_train.train(config(sgd_legacy, optimizer_lib.Optimizer(name='momentum')),
+                       plan, out=lambda _: None, warn=lambda _: None, num_threads=1)
+  # Nothing was written into the refused train_dirs.
+  for train_dir in (sgd_legacy, sgd_modern):
+    assert not [f for f in os.listdir(train_dir)
+                if f.startswith('model.ckpt-') and not f.startswith('model.ckpt-3.')]
+    assert not [f for f in os.listdir(train_dir) if 'tfevents' in f]
+
+
+def test_cli_resume_refusal_is_one_line(adam_legacy_dir, synth_data_dir):
+  result = CliRunner().invoke(cli.cli, [
+      'legacy', '--data_dir', synth_data_dir, '--train_dir', adam_legacy_dir,
+      '--batch_size', '4', '--max_steps', '10'])
+  assert result.exit_code == 1, result.output
+  assert 'Error: ' in result.output
+  assert '--optimizer adam' in result.output
+  assert 'Traceback' not in result.output
