@@ -305,7 +305,10 @@ TRAIN_CASES = [
          r'--train_dir, or move its checkpoints away\.$', 'in'),
     Case('checkpoint_of_the_other_trainer', checkpoint_of_the_other_trainer, 1,
          r'^Error: .*/train/model\.ckpt-2 is a (modern|legacy) \(tf\..*\) '
-         r'checkpoint; the (legacy|modern) trainer .*Use another --train_dir',
+         r'checkpoint; the (legacy|modern) trainer .*Convert it \(`python cli\.py '
+         r'convert --from_dir \S*/train --to_dir \S*/train_(legacy|modern)`\) and '
+         r'train with --train_dir \S*/train_(legacy|modern), or use another '
+         r'--train_dir',
          'in'),
     Case('decay_steps_zero', too_few_examples, 1,
          r'^Error: decay_steps = int\(5 examples / 2000 batch / 1 towers \* 350 '
