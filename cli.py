@@ -455,12 +455,18 @@ def _evaluate_by_kind(data_dir, batch_size, num_examples):
                    'for new ones.')
 @click.option('--eval_interval_secs', type=click.IntRange(min=1), default=300,
               show_default=True, help='How often to look for a new checkpoint.')
+@click.option('--eval_dir', type=click.Path(), default=config_lib.DEFAULT_EVAL_DIR,
+              show_default=True, envvar='CIFAR10_EVAL_DIR',
+              help='Where precision @ 1 goes for TensorBoard (tag "Precision @ '
+                   '1", at each checkpoint\'s global step); created if missing, '
+                   'its event files kept (env CIFAR10_EVAL_DIR).')
 def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
-                 eval_interval_secs):
+                 eval_interval_secs, eval_dir):
   """Print precision @ 1 on the test set with the moving-average weights.
 
   Evaluates the newest intact checkpoint (saying which it skipped, and why),
   then, without --run_once, each new one as training writes it, until Ctrl-C.
+  Each precision also goes to --eval_dir for TensorBoard.
   """
   from common import training
   # Held for the whole command: a signal while TensorFlow loads or a batch
@@ -477,10 +483,14 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
       _warn('--num_examples %d is more than the %d records of the test set in '
             '%s; evaluating all %d.' % (num_examples, available, data_dir,
                                         available))
-    evaluation.run(checkpoint_dir,
-                   _evaluate_by_kind(data_dir, batch_size, num_examples),
-                   stop, out=click.echo, warn=_warn,
-                   interval_secs=None if run_once else eval_interval_secs)
+    try:
+      evaluation.run(checkpoint_dir,
+                     _evaluate_by_kind(data_dir, batch_size, num_examples),
+                     stop, out=click.echo, warn=_warn,
+                     interval_secs=None if run_once else eval_interval_secs,
+                     eval_dir=eval_dir)
+    except evaluation.EvalDirError as e:
+      raise click.ClickException(_first_line(e)) from None
   if stop.requested:
     # The stop line said what was evaluated; exit as if killed by the signal.
     global _stopped_by_signal  # pylint: disable=global-statement

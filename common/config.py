@@ -8,6 +8,7 @@ from common import optimizer as optimizer_lib
 
 DEFAULT_DATA_DIR = '/tmp/cifar10_data'  # upstream's default
 DEFAULT_TRAIN_DIR = '/tmp/cifar10_train'  # upstream's default
+DEFAULT_EVAL_DIR = '/tmp/cifar10_eval'  # upstream's default
 
 
 @dataclasses.dataclass(frozen=True)

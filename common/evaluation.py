@@ -7,7 +7,8 @@ before any graph is built, so a checkpoint the trainer deletes meanwhile
 newest intact one, saying what it skipped - and hands it to the evaluator of
 its kind, chosen per checkpoint: one directory can hold either trainer's
 checkpoints over time. It imports neither evaluator; the caller passes the
-dispatch in.
+dispatch in. Whichever evaluated it, the precision goes to TensorBoard the same
+way: `PrecisionWriter`, upstream's 'Precision @ 1' scalar in eval_dir.
 
 Deviation from upstream: upstream's loop re-evaluated the newest checkpoint
 every eval_interval_secs and died on the first unreadable one; this one
@@ -18,10 +19,17 @@ evaluated.
 
 import collections
 import datetime
+import errno
 import os
+import tempfile
+
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 from common import checkpoints
 from common import prog
+
+PRECISION_TAG = 'Precision @ 1'  # upstream's summary tag
 
 EvalCounts = collections.namedtuple('EvalCounts', [
     'true_count',  # records whose top prediction is the label
@@ -34,6 +42,145 @@ Evaluation = collections.namedtuple('Evaluation', [
     'precision',  # float in [0, 1]
     'global_step',  # int
 ])
+
+
+class EvalDirError(Exception):
+  """The precision cannot be written to eval_dir; the message names --eval_dir."""
+
+
+# tf.summary.scalar is implemented by the tensorboard package, which is not a
+# dependency (tensorflow no longer installs it); this writes the same record
+# (a float32 tensor plus the scalars plugin's name, as TensorBoard's scalars
+# dashboard reads it) with core tf.summary.write, as modern/train.py does.
+# It becomes tf.summary.scalar(PRECISION_TAG, precision, step=global_step)
+# once tensorboard is a dependency in setup.py.
+_SCALARS_METADATA = summary_pb2.SummaryMetadata(
+    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='scalars'))
+
+
+class PrecisionWriter:
+  """Writes 'Precision @ 1' to eval_dir at each checkpoint's global step.
+
+  One event file per writer, opened at the first point and flushed after each,
+  so TensorBoard shows a point as soon as its evaluation ends. Event files
+  already in eval_dir are kept: a new writer adds its own file beside them,
+  and TensorBoard shows the points of all of them as one series.
+  Every failure to write is an EvalDirError; nothing outside eval_dir is
+  touched.
+  """
+  # Deviation from upstream: eval_dir is never deleted; new points are added.
+  # Deviation from upstream: upstream also wrote the model's summaries by
+  # running them over one more batch; only the precision is written.
+
+  def __init__(self, eval_dir):
+    self.eval_dir = eval_dir
+    self._writer = None
+
+  def check(self):
+    """Creates eval_dir if missing and proves a file can be made in it.
+
+    Raises:
+      EvalDirError: a file is in the way, or eval_dir is not writable.
+    """
+    in_the_way = _file_in_the_way(self.eval_dir)
+    if in_the_way is not None:
+      raise self._error('%s is a file, not a directory' % in_the_way,
+                        'Move that file')
+    try:
+      os.makedirs(self.eval_dir, exist_ok=True)
+      # An unnamed file, gone when closed: eval_dir is left as it was.
+      with tempfile.TemporaryFile(dir=self.eval_dir):
+        pass
+    except OSError as e:
+      raise self._error(e.strerror or str(e), _advice(e.strerror or '')) from None
+
+  def write(self, precision, global_step):
+    """Adds one point, flushed to disk.
+
+    Raises:
+      EvalDirError: the event file cannot be created or written (e.g. disk
+        full).
+    """
+    if self._writer is None:
+      before = _event_files(self.eval_dir)
+      try:
+        self._writer = tf.summary.create_file_writer(self.eval_dir)
+      except (tf.errors.OpError, OSError) as e:
+        # A full disk leaves the new event file empty: remove it, so a failed
+        # write changes nothing.
+        for name in _event_files(self.eval_dir) - before:
+          path = os.path.join(self.eval_dir, name)
+          try:
+            if os.path.getsize(path) == 0:
+              os.remove(path)
+          except OSError:
+            pass
+        cause = checkpoints.reason(e).rsplit('; ', 1)[-1]
+        raise self._error(cause, _advice(cause)) from None
+    try:
+      with self._writer.as_default():
+        tf.summary.write(PRECISION_TAG, tf.constant(precision, tf.float32),
+                         step=int(global_step), metadata=_SCALARS_METADATA)
+      self._writer.flush()
+    except (tf.errors.OpError, OSError) as e:
+      cause = checkpoints.reason(e).rsplit('; ', 1)[-1]
+      raise self._error(cause, _advice(cause)) from None
+
+  def close(self, quiet=False):
+    """Closes the event file; quiet: ignore a failure (another error is on its way)."""
+    if self._writer is not None:
+      writer, self._writer = self._writer, None
+      try:
+        writer.close()
+      except (tf.errors.OpError, OSError) as e:
+        if quiet:
+          return
+        cause = checkpoints.reason(e).rsplit('; ', 1)[-1]
+        raise self._error(cause, _advice(cause)) from None
+
+  def _error(self, cause, advice):
+    return EvalDirError(
+        'could not write %s to --eval_dir %s (%s). %s, or pass another '
+        '--eval_dir; the checkpoints are untouched.'
+        % (PRECISION_TAG, self.eval_dir, cause, advice))
+
+
+def _event_files(directory):
+  try:
+    return {n for n in os.listdir(directory) if n.startswith('events.out.tfevents')}
+  except OSError:
+    return set()
+
+
+def _file_in_the_way(path):
+  """The path itself or its nearest existing ancestor, if that is not a directory."""
+  probe = os.path.abspath(path)
+  while not os.path.lexists(probe):
+    probe = os.path.dirname(probe)
+  return None if os.path.isdir(probe) else probe
+
+
+def _advice(cause):
+  # pylint: disable=protected-access
+  if any(text in cause for text in checkpoints._NOT_WRITABLE):
+    return 'Make it writable'
+  if any(text in cause for text in checkpoints._NO_SPACE):
+    return 'Free space on that disk'
+  if os.strerror(errno.ENOTDIR) in cause:
+    return 'Move the file in the way'
+  return 'Fix the cause above'
+
+
+def write_precision(eval_dir, precision, global_step):
+  """One 'Precision @ 1' point in eval_dir (created if missing); see PrecisionWriter."""
+  writer = PrecisionWriter(eval_dir)
+  writer.check()
+  try:
+    writer.write(precision, global_step)
+  except BaseException:
+    writer.close(quiet=True)
+    raise
+  writer.close()
 
 
 def result_line(precision, global_step, path):
@@ -53,7 +200,7 @@ def _identity(contents):
 
 
 def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
-        max_evals=None):
+        max_evals=None, eval_dir=None):
   """Evaluates the newest intact checkpoint once, or each new one as it comes.
 
   Args:
@@ -68,6 +215,10 @@ def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
     interval_secs: None to evaluate once; else seconds between looks for a
       new checkpoint.
     max_evals: optional int, stop after this many evaluations.
+    eval_dir: optional str; when set, each precision is also written there
+      for TensorBoard at the checkpoint's global step (`PrecisionWriter`);
+      the directory is created, and checked writable, before anything is
+      evaluated.
 
   Returns:
     list of Evaluation, one per checkpoint evaluated.
@@ -75,7 +226,26 @@ def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
   Raises:
     common.checkpoints.CheckpointError: evaluating once, and there is no
       intact checkpoint; the message says why and what to do.
+    EvalDirError: eval_dir cannot be written.
   """
+  writer = None
+  if eval_dir is not None:
+    writer = PrecisionWriter(eval_dir)
+    writer.check()
+  try:
+    results = _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs,
+                   max_evals, writer)
+  except BaseException:
+    if writer is not None:
+      writer.close(quiet=True)  # the error on its way says what went wrong
+    raise
+  if writer is not None:
+    writer.close()
+  return results
+
+
+def _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs, max_evals,
+         writer):
   once = interval_secs is None
   results, seen, said = [], set(), set()
   waiting = False
@@ -118,6 +288,8 @@ def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
     precision = counts.true_count / counts.total_count
     out(result_line(precision, counts.global_step, contents.path))
     results.append(Evaluation(contents.path, precision, counts.global_step))
+    if writer is not None:
+      writer.write(precision, counts.global_step)
     if once:
       break
   if stop.requested:

@@ -153,20 +153,6 @@ def _load(sess, variables_to_restore, contents):
     variable.load(value, sess)
 
 
-def _write_precision(eval_dir, precision, global_step):
-  """Writes upstream's 'Precision @ 1' summary to eval_dir."""
-  # Deviation from upstream: upstream also wrote the model's summaries by
-  # running them over one more batch; only the precision is written.
-  with tf.Graph().as_default():  # FileWriter refuses eager mode
-    writer = tf.summary.FileWriter(eval_dir)
-    try:
-      summary = tf.Summary()
-      summary.value.add(tag='Precision @ 1', simple_value=precision)
-      writer.add_summary(summary, global_step)
-    finally:
-      writer.close()
-
-
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
              num_examples=None, out=print, eval_dir=None):
   """Evaluates the newest intact checkpoint of checkpoint_dir once.
@@ -179,7 +165,8 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
       None means all.
     out: callable taking one line, for the result.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (created if missing).
+      there for TensorBoard (created if missing; common.evaluation's
+      PrecisionWriter, shared with the modern evaluator).
 
   Returns:
     (precision, global_step): float in [0, 1], int.
@@ -187,6 +174,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   Raises:
     EvalError: checkpoint_dir has no intact checkpoint, or it does not fit.
     common.cifar10_format.DataError: the test file is missing or malformed.
+    common.evaluation.EvalDirError: eval_dir cannot be written.
   """
   found = checkpoints.newest_intact(checkpoint_dir)
   if found.contents is None:
@@ -198,7 +186,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   precision = counts.true_count / counts.total_count
   out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
   if eval_dir is not None:
-    _write_precision(eval_dir, precision, counts.global_step)
+    evaluation.write_precision(eval_dir, precision, counts.global_step)
   return precision, counts.global_step
 
 
@@ -223,14 +211,11 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   """
 
   def evaluate_one(contents, should_stop):
-    counts = evaluate_contents(contents, data_dir, batch_size, num_examples,
-                               should_stop)
-    if counts is not None and eval_dir is not None:
-      _write_precision(eval_dir, counts.true_count / counts.total_count,
-                       counts.global_step)
-    return counts
+    return evaluate_contents(contents, data_dir, batch_size, num_examples,
+                             should_stop)
 
   with training.StopRequest() as stop:
     results = evaluation.run(checkpoint_dir, evaluate_one, stop, out, warn,
-                             interval_secs=interval_secs, max_evals=max_evals)
+                             interval_secs=interval_secs, max_evals=max_evals,
+                             eval_dir=eval_dir)
   return [(r.precision, r.global_step) for r in results]

@@ -123,7 +123,7 @@ def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examp
 
 
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
-             out=print):
+             out=print, eval_dir=None):
   """Precision @ 1 of the newest intact checkpoint's moving averages on the test set.
 
   Args:
@@ -133,6 +133,9 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
     num_examples: optional int, evaluate only the first this many test
       records; default every record, each exactly once.
     out: callable(str) for the result line.
+    eval_dir: optional str; when set, a 'Precision @ 1' summary is written
+      there for TensorBoard (created if missing; common.evaluation's
+      PrecisionWriter, shared with the legacy evaluator).
 
   Returns:
     (precision float in [0, 1], global step of the checkpoint int).
@@ -140,6 +143,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
   Raises:
     EvalError: no intact (modern) checkpoint in checkpoint_dir.
     common.cifar10_format.DataError: the test file is missing or malformed.
+    common.evaluation.EvalDirError: eval_dir cannot be written.
   """
   found = checkpoints.newest_intact(checkpoint_dir)
   if found.contents is None:
@@ -150,11 +154,14 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
   counts = evaluate_contents(found.contents, data_dir, batch_size, num_examples)
   precision = counts.true_count / counts.total_count
   out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
+  if eval_dir is not None:
+    evaluation.write_precision(eval_dir, precision, counts.global_step)
   return precision, counts.global_step
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
-                  interval_secs=300, out=print, max_evals=None, warn=training.stderr):
+                  interval_secs=300, out=print, max_evals=None, warn=training.stderr,
+                  eval_dir=None):
   """Evaluates each new checkpoint, looking every interval_secs (upstream's loop).
 
   Runs until SIGINT or SIGTERM (or `max_evals` evaluations); waits for the
@@ -162,7 +169,8 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_e
   `common.evaluation.run`.
 
   Args:
-    checkpoint_dir, data_dir, batch_size, num_examples, out: as `evaluate`.
+    checkpoint_dir, data_dir, batch_size, num_examples, out, eval_dir: as
+      `evaluate`.
     interval_secs: float, seconds between looks.
     max_evals: optional int, stop after this many evaluations.
     warn: callable(str) for the checkpoints skipped.
@@ -177,5 +185,6 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_e
 
   with training.StopRequest() as stop:
     results = evaluation.run(checkpoint_dir, evaluate_one, stop, out, warn,
-                             interval_secs=interval_secs, max_evals=max_evals)
+                             interval_secs=interval_secs, max_evals=max_evals,
+                             eval_dir=eval_dir)
   return [(r.precision, r.global_step) for r in results]

@@ -21,6 +21,19 @@ def device_plan():
   return devices.plan_devices(NUM_LOGICAL_DEVICES, warn=lambda _: None)
 
 
+@pytest.fixture(scope='session', autouse=True)
+def default_eval_dir(tmp_path_factory):
+  """`eval` without --eval_dir writes here, not to the machine's /tmp/cifar10_eval."""
+  path = str(tmp_path_factory.mktemp('default_eval_dir'))
+  before = os.environ.get('CIFAR10_EVAL_DIR')
+  os.environ['CIFAR10_EVAL_DIR'] = path
+  yield path
+  if before is None:
+    os.environ.pop('CIFAR10_EVAL_DIR', None)
+  else:
+    os.environ['CIFAR10_EVAL_DIR'] = before
+
+
 @pytest.fixture(scope='session')
 def synth_data_dir(tmp_path_factory):
   """A small generated CIFAR-format data dir (shared, read-only for tests).

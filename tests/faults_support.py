@@ -421,3 +421,34 @@ def exit_bound(seconds):
   """
   load = os.getloadavg()[0] / (os.cpu_count() or 1)
   return seconds * max(1.0, load)
+
+
+# --- TensorBoard event files --------------------------------------------------
+
+def precision_points(eval_dir, tag='Precision @ 1'):
+  """[(step, value)] of the scalar `tag` in eval_dir, as TensorBoard reads it.
+
+  With tensorboard installed, its own reader: the scalar must be in the
+  scalars dashboard (plugin 'scalars'). Without it, the raw events.
+  """
+  import numpy as np
+  import tensorflow as tf
+  try:
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+  except ImportError:
+    plugin_event_accumulator = None
+  if plugin_event_accumulator is not None:
+    accumulator = plugin_event_accumulator.EventAccumulator(eval_dir)
+    accumulator.Reload()
+    if tag not in accumulator.PluginTagToContent('scalars'):
+      return []
+    return [(e.step, float(tf.make_ndarray(e.tensor_proto)))
+            for e in accumulator.Tensors(tag)]
+  points = []
+  for name in sorted(os.listdir(eval_dir)):
+    for event in tf.compat.v1.train.summary_iterator(os.path.join(eval_dir, name)):
+      for value in event.summary.value:
+        if value.tag == tag:
+          assert value.metadata.plugin_data.plugin_name == 'scalars', value
+          points.append((event.step, float(np.squeeze(tf.make_ndarray(value.tensor)))))
+  return points

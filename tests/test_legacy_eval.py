@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
+import faults_support as fs
 from common import cifar10_format
 from common import hparams
 from legacy import eval as legacy_eval
@@ -90,12 +91,7 @@ def test_evaluate_writes_precision_summary(crafted, tmp_path):
   eval_dir = str(tmp_path / 'eval')
   legacy_eval.evaluate(checkpoint_dir, data_dir, out=lambda _: None,
                        eval_dir=eval_dir)
-  values = []
-  for name in os.listdir(eval_dir):
-    for event in tf.train.summary_iterator(os.path.join(eval_dir, name)):
-      values += [(event.step, v.tag, v.simple_value)
-                 for v in event.summary.value]
-  assert values == [(7, 'Precision @ 1', pytest.approx(76 / 300))]
+  assert fs.precision_points(eval_dir) == [(7, pytest.approx(76 / 300))]
 
 
 def test_evaluate_loop_evaluates_a_checkpoint_once(crafted):

@@ -11,7 +11,8 @@ working directory, with these substitutions (and nothing else):
 - every `/tmp/...` path becomes the same path under the test's temp dir, and
   the defaults the section relies on are redirected there too, through the
   options' own environment variables: CIFAR10_DATA_DIR (default data dir),
-  CIFAR10_TRAIN_DIR (default train dir); profile's `profile_out/` lands in
+  CIFAR10_TRAIN_DIR (default train dir), CIFAR10_EVAL_DIR (default eval
+  dir); profile's `profile_out/` lands in
   the scratch working directory;
 - flags in SMALLER are appended (click keeps an option's last value), so a
   trainer takes 2 steps of batch 8 instead of 1,000,000 of 128 and the whole
@@ -87,6 +88,7 @@ def test_commands_section_runs_in_order(tmp_path, monkeypatch):
   data_dir = os.path.join(root, 'cifar10_data')
   env = {'CIFAR10_DATA_DIR': data_dir,
          'CIFAR10_TRAIN_DIR': os.path.join(root, 'cifar10_train'),
+         'CIFAR10_EVAL_DIR': os.path.join(root, 'cifar10_eval'),
          'CIFAR10_DATA_URL': fs.closed_port_url()}
   commands = commands_section(open(README, encoding='utf-8').read())
   monkeypatch.chdir(work)
