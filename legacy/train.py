@@ -468,9 +468,9 @@ def _first_step_progress(sess, graph_parts, fill):
     held = (int(sess.run(graph_parts.queue_size))
             if graph_parts.queue_size is not None else fill)
     if held < fill:
-      return ('Filling the queue: %d of %d examples (%d s).'
+      return ('Filling the queue: %d of %d examples... %d s'
               % (held, fill, seconds))
-    return 'Running the first step (%d s).' % seconds
+    return 'Running the first step... %d s' % seconds
   return message
 
 
