@@ -32,6 +32,9 @@ setup(
         'click>=8.1',
         # tf-slim's git master breaks under Keras 3; the 1.1.0 release works.
         'tf-slim==1.1.0',
+        # tf.summary.scalar/histogram/image/graph (TF2) live in tensorboard,
+        # which tensorflow no longer installs; 2.16 pairs with the oldest TF.
+        'tensorboard>=2.16',
     ],
     extras_require={
         # Pick one: the CPU-only wheel is small; the full wheel carries CUDA support.

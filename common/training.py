@@ -1,4 +1,5 @@
-"""Run-time pieces both training loops share: the log line, stop requests, divergence."""
+"""Run-time pieces both training loops share: the log line and its averages,
+progress lines during long waits, the TensorBoard tags, stop requests, divergence."""
 
 import contextlib
 import datetime
@@ -8,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from common import hparams
 
@@ -27,6 +29,161 @@ def log_line(step, loss, examples_per_sec, sec_per_batch):
   """
   return ('%s: step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)'
           % (datetime.datetime.now(), step, loss, examples_per_sec, sec_per_batch))
+
+
+class LogWindow:
+  """examples/sec and sec/batch of a log line: the mean over the steps since the last one.
+
+  Each trainer adds every step's own seconds (the step itself: the session
+  run, or the batch and the step function), so the time spent writing
+  summaries and checkpoints and printing between steps never counts. Steps
+  marked `extra` do more than train (the run's first step, which traces the
+  step and fills the input's shuffle queue or buffer; a step that also
+  computes the summaries) and count only when the window holds nothing else,
+  so that every line has a figure and a quiet run's figures are its steady
+  speed. Both trainers use it the same way.
+  """
+
+  def __init__(self):
+    self._plain = [0, 0.0, 0]  # steps, seconds, images
+    self._extra = [0, 0.0, 0]
+
+  def add(self, seconds, images, extra=False):
+    """One step: its wall seconds and the images it trained on (all towers)."""
+    counts = self._extra if extra else self._plain
+    counts[0] += 1
+    counts[1] += seconds
+    counts[2] += images
+
+  def rates(self):
+    """(examples/sec, sec/batch) of the window; (0, 0) when empty."""
+    steps, seconds, images = self._plain if self._plain[0] else self._extra
+    if not steps or seconds <= 0:
+      return 0.0, 0.0
+    return images / seconds, seconds / steps
+
+  def line(self, step, loss):
+    """`log_line` with the window's means; starts the next window."""
+    examples_per_sec, sec_per_batch = self.rates()
+    self.__init__()
+    return log_line(step, loss, examples_per_sec, sec_per_batch)
+
+
+# Long waits (the first step: the shuffle queue or buffer filling, the step
+# being traced) say what they are doing after this many seconds, then again
+# every HEARTBEAT_EVERY; a wait shorter than that prints nothing.
+HEARTBEAT_AFTER = 5.0
+HEARTBEAT_EVERY = 10.0
+
+
+class Heartbeat:
+  """A context: while its block runs past HEARTBEAT_AFTER seconds, one line every HEARTBEAT_EVERY.
+
+  The lines come from a thread of its own, as the main thread is inside
+  TensorFlow. `message(seconds)` makes each line from the seconds waited so
+  far; an exception in it (e.g. a session closed under a stop) ends the
+  heartbeat quietly.
+  """
+
+  def __init__(self, out, message, after=None, every=None):
+    self._out = out
+    self._message = message
+    self._after = HEARTBEAT_AFTER if after is None else after
+    self._every = HEARTBEAT_EVERY if every is None else every
+    self._done = threading.Event()
+    self._thread = None
+    self.beats = 0  # lines printed
+
+  def __enter__(self):
+    self._start = time.monotonic()
+    self._thread = threading.Thread(target=self._run, name='heartbeat', daemon=True)
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._done.set()
+    self._thread.join()
+    return False
+
+  def _run(self):
+    wait = self._after
+    while not self._done.wait(wait):
+      try:
+        self._out(self._message(int(time.monotonic() - self._start)))
+      except Exception:  # pylint: disable=broad-except
+        return
+      self.beats += 1
+      wait = self._every
+
+
+# --- TensorBoard: the one tag set both trainers write ------------------------
+
+MEAN_LOSS_TAG = 'total_loss'  # the mean of the towers' total losses
+LEARNING_RATE_TAG = 'learning_rate'
+NUM_SUMMARY_IMAGES = 3  # tower 0's first images of the step
+EMA_SUFFIX = 'ExponentialMovingAverage'  # = common.model_spec.EMA_SUFFIX
+
+
+def loss_terms():
+  """A tower's loss terms, as legacy names them in its 'losses' collection:
+  ('local3/weight_loss', 'local4/weight_loss', 'cross_entropy')."""
+  from common import model_spec  # pylint: disable=import-outside-toplevel
+  return tuple('%s/weight_loss' % layer.name for layer in model_spec.LAYERS
+               if layer.wd is not None) + ('cross_entropy',)
+
+
+def tower_tag(tower, name):
+  """'tower_<i>/<name>'."""
+  return '%s_%d/%s' % (hparams.TOWER_NAME, tower, name)
+
+
+def activations_tag(prefix, layer):
+  """A layer's activations histogram: '<prefix>/<layer>/activations'."""
+  return '%s%s/activations' % (prefix and prefix + '/', layer)
+
+
+def sparsity_tag(prefix, layer):
+  """A layer's fraction of zero activations: '<prefix>/<layer>/sparsity'."""
+  return '%s%s/sparsity' % (prefix and prefix + '/', layer)
+
+
+def gradients_tag(variable_name):
+  """The averaged gradient of a variable: 'conv1/weights/gradients'."""
+  return variable_name + '/gradients'
+
+
+def average_tag(variable_name):
+  """A variable's moving average: 'conv1/weights/ExponentialMovingAverage'."""
+  return '%s/%s' % (variable_name, EMA_SUFFIX)
+
+
+def image_tags():
+  """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
+  return ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)]
+
+
+def summary_tags(num_towers, activations=True):
+  """{'scalars', 'histograms', 'images'} -> sorted tags both trainers write.
+
+  `activations`: with the per-layer activation, sparsity and gradient
+  summaries and the images (False: the subset the replica engines write).
+  """
+  from common import model_spec  # pylint: disable=import-outside-toplevel
+  layers = [layer.name for layer in model_spec.LAYERS]
+  scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
+  histograms = list(model_spec.VARIABLE_NAMES)
+  histograms += [average_tag(v) for v in model_spec.VARIABLE_NAMES]
+  for i in range(num_towers):
+    scalars.append(tower_tag(i, 'total_loss'))
+    if activations:
+      scalars += [tower_tag(i, term) for term in loss_terms()]
+      prefix = tower_tag(i, '')[:-1]
+      scalars += [sparsity_tag(prefix, layer) for layer in layers]
+      histograms += [activations_tag(prefix, layer) for layer in layers]
+  if activations:
+    histograms += [gradients_tag(v) for v in model_spec.VARIABLE_NAMES]
+  return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
+          'images': sorted(image_tags()) if activations else []}
 
 
 # What a tower's loss can be: its batch's mean cross-entropy plus the weight

@@ -13,26 +13,50 @@ import tensorflow.compat.v1 as tf
 from common import devices
 from common import hparams
 from common import model_spec
+from common import training
 
 TOWER_NAME = hparams.TOWER_NAME
 LOSSES_COLLECTION = 'losses'  # upstream's collection of per-tower loss terms
 
 
+def scalar_summary(tag, value):
+  """A scalar summary op written under exactly `tag`, added to SUMMARIES.
+
+  `tf.summary.scalar` tags by its name scope, which TF uniquifies ('_1')
+  when an op of that name exists already (e.g. 'tower_0/total_loss'); the
+  raw op takes the tag as a value, so both trainers' tags read the same
+  (`common.training.summary_tags`).
+  """
+  op = tf.raw_ops.ScalarSummary(tags=tag, values=value, name='scalar_summary')
+  tf.add_to_collection(tf.GraphKeys.SUMMARIES, op)
+  return op
+
+
+def histogram_summary(tag, values):
+  """A histogram summary op written under exactly `tag`, added to SUMMARIES."""
+  op = tf.raw_ops.HistogramSummary(tag=tag, values=values,
+                                   name='histogram_summary')
+  tf.add_to_collection(tf.GraphKeys.SUMMARIES, op)
+  return op
+
+
 def _activation_summary(x):
   """Adds a histogram and a sparsity summary of one layer's output.
+
+  Tagged 'tower_N/<layer>/activations' and '.../sparsity' inside a tower,
+  '<layer>/activations' outside one.
 
   Args:
     x: float32 tensor, a layer's activations.
   """
-  # The layer's name without the tower prefix and without the '_1' TF adds
-  # because the layer's variable scope already took its name. TF1 summary ops
-  # tag by the enclosing name scope, so inside a tower the tag still reads
-  # 'tower_N/conv1/activations'.
+  # The layer's name without the '_1' TF adds because the layer's variable
+  # scope already took its name; the prefix is the tower's name scope.
   # Deviation from upstream: every tower's loss summary is written.
-  # Each under its own tag.
-  tensor_name = re.sub(r'_\d+$', '', x.op.name.split('/')[-1])
-  tf.summary.histogram(tensor_name + '/activations', x)
-  tf.summary.scalar(tensor_name + '/sparsity', tf.nn.zero_fraction(x))
+  # And its activations, each under its own tag.
+  parts = x.op.name.split('/')
+  prefix, layer = '/'.join(parts[:-1]), re.sub(r'_\d+$', '', parts[-1])
+  histogram_summary(training.activations_tag(prefix, layer), x)
+  scalar_summary(training.sparsity_tag(prefix, layer), tf.nn.zero_fraction(x))
 
 
 def _variable_on_cpu(name, shape, initializer):

@@ -37,7 +37,7 @@ Towers = collections.namedtuple('Towers', [
     'averaged_grads',  # list of (gradient, variable), mean over the towers
     'applied_grads',  # what the optimizer applies: averaged_grads, clipped if asked
     'ema',  # the tf.train.ExponentialMovingAverage of the trainable variables
-    'summaries',  # list of summary tensors: towers, lr, loss, grads, variables
+    'summaries',  # summary tensors: common.training.summary_tags (variables read after the step)
 ])
 
 
@@ -47,6 +47,7 @@ TrainGraph = collections.namedtuple('TrainGraph', [
     'summary_op',  # every summary of the graph, merged
     'init_op',  # initializes global and local variables
     'close_queues',  # ops closing each queue, cancelling pending enqueues
+    'queue_size',  # int32 scalar, the examples in the shuffle queue (progress)
 ])
 
 
@@ -76,10 +77,12 @@ def tower_loss(scope, images, labels, lrn=None):
   losses = tf.get_collection(model.LOSSES_COLLECTION, scope)
   total_loss = tf.add_n(losses, name='total_loss')
 
-  # Scalar summaries of each term and of the total; the tags get the tower's
+  # Scalar summaries of each term and of the total, tagged with the tower's
   # name scope, e.g. 'tower_0/local3/weight_loss'.
-  for l in losses + [total_loss]:
-    tf.summary.scalar(l.op.name[len(scope):], l)
+  # (The total's op is 'total_loss_1': model.loss took 'total_loss'.)
+  for l in losses:
+    model.scalar_summary(scope + l.op.name[len(scope):], l)
+  model.scalar_summary(scope + 'total_loss', total_loss)
   return total_loss
 
 
@@ -199,15 +202,19 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
     mean_loss = tf.reduce_mean(tf.stack(tower_losses), name='mean_loss')
 
-    summaries.append(tf.summary.scalar('learning_rate', lr))
-    summaries.append(tf.summary.scalar('total_loss', mean_loss))
-    for grad, var in grads:
-      summaries.append(tf.summary.histogram(var.op.name + '/gradients', grad))
+    # The tags of common.training.summary_tags, as modern writes them.
+    with tf.name_scope('summaries'):
+      summaries.append(model.scalar_summary(training.LEARNING_RATE_TAG, lr))
+      summaries.append(model.scalar_summary(training.MEAN_LOSS_TAG, mean_loss))
+      for grad, var in grads:
+        summaries.append(model.histogram_summary(
+            training.gradients_tag(var.op.name), grad))
+      # A few of tower 0's images, as TF1's image summary scales them.
+      summaries.append(tf.raw_ops.ImageSummary(
+          tag='images', tensor=tower_batches[0][0],
+          max_images=training.NUM_SUMMARY_IMAGES, name='image_summary'))
 
     apply_gradient_op = opt.apply_gradients(applied, global_step=global_step)
-
-    for var in tf.trainable_variables():
-      summaries.append(tf.summary.histogram(var.op.name, var))
 
     ema = tf.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY,
                                             global_step)
@@ -219,6 +226,14 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     with tf.control_dependencies([apply_gradient_op]):
       variables_averages_op = ema.apply(tf.trainable_variables())
     train_op = tf.group(apply_gradient_op, variables_averages_op, name='train')
+
+    # The variables and their averages after the step, as modern writes them
+    # (the summary op is only ever fetched together with train_op).
+    with tf.name_scope('summaries'), tf.control_dependencies([train_op]):
+      for var in tf.trainable_variables():
+        summaries.append(model.histogram_summary(var.op.name, var.read_value()))
+        summaries.append(model.histogram_summary(
+            training.average_tag(var.op.name), ema.average(var).read_value()))
 
   return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
                 applied, ema, summaries)
@@ -298,11 +313,11 @@ def train(config, plan, out=print, warn=training.stderr,
           warn(training.nothing_to_train(step, config.max_steps,
                                          config.train_dir))
           return step
+        fill = hparams.min_queue_examples(examples_per_epoch)
         out('Filling the queue with %d CIFAR images before starting to train. '
-            'This may take a while.'
-            % hparams.min_queue_examples(examples_per_epoch))
+            'This may take a while.' % fill)
         return _train_loop(sess, config, graph_parts, step, stop, out, warn,
-                           on_step)
+                           on_step, fill)
 
 
 def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
@@ -356,11 +371,17 @@ def build_train_graph(config, plan, decay_steps,
   # relative to train_dir, so a copied or moved train_dir resumes from its
   # own files (upstream's absolute paths pointed back at the original).
   saver = tf.train.Saver(tf.global_variables(), save_relative_paths=True)
-  summary_op = tf.summary.merge_all()
+  # The towers' summaries only (common.training.summary_tags): not the
+  # input pipeline's queue-fill fractions and image summary, which the
+  # modern trainer has no counterpart of.
+  summary_op = tf.summary.merge(towers.summaries)
   init_op = tf.group(tf.global_variables_initializer(),
                      tf.local_variables_initializer())
   close_queues = inputs.close_queue_ops()
-  return TrainGraph(towers, saver, summary_op, init_op, close_queues)
+  shuffle_queues = [runner.queue for runner in tf.get_collection(
+      tf.GraphKeys.QUEUE_RUNNERS) if isinstance(runner.queue, tf.RandomShuffleQueue)]
+  queue_size = shuffle_queues[0].size() if shuffle_queues else None
+  return TrainGraph(towers, saver, summary_op, init_op, close_queues, queue_size)
 
 
 def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,
@@ -441,7 +462,20 @@ def _save(saver, sess, config, step):
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
+def _first_step_progress(sess, graph_parts, fill):
+  """The heartbeat line of the first step: the queue's filling, then the step."""
+  def message(seconds):
+    held = (int(sess.run(graph_parts.queue_size))
+            if graph_parts.queue_size is not None else fill)
+    if held < fill:
+      return ('Filling the queue: %d of %d examples... %d s'
+              % (held, fill, seconds))
+    return 'Running the first step... %d s' % seconds
+  return message
+
+
+def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
+                fill=0):
   """Runs the steps with the queue threads, and always stops them.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
@@ -464,6 +498,8 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
   summary_writer = None  # opened after the first step: a stop before it writes nothing
   first_step = last_saved = step
   error = None
+  window = training.LogWindow()
+  images_per_step = config.batch_size * config.num_gpus
 
   def close_queues(signal_name):  # pylint: disable=unused-argument
     # On the stop request's own thread, while this one may wait in sess.run
@@ -489,8 +525,13 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
           # upstream ran them separately, dequeuing batches it never trained on.
           fetches.append(graph_parts.summary_op)
         start_time = time.time()
+        # The first step waits for the shuffle queue to fill: tens of seconds,
+        # said on stdout past training.HEARTBEAT_AFTER.
+        progress = (training.Heartbeat(out, _first_step_progress(sess, graph_parts, fill))
+                    if step == first_step else contextlib.nullcontext())
         try:
-          results = sess.run(fetches)
+          with progress:
+            results = sess.run(fetches)
         except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
           if not stop.requested:
             raise
@@ -505,12 +546,15 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step):
 
         if summary_writer is None:
           summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
+        window.add(duration, images_per_step,
+                   extra=write_summary or step == first_step + 1)
         if step % config.log_every == 0:
-          examples_per_sec = config.batch_size * config.num_gpus / duration
           # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
-          out(training.log_line(step, loss_value, examples_per_sec, duration))
+          # examples/sec and sec/batch are means over the steps since the
+          # last line, not the one step logged (training.LogWindow).
+          out(window.line(step, loss_value))
         if on_step is not None:
-          on_step(step, duration, config.batch_size * config.num_gpus)
+          on_step(step, duration, images_per_step)
         if write_summary:
           try:
             summary_writer.add_summary(results[3], step)

@@ -89,6 +89,23 @@ class Engine:
     """
     return self.trainer.train_step(batches).numpy(), None
 
+  def summary_step(self, batches, stop):
+    """A step of a summary: `step`, and what the summaries need from inside it.
+
+    Returns:
+      (tower losses, agreed, summaries): `summaries` a dict of 'scalars' and
+      'histograms' (dicts tag -> tensor) and 'images' (tower 0's first
+      images). This default, the replica engines' (mirrored, multiworker),
+      returns none: their summaries are the losses, the learning rate and
+      the variables (common.training.summary_tags(activations=False)).
+    """
+    tower_losses, agreed = self.step(batches, stop)
+    return tower_losses, agreed, {}
+
+  def step_graph(self, batches, summaries):
+    """The traced graph of the step just run on `batches` (of the summary step if `summaries`)."""
+    return self.trainer.step_graph(batches, summaries)
+
   def stops_here(self, stop, agreed):  # pylint: disable=unused-argument
     """Whether the run stops after the step just taken (`agreed`: see step)."""
     return stop.requested
@@ -140,6 +157,14 @@ class Towers(Engine):
   def build(self, decay_steps):
     return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit,
                             optimizer=self.config.optimizer)
+
+  def summary_step(self, batches, stop):
+    """The full set of summaries: the towers' loss terms, activations,
+    sparsity, the averaged gradients and tower 0's first images."""
+    tower_losses, scalars, histograms = self.trainer.train_step_with_summaries(batches)
+    return tower_losses.numpy(), None, {
+        'scalars': scalars, 'histograms': histograms,
+        'images': batches[0][0][:training.NUM_SUMMARY_IMAGES]}
 
 
 class ReplicaTrainer:
@@ -270,6 +295,11 @@ class ReplicaTrainer:
   def train_step(self, tower_batches):
     """As modern.step.Trainer's: tower losses float32 tensor [R]."""
     return self._step_fn(*self._check(tower_batches), tf.constant(0.0))[0]
+
+  def step_graph(self, tower_batches, summaries=False):  # pylint: disable=unused-argument
+    """The traced graph of the step (one step function: no summary step)."""
+    return self._step_fn.get_concrete_function(
+        *self._check(tower_batches), tf.constant(0.0)).graph
 
   def compute_gradients(self, tower_batches):
     """As modern.step.Trainer's."""

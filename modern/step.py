@@ -24,6 +24,7 @@ from common import hparams
 from common import lrn
 from common import model_spec
 from common import optimizer as optimizer_lib
+from common import training
 from modern import model as model_lib
 
 TOWER_NAME = hparams.TOWER_NAME
@@ -154,7 +155,8 @@ class TrainState:
     self.decay_steps = int(decay_steps)
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
     # The same function as tf.nn.lrn to ~4e-7 relative (tests/test_lrn.py).
-    self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
+    self.lrn = lrn.for_plan(plan)
+    self.model = model_lib.Cifar10Model(lrn=self.lrn)
     with tf.device(devices.VARIABLE_DEVICE):
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
                                      name='global_step')
@@ -361,6 +363,13 @@ class Trainer:
                       if jit else self._tower_loss_and_grads)
     self._train_step_fn = tf.function(self._train_step)
     self._compute_gradients_fn = tf.function(self._averaged_gradients)
+    # The step of the steps that write summaries: the same arithmetic, and
+    # what the summaries need from inside it; traced at the first of them, so
+    # the other steps run the plain step unchanged.
+    self._summary_tower_fn = (
+        tf.function(self._tower_summaries, jit_compile=True) if jit
+        else self._tower_summaries)
+    self._summary_step_fn = tf.function(self._train_step_with_summaries)
 
   def _tower_loss_and_grads(self, values, images, labels):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -379,7 +388,33 @@ class Trainer:
       loss = tower_loss(model, images, labels, model.params(values))
     return loss, tape.gradient(loss, values)
 
-  def _averaged_gradients(self, images, labels):
+  def _tower_summaries(self, values, images, labels):
+    """`_tower_loss_and_grads`, and the tower's loss terms and activations.
+
+    The loss and gradients are those of `tower_loss` (the same forward pass,
+    with a hook that only keeps each layer's output).
+
+    Returns:
+      (loss, gradients, loss terms in `training.loss_terms()` order,
+       the layers' activations in model_spec.LAYERS order,
+       their fractions of zeros).
+    """
+    model = self.state.model
+    activations = []
+    with tf.GradientTape() as tape:
+      tape.watch(values)
+      params = model.params(values)
+      logits = model_spec.forward(images, params, activation_hook=activations.append,
+                                  lrn=self.state.lrn)
+      loss = model.loss(logits, labels, params)
+    grads = tape.gradient(loss, values)
+    terms = [model_spec.weight_decay(params[layer.name][0], layer.wd)
+             for layer in model_spec.LAYERS if layer.wd is not None]
+    terms.append(model_spec.cross_entropy_mean(logits, labels))
+    return (loss, grads, terms, activations,
+            [tf.nn.zero_fraction(a) for a in activations])
+
+  def _averaged_gradients(self, images, labels, summaries=None):
     """Runs the towers and averages their gradients, without applying them.
 
     (With --clip_where per_tower, each tower's are clipped before the
@@ -388,6 +423,11 @@ class Trainer:
     Args:
       images: float32 [num_towers, batch, 24, 24, 3].
       labels: int32 [num_towers, batch].
+
+    Args:
+      summaries: optional (scalars, histograms) dicts, filled with each
+        tower's loss terms, activations and sparsity (tags of
+        `common.training.summary_tags`).
 
     Returns:
       (list of averaged gradients in VARIABLE_NAMES order,
@@ -405,7 +445,18 @@ class Trainer:
     tower_grads, tower_losses = [], []
     for i, device in enumerate(self.plan.tower_devices):
       with tf.device(device), tf.name_scope('%s_%d' % (TOWER_NAME, i)):
-        loss, grads = self._tower_fn(values, tower_images[i], tower_labels[i])
+        if summaries is None:
+          loss, grads = self._tower_fn(values, tower_images[i], tower_labels[i])
+        else:
+          loss, grads, terms, activations, zeros = self._summary_tower_fn(
+              values, tower_images[i], tower_labels[i])
+          scalars, histograms = summaries
+          prefix = training.tower_tag(i, '')[:-1]
+          for name, term in zip(training.loss_terms(), terms):
+            scalars[training.tower_tag(i, name)] = term
+          for layer, x, zero in zip(model_spec.LAYERS, activations, zeros):
+            histograms[training.activations_tag(prefix, layer.name)] = x
+            scalars[training.sparsity_tag(prefix, layer.name)] = zero
         # With --clip_where per_tower, on the tower's device before the
         # average, as legacy clips inside each tower.
         grads = self.state.clip_tower(grads)
@@ -430,6 +481,18 @@ class Trainer:
       self.state.apply_gradients(self.state.clip_averaged(grads))
     return tower_losses
 
+  def _train_step_with_summaries(self, images, labels):
+    """`_train_step`, also returning (scalars, histograms) dicts tag -> tensor:
+    each tower's loss terms, activations and sparsity, the averaged gradients."""
+    scalars, histograms = {}, {}
+    grads, tower_losses = self._averaged_gradients(images, labels,
+                                                   (scalars, histograms))
+    for name, grad in zip(model_spec.VARIABLE_NAMES, grads):
+      histograms[training.gradients_tag(name)] = grad
+    with tf.device(devices.VARIABLE_DEVICE):
+      self.state.apply_gradients(self.state.clip_averaged(grads))
+    return tower_losses, scalars, histograms
+
   def _check(self, tower_batches):
     return check_batches(tower_batches, (self.num_towers,),
                          '%d towers' % self.num_towers)
@@ -446,6 +509,21 @@ class Trainer:
       float32 tensor [num_towers], each tower's total loss (before the update).
     """
     return self._train_step_fn(*self._check(tower_batches))
+
+  def train_step_with_summaries(self, tower_batches):
+    """`train_step` (the same update), and what the summaries need from inside it.
+
+    Returns:
+      (tower losses float32 tensor [num_towers], scalars, histograms): dicts
+      tag -> tensor of `common.training.summary_tags`, the towers' loss
+      terms and sparsity, their activations and the averaged gradients.
+    """
+    return self._summary_step_fn(*self._check(tower_batches))
+
+  def step_graph(self, tower_batches, summaries=False):
+    """The traced graph of the step (`summaries`: of the summary step) for these batches."""
+    fn = self._summary_step_fn if summaries else self._train_step_fn
+    return fn.get_concrete_function(*self._check(tower_batches)).graph
 
   def compute_gradients(self, tower_batches):
     """The averaged gradients at the current variables, without applying them.

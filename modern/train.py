@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
 from common import checkpoints
 from common import cifar10_format as fmt
@@ -26,46 +25,75 @@ from modern import engines
 
 TOWER_NAME = hparams.TOWER_NAME
 
-# tf.summary.scalar / tf.summary.histogram are implemented by the tensorboard
-# package, which tensorflow no longer installs; these write the same records
-# (a tensor plus the plugin's name, as TensorBoard's scalars and histograms
-# plugins read them) with core tf.summary.write.
-_SCALARS_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='scalars'))
-_HISTOGRAMS_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='histograms'))
-_HISTOGRAM_BUCKETS = 30  # TensorBoard's default
 
 
-def _scalar_summary(name, value, step):
-  tf.summary.write(name, tf.constant(value, tf.float32), step=step,
-                   metadata=_SCALARS_METADATA)
+def _displayable(image):
+  """A float image scaled into [0, 1] as TF1's image summary scales it.
+
+  Non-negative images: the largest value becomes 1. Otherwise 0 goes to
+  127/255 and the image is scaled so that its smallest value is 0 or its
+  largest 1 (tf.summary.image clips what lies outside [0, 1]).
+  """
+  image = np.asarray(image, np.float32)
+  low, high = float(image.min()), float(image.max())
+  if low >= 0:
+    return image / high if high > 0 else image
+  scale = 127.0 / -low
+  if high > 0:
+    scale = min(scale, 128.0 / high)
+  return (image * scale + 127.0) / 255.0
 
 
-def _histogram_summary(name, values, step):
-  """Writes float64 [buckets, 3] rows (left edge, right edge, count)."""
-  values = np.asarray(values, np.float64).ravel()
-  counts, edges = np.histogram(values, bins=_HISTOGRAM_BUCKETS)
-  buckets = np.stack([edges[:-1], edges[1:], counts.astype(np.float64)], axis=1)
-  tf.summary.write(name, tf.constant(buckets), step=step,
-                   metadata=_HISTOGRAMS_METADATA)
+def _write_summaries(state, step, tower_losses, lr, summaries):
+  """The tags of common.training.summary_tags with tf.summary, at `step`.
 
-
-def _write_summaries(state, step, tower_losses, lr):
-  """Loss (mean and per tower), learning rate, weight and average histograms."""
+  Args:
+    state: modern.step.TrainState after the step.
+    step: int, the global step reached.
+    tower_losses: numpy [replicas], the towers' total losses.
+    lr: float, the learning rate the step used.
+    summaries: what the engine's summary_step returned from inside the step
+      (see modern.engines.Engine.summary_step); empty for the replica engines.
+  """
   # Deviation from upstream: every tower's loss summary is written.
-  _scalar_summary('loss', tower_losses.mean(), step)
+  tf.summary.scalar(training.MEAN_LOSS_TAG, float(tower_losses.mean()), step=step)
   for i, value in enumerate(tower_losses):
-    _scalar_summary('%s_%d/total_loss' % (TOWER_NAME, i), value, step)
-  _scalar_summary('learning_rate', lr, step)
+    tf.summary.scalar(training.tower_tag(i, 'total_loss'), float(value), step=step)
+  tf.summary.scalar(training.LEARNING_RATE_TAG, lr, step=step)
+  for tag, value in summaries.get('scalars', {}).items():
+    tf.summary.scalar(tag, value, step=step)
+  for tag, value in summaries.get('histograms', {}).items():
+    tf.summary.histogram(tag, value, step=step)
   for name, var in state.variables().items():
-    _histogram_summary(name, var.numpy(), step)
+    tf.summary.histogram(name, tf.convert_to_tensor(var), step=step)
   for name, var in state.shadow_variables().items():
-    _histogram_summary('%s/%s' % (name, model_spec.EMA_SUFFIX), var.numpy(), step)
+    tf.summary.histogram(training.average_tag(name), tf.convert_to_tensor(var),
+                         step=step)
+  images = summaries.get('images')
+  if images is not None:
+    for tag, image in zip(training.image_tags(), images):
+      tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
 
 
 def _silent(_):
   pass
+
+
+def _first_step_progress(out, first, what):
+  """During the first step, a heartbeat line saying `what` it waits for past 5 s."""
+  if not first:
+    return contextlib.nullcontext()
+  return training.Heartbeat(out, lambda seconds: '%s... %d s' % (what, seconds))
+
+
+def _write_graph(writer, engine, batches, summaries, warn):
+  """The traced step's graph, for TensorBoard's graph tab."""
+  try:
+    with writer.as_default():
+      tf.summary.graph(engine.step_graph(batches, summaries))
+  except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
+    warn('could not write the graph to TensorBoard summaries in %s (%s).'
+         % (engine.write_dir, str(e).strip().splitlines()[0]))
 
 
 def train(config, plan, out=print, warn=training.stderr, on_step=None):
@@ -139,17 +167,20 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
         save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
         with engine.watching(stop, save, warn):
           return _train_loop(config, engine, save, resume_from, decay_steps,
-                             stop, out, warn, on_step)
+                             stop, out, warn, on_step,
+                             examples_per_epoch // engine.num_workers)
     finally:
       engine.close()
 
 
 def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
-                on_step):
+                on_step, examples_per_worker=0):
   """The steps, with log lines, summaries and checkpoints, until max_steps or a stop.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
-  next step boundary, with a checkpoint of that step.
+  next step boundary, with a checkpoint of that step. `examples_per_worker`
+  (the records of this worker's shard) sizes the shuffle buffer the first
+  batch waits for, which the first step's heartbeat line names.
 
   Returns:
     int, the global step reached.
@@ -176,29 +207,49 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
       iterator = iter(engine.dataset())
     writer = None  # opened after the first step: a stop before it writes nothing
     stopped_by = None
+    window = training.LogWindow()
     while step < config.max_steps and not stopped_by:
+      first = step == first_step
+      write_summary = (step + 1) % config.summary_every == 0
+      summaries = {}
       # The first step traces and compiles the step function and fills the
       # shuffle buffer: seconds, tens of seconds on a busy machine, with
       # nothing written yet, so a stop ends it at once. (With peers a stop
       # rides on the step's vote instead, so that all stop after one step.)
-      with (stop.raising() if step == first_step and engine.num_workers == 1
+      with (stop.raising() if first and engine.num_workers == 1
             else contextlib.nullcontext()):
-        batches = next(iterator)
+        fetch_time = time.time()
+        with _first_step_progress(out, first, 'Filling the shuffle buffer with '
+                                  '%d examples' % hparams.min_queue_examples(
+                                      examples_per_worker)):
+          batches = next(iterator)
         start_time = time.time()
-        with engine.waiting('the step', step, first=step == first_step):
-          tower_losses, agreed = engine.step(batches, stop)
-      duration = time.time() - start_time
+        with engine.waiting('the step', step, first=first), _first_step_progress(
+            out, first, 'Building and tracing the step (first step)'):
+          if write_summary:
+            tower_losses, agreed, summaries = engine.summary_step(batches, stop)
+          else:
+            tower_losses, agreed = engine.step(batches, stop)
+      end_time = time.time()
+      duration = end_time - start_time
       # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
       # Upstream logged and saved its 0-based loop index.
       step = int(state.global_step.numpy())
       training.check_divergence(step, tower_losses)
+      # The speed of the log lines counts the wait for the batch too (legacy's
+      # session run dequeues it); the first and the summary steps only when
+      # nothing else (training.LogWindow).
+      window.add(end_time - fetch_time, engine.global_batch_size,
+                 extra=first or write_summary)
       if writer is None:
         writer = tf.summary.create_file_writer(engine.write_dir)
+        _write_graph(writer, engine, batches, write_summary, warn)
       if step % config.log_every == 0:
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
         # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
-        out(training.log_line(step, float(tower_losses.mean()),
-                              engine.global_batch_size / duration, duration))
+        # examples/sec and sec/batch are means over the steps since the last
+        # line, not the one step logged.
+        out(window.line(step, float(tower_losses.mean())))
       if on_step is not None:
         on_step(step, duration, engine.global_batch_size)
       if step % config.summary_every == 0:
@@ -207,7 +258,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
                                             config.optimizer.learning_rate))
         try:
           with writer.as_default():
-            _write_summaries(state, step, tower_losses, lr)
+            _write_summaries(state, step, tower_losses, lr, summaries)
         except (tf.errors.OpError, OSError) as e:  # e.g. disk full
           raise checkpoints.write_failed(
               engine.write_dir, 'TensorBoard summaries', e) from e

@@ -55,7 +55,7 @@ def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path):
   assert tf.train.latest_checkpoint(str(train_dir)) == str(train_dir / 'model.ckpt-20')
   assert (train_dir / 'model.ckpt-10.index').exists()
   assert _summary_tags(train_dir) >= {
-      ('loss', 10), ('loss', 20), ('learning_rate', 20), ('tower_1/total_loss', 20),
+      ('total_loss', 10), ('total_loss', 20), ('learning_rate', 20), ('tower_1/total_loss', 20),
       ('conv1/weights', 10), ('conv1/weights/ExponentialMovingAverage', 20)}
 
   lines = []
