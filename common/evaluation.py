@@ -24,7 +24,6 @@ import os
 import tempfile
 
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
 from common import checkpoints
 from common import prog
@@ -46,16 +45,6 @@ Evaluation = collections.namedtuple('Evaluation', [
 
 class EvalDirError(Exception):
   """The precision cannot be written to eval_dir; the message names --eval_dir."""
-
-
-# tf.summary.scalar is implemented by the tensorboard package, which is not a
-# dependency (tensorflow no longer installs it); this writes the same record
-# (a float32 tensor plus the scalars plugin's name, as TensorBoard's scalars
-# dashboard reads it) with core tf.summary.write, as modern/train.py does.
-# It becomes tf.summary.scalar(PRECISION_TAG, precision, step=global_step)
-# once tensorboard is a dependency in setup.py.
-_SCALARS_METADATA = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name='scalars'))
 
 
 class PrecisionWriter:
@@ -119,8 +108,7 @@ class PrecisionWriter:
         raise self._error(cause, _advice(cause)) from None
     try:
       with self._writer.as_default():
-        tf.summary.write(PRECISION_TAG, tf.constant(precision, tf.float32),
-                         step=int(global_step), metadata=_SCALARS_METADATA)
+        tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
       self._writer.flush()
     except (tf.errors.OpError, OSError) as e:
       cause = checkpoints.reason(e).rsplit('; ', 1)[-1]
