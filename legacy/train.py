@@ -371,9 +371,9 @@ def build_train_graph(config, plan, decay_steps,
   # relative to train_dir, so a copied or moved train_dir resumes from its
   # own files (upstream's absolute paths pointed back at the original).
   saver = tf.train.Saver(tf.global_variables(), save_relative_paths=True)
-  # The towers' summaries only (common.training.summary_tags): not the
-  # input pipeline's queue-fill fractions and image summary, which the
-  # modern trainer has no counterpart of.
+  # Deviation from upstream: both trainers write the tags of common.training.summary_tags.
+  # The towers' summaries only: not the input pipeline's queue-fill
+  # fractions and image summary, which the modern trainer has no counterpart of.
   summary_op = tf.summary.merge(towers.summaries)
   init_op = tf.group(tf.global_variables_initializer(),
                      tf.local_variables_initializer())
@@ -549,9 +549,8 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
         window.add(duration, images_per_step,
                    extra=write_summary or step == first_step + 1)
         if step % config.log_every == 0:
-          # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
-          # examples/sec and sec/batch are means over the steps since the
-          # last line, not the one step logged (training.LogWindow).
+          # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
+          # Steps writing summaries or checkpoints count only their step (training.LogWindow).
           out(window.line(step, loss_value))
         if on_step is not None:
           on_step(step, duration, images_per_step)

@@ -44,6 +44,7 @@ def _displayable(image):
   return (image * scale + 127.0) / 255.0
 
 
+# Deviation from upstream: both trainers write the tags of common.training.summary_tags.
 def _write_summaries(state, step, tower_losses, lr, summaries):
   """The tags of common.training.summary_tags with tf.summary, at `step`.
 
@@ -246,9 +247,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
         _write_graph(writer, engine, batches, write_summary, warn)
       if step % config.log_every == 0:
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
-        # Deviation from upstream: sec/batch is the time of one step, not divided by the towers.
-        # examples/sec and sec/batch are means over the steps since the last
-        # line, not the one step logged.
+        # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
         out(window.line(step, float(tower_losses.mean())))
       if on_step is not None:
         on_step(step, duration, engine.global_batch_size)
