@@ -922,7 +922,9 @@ def plot(report, path):
                               else '%.2fx Keras' % row['ratio_to_baseline']))
       axes.annotate(text, (x, row['window_max']), xytext=(0, 3),
                     textcoords='offset points', ha='center', va='bottom',
-                    fontsize=8, fontweight='normal' if impl == BASELINE else 'bold')
+                    fontsize=8, fontweight='normal' if impl == BASELINE else 'bold',
+                    bbox={'facecolor': 'white', 'edgecolor': 'none', 'pad': 1,
+                          'alpha': 0.8})  # readable across the ceiling line
     jit = any(rows[(impl, n)]['jit'] for n in towers if (impl, n) in rows)
     label = ('Keras model.fit (MirroredStrategy, in-memory data)'
              if impl == BASELINE else impl + (' (XLA)' if jit else ''))
