@@ -36,13 +36,17 @@ batches buffered during the wait save the next window at most their
 preprocessing, about 1% of a window. The inputs alone are then measured one
 process each (`--worker SPEC`).
 
-No click here: `cli.py bench` is the command line; `run` and `format_table`
-are the API.
+No click here: `cli.py bench` is the command line; `run`, `format_table`,
+`write_json`, `read_json` and `plot` are the API. `plot` draws a report (a
+fresh one or a `--json` file read back) as a PNG with matplotlib, which is
+an optional extra.
 """
 
 import dataclasses
+import datetime
 import json
 import os
+import platform
 import queue
 import resource
 import statistics
@@ -65,6 +69,8 @@ TRAINING_MULTIPLIER = 3  # forward + backward (two products per layer) ~ 3x forw
 BASELINE_DISTINCT_BATCHES = 8  # in-memory global batches the baseline cycles over
 INPUT_WARMUP_WINDOWS = 2  # input-alone windows discarded (the shuffle buffer fills first)
 INPUT_WINDOWS = 5  # input-alone timed windows
+MATPLOTLIB_HINT = ('matplotlib is not installed, and --plot needs it: pip install '
+                   'matplotlib (or the [profile] extra: pip install -e .[profile])')
 
 
 class BenchError(Exception):
@@ -621,6 +627,18 @@ def _key(spec):
   return (spec['impl'], spec.get('num_gpus'))
 
 
+def cpu_model():
+  """The CPU's model name (Linux: /proc/cpuinfo), for the report; '' if unknown."""
+  try:
+    with open('/proc/cpuinfo', encoding='ascii', errors='replace') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor()
+
+
 def summarize(config, windows, finals, inputs, data_description):
   """The report: rates, ratios and memory of every contender.
 
@@ -692,8 +710,11 @@ def summarize(config, windows, finals, inputs, data_description):
       rows.append(row)
   return {
       'settings': dict(dataclasses.asdict(config), data=data_description),
+      'measured_at': datetime.datetime.now(datetime.timezone.utc).strftime(
+          '%Y-%m-%d %H:%M UTC'),
       'machine': {
           'cpu_count': os.cpu_count(),
+          'cpu_model': cpu_model(),
           'matmul_size': config.matmul_size,
           'matmul_flops_per_sec': flops_per_sec,
           'matmul_runs_flops_per_sec': matmul_runs,
@@ -827,6 +848,113 @@ def write_json(report, path):
     json.dump(report, f, indent=2, sort_keys=True)
     f.write('\n')
   os.replace(tmp, path)
+
+
+def read_json(path):
+  """Reads back a report written by `write_json` (`bench --json`).
+
+  Raises:
+    BenchError: the file cannot be read or holds no bench report.
+  """
+  try:
+    with open(path, encoding='utf-8') as f:
+      report = json.load(f)
+  except (OSError, ValueError) as e:
+    raise BenchError('cannot read %s: %s' % (path, e)) from e
+  if not (isinstance(report, dict) and report.get('rows')
+          and all(k in report for k in ('settings', 'machine'))):
+    raise BenchError('%s is not a bench results file (one written by bench --json)'
+                     % path)
+  return report
+
+
+def check_plotting():
+  """Raises BenchError(MATPLOTLIB_HINT) unless matplotlib can be imported."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    raise BenchError(MATPLOTLIB_HINT) from e
+
+
+COLOURS = {BASELINE: '#9e9e9e', 'legacy': '#1f77b4', 'modern': '#ff7f0e'}
+
+
+def plot(report, path):
+  """Draws the report's training images/sec as a PNG bar chart.
+
+  One group of bars per tower count, one bar per contender: the median
+  img/s, the windows' min-max as error bars, Keras (grey) the reference,
+  each trainer's ratio to it (the median of the per-round ratios) written
+  above its bar; the machine ceiling a dotted line. The caption names the
+  settings, the data, the machine and when it was measured, and the
+  report's 'note' if it has one.
+
+  Raises:
+    BenchError: matplotlib is missing (MATPLOTLIB_HINT).
+  """
+  check_plotting()
+  from matplotlib import figure as figure_lib  # pylint: disable=g-import-not-at-top
+  settings, machine = report['settings'], report['machine']
+  towers = sorted({row['num_gpus'] for row in report['rows']})
+  names = []
+  for row in report['rows']:
+    if row['impl'] not in names:
+      names.append(row['impl'])
+  rows = {(row['impl'], row['num_gpus']): row for row in report['rows']}
+  width = 0.8 / len(names)
+  fig = figure_lib.Figure(figsize=(8, 5.2))
+  axes = fig.add_subplot()
+  top = machine['ceiling_images_per_sec']
+  for i, impl in enumerate(names):
+    xs, heights, errors = [], [], [[], []]
+    for g, n in enumerate(towers):
+      row = rows.get((impl, n))
+      if row is None:
+        continue
+      x = g + (i - (len(names) - 1) / 2) * width
+      rate = row['images_per_sec']
+      xs.append(x)
+      heights.append(rate)
+      errors[0].append(rate - row['window_min'])
+      errors[1].append(row['window_max'] - rate)
+      top = max(top, row['window_max'])
+      text = ('%.0f\n%s' % (rate, 'reference' if impl == BASELINE
+                              else '%.2fx Keras' % row['ratio_to_baseline']))
+      axes.annotate(text, (x, row['window_max']), xytext=(0, 3),
+                    textcoords='offset points', ha='center', va='bottom',
+                    fontsize=8, fontweight='normal' if impl == BASELINE else 'bold',
+                    bbox={'facecolor': 'white', 'edgecolor': 'none', 'pad': 1,
+                          'alpha': 0.8})  # readable across the ceiling line
+    jit = any(rows[(impl, n)]['jit'] for n in towers if (impl, n) in rows)
+    label = ('Keras model.fit (MirroredStrategy, in-memory data)'
+             if impl == BASELINE else impl + (' (XLA)' if jit else ''))
+    axes.bar(xs, heights, width * 0.9, yerr=errors, capsize=4,
+             color=COLOURS.get(impl, '#2ca02c'), label=label,
+             error_kw={'elinewidth': 1, 'ecolor': '#333333'})
+  axes.axhline(machine['ceiling_images_per_sec'], color='black', linestyle=':',
+               linewidth=1, label='machine ceiling (best matmul rate / FLOPs '
+               'per image): %.0f' % machine['ceiling_images_per_sec'])
+  axes.set_xticks(range(len(towers)))
+  axes.set_xticklabels(['%d tower%s' % (n, '' if n == 1 else 's') for n in towers])
+  axes.set_ylim(0, top * 1.25)
+  axes.set_ylabel('training images/sec (median of the windows)')
+  axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
+                 'windows min-max' % settings['batch_size'], fontsize=10)
+  axes.legend(loc='upper left', fontsize=8, frameon=False)
+  where = ', '.join(str(part) for part in (
+      '%s CPUs' % machine.get('cpu_count'), machine.get('cpu_model'),
+      report.get('measured_at')) if part)
+  caption = ['%d rounds of one %d-step window per contender (after %d warm-up); '
+             'ratios: median of per-round ratios to Keras'
+             % (settings['rounds'], settings['window_steps'],
+                settings['warmup_rounds']),
+             'data: %s; machine: %s' % (settings['data'], where)]
+  if report.get('note'):
+    caption.append(report['note'])
+  fig.text(0.01, 0.01, '\n'.join(caption), fontsize=7, va='bottom', ha='left',
+           wrap=True)
+  fig.tight_layout(rect=(0, 0.04 + 0.025 * len(caption), 1, 1))
+  fig.savefig(path, dpi=100)
 
 
 if __name__ == '__main__':

@@ -696,8 +696,16 @@ def _comma_list(convert, allowed=None, bound=None):
 @click.option('--jit', is_flag=True,
               help='Compile each tower\'s loss and gradients with XLA in both '
                    'trainers (the Keras baseline keeps its default).')
-def bench(impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds, window_steps,
-          matmul_size, json_path, jit):
+@click.option('--plot', 'plot_path', type=click.Path(dir_okay=False), default=None,
+              help='Also draw the results as a PNG bar chart (needs matplotlib: '
+                   'pip install matplotlib, or the [profile] extra).')
+@click.option('--from_json', type=click.Path(exists=True, dir_okay=False),
+              default=None,
+              help='Measure nothing: read the results of an earlier --json run, '
+                   'print its table and draw it with --plot.')
+@click.pass_context
+def bench(ctx, impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds,
+          window_steps, matmul_size, json_path, jit, plot_path, from_json):
   """Measure training images/sec against Keras model.fit and the machine ceiling.
 
   For each trainer and tower count: steady-state training images/sec of the
@@ -706,9 +714,31 @@ def bench(impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds, window_st
   turn for several rounds; then each input pipeline alone. The machine
   ceiling is the best fp32 matmul rate over the FLOPs of one training image.
   Each contender runs in its own process. Prints a table (stdout) and
-  progress (stderr).
+  progress (stderr); --json keeps the results, --plot draws them as a PNG,
+  and --from_json reads a --json file back instead of measuring.
   """
   import bench as bench_lib
+  if from_json is not None:
+    given = [p.opts[0] for p in ctx.command.params
+             if p.name not in ('plot_path', 'from_json')
+             and ctx.get_parameter_source(p.name) in (
+                 click.core.ParameterSource.COMMANDLINE,
+                 click.core.ParameterSource.ENVIRONMENT)]
+    if given:
+      raise click.UsageError('--from_json draws results measured earlier; it takes '
+                             'only --plot, not %s.' % ', '.join(given))
+    try:
+      report = bench_lib.read_json(from_json)
+    except bench_lib.BenchError as e:
+      raise click.ClickException(_first_line(e)) from None
+    click.echo(bench_lib.format_table(report))
+    _bench_plot(bench_lib, report, plot_path)
+    return
+  if plot_path is not None:
+    try:  # before minutes of measuring, not after
+      bench_lib.check_plotting()
+    except bench_lib.BenchError as e:
+      raise click.ClickException(_first_line(e)) from None
   with _user_errors():
     if data_dir is not None:
       from common import cifar10_format as fmt
@@ -728,6 +758,20 @@ def bench(impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds, window_st
   if json_path:
     bench_lib.write_json(report, json_path)
     click.echo('Wrote %s.' % json_path)
+  _bench_plot(bench_lib, report, plot_path)
+
+
+def _bench_plot(bench_lib, report, plot_path):
+  """Draws `report` into plot_path (if given); one-line errors."""
+  if plot_path is None:
+    return
+  try:
+    bench_lib.plot(report, plot_path)
+  except bench_lib.BenchError as e:
+    raise click.ClickException(_first_line(e)) from None
+  except (OSError, KeyError, TypeError, ValueError) as e:
+    raise click.ClickException('cannot draw %s: %s' % (plot_path, _first_line(e))) from None
+  click.echo('Wrote %s.' % plot_path)
 
 
 @cli.group()

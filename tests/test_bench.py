@@ -7,6 +7,7 @@ the measured numbers.
 
 import json
 import statistics
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -227,3 +228,88 @@ def test_bench_command_measures_and_writes_json(synth_data_dir, tmp_path):
           statistics.median(row['input_window_images_per_sec']))
       assert row['input_to_training'] == pytest.approx(
           row['input_images_per_sec'] / row['images_per_sec'])
+
+
+# --- the plot ------------------------------------------------------------------
+
+PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
+
+
+def synthetic_report():
+  """A small report from `summarize` over made-up windows (nothing is run)."""
+  config = bench.BenchConfig(num_gpus=(1, 2), batch_size=8, rounds=3,
+                             warmup_rounds=0, window_steps=10)
+  rates = {'keras': [100.0, 120.0, 110.0], 'legacy': [130.0, 90.0, 140.0],
+           'modern': [125.0, 135.0, 120.0]}
+  windows, finals = {}, {}
+  for n in (1, 2):
+    for impl, per_round in rates.items():
+      windows[(impl, n)] = [
+          {'round': r, 'seconds': 10 * 8 * n / (rate * n), 'cpu_seconds': 1.0}
+          for r, rate in enumerate(per_round)]
+      finals[(impl, n)] = {'peak_rss_bytes': 2 ** 28}
+  windows[(bench.MATMUL, None)] = [{'flops_per_sec': 1e10} for _ in range(3)]
+  inputs = {(impl, n): {'window_images_per_sec': [1000.0], 'peak_rss_bytes': 2 ** 28}
+            for n in (1, 2) for impl in ('legacy', 'modern')}
+  return bench.summarize(config, windows, finals, inputs, 'made up')
+
+
+@pytest.fixture
+def results_json(tmp_path):
+  path = tmp_path / 'results.json'
+  bench.write_json(synthetic_report(), str(path))
+  return path
+
+
+def test_plot_draws_a_png_from_a_json_file_without_measuring(results_json, tmp_path):
+  pytest.importorskip('matplotlib')
+  png = tmp_path / 'bench.png'
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', str(results_json),
+                                        '--plot', str(png)])
+  assert result.exit_code == 0, result.output
+  assert 'Starting' not in result.output and 'measuring' not in result.output
+  modern_2 = [l.split() for l in result.output.splitlines()
+              if l.startswith('modern') and l.split()[1] == '2'][0]
+  assert modern_2[3] == '250' and modern_2[6] == '1.12x'  # the file's table
+  assert result.output.rstrip().endswith('Wrote %s.' % png)
+  data = png.read_bytes()
+  assert data.startswith(PNG_SIGNATURE) and len(data) > 10000
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(results_json, tmp_path,
+                                                     monkeypatch):
+  for name in [m for m in sys.modules if m.split('.')[0] == 'matplotlib']:
+    monkeypatch.delitem(sys.modules, name)
+  monkeypatch.setitem(sys.modules, 'matplotlib', None)  # import raises ImportError
+  png = tmp_path / 'bench.png'
+  with pytest.raises(bench.BenchError, match='pip install matplotlib'):
+    bench.plot(synthetic_report(), str(png))
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', str(results_json),
+                                        '--plot', str(png)])
+  assert result.exit_code == 1
+  error = [l for l in result.output.splitlines() if l.startswith('Error:')]
+  assert error == ['Error: ' + bench.MATPLOTLIB_HINT + '.'] or error == [
+      'Error: ' + bench.MATPLOTLIB_HINT]
+  assert 'Traceback' not in result.output and not png.exists()
+  # A measuring run with --plot fails before it measures anything.
+  result = CliRunner().invoke(cli.cli, ['bench', '--num_gpus', '1', '--plot', str(png)])
+  assert result.exit_code == 1 and 'pip install matplotlib' in result.output
+  assert 'Generating' not in result.output and 'Starting' not in result.output
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--rounds', '3'], '--from_json draws results measured earlier; it takes only '
+                        '--plot, not --rounds.'),
+    (['--json', 'x.json', '--jit'], 'not --json, --jit.'),
+])
+def test_from_json_refuses_measurement_options(results_json, args, message):
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', str(results_json)] + args)
+  assert result.exit_code == 2 and message in result.output
+
+
+def test_from_json_refuses_a_file_that_is_no_bench_report(tmp_path):
+  path = tmp_path / 'other.json'
+  path.write_text('{"rows": []}')
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', str(path)])
+  assert result.exit_code == 1
+  assert 'is not a bench results file (one written by bench --json)' in result.output
