@@ -871,9 +871,10 @@ def read_json(path):
 def check_plotting():
   """Raises BenchError(MATPLOTLIB_HINT) unless matplotlib can be imported."""
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+    import matplotlib  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise BenchError(MATPLOTLIB_HINT) from e
+  del matplotlib  # only whether it imports
 
 
 COLOURS = {BASELINE: '#9e9e9e', 'legacy': '#1f77b4', 'modern': '#ff7f0e'}
