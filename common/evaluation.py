@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from common import checkpoints
 from common import prog
+from common import training
 
 PRECISION_TAG = 'Precision @ 1'  # upstream's summary tag
 
@@ -169,6 +170,64 @@ def write_precision(eval_dir, precision, global_step):
     writer.close(quiet=True)
     raise
   writer.close()
+
+
+def evaluate_newest(checkpoint_dir, evaluate, missing, out=print,
+                    eval_dir=None):
+  """Evaluates the newest intact checkpoint of checkpoint_dir once.
+
+  What `legacy.eval.evaluate` and `modern.eval.evaluate` do, each with its own
+  evaluator.
+
+  Args:
+    checkpoint_dir: str, a train_dir.
+    evaluate: callable(contents) -> EvalCounts, the trainer's evaluator.
+    missing: Exception to raise when checkpoint_dir has no intact checkpoint.
+    out: callable taking one line, for the result.
+    eval_dir: optional str; when set, a 'Precision @ 1' point is written
+      there for TensorBoard (`write_precision`).
+
+  Returns:
+    (precision, global_step): float in [0, 1], int.
+
+  Raises:
+    `missing`; whatever `evaluate` raises; EvalDirError.
+  """
+  found = checkpoints.newest_intact(checkpoint_dir)
+  if found.contents is None:
+    raise missing
+  counts = evaluate(found.contents)
+  precision = counts.true_count / counts.total_count
+  out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
+  if eval_dir is not None:
+    write_precision(eval_dir, precision, counts.global_step)
+  return precision, counts.global_step
+
+
+def evaluate_each(checkpoint_dir, evaluate, out, warn, interval_secs,
+                  max_evals=None, eval_dir=None):
+  """`run` under a StopRequest: each new checkpoint once, until a signal.
+
+  Args:
+    checkpoint_dir, out, warn, interval_secs, max_evals, eval_dir: as `run`.
+    evaluate: callable(contents, should_stop), as `run`.
+
+  Returns:
+    list of (precision, global_step), one per checkpoint evaluated.
+  """
+  with training.StopRequest() as stop:
+    results = run(checkpoint_dir, evaluate, stop, out, warn,
+                  interval_secs=interval_secs, max_evals=max_evals,
+                  eval_dir=eval_dir)
+  return [(r.precision, r.global_step) for r in results]
+
+
+def no_checkpoint_line(checkpoint_dir, trainer):
+  """What to do when checkpoint_dir holds no checkpoint of `trainer` yet."""
+  return ('No checkpoint found in %s. Train first (`%s`) or pass the '
+          'train_dir as --checkpoint_dir.'
+          % (checkpoint_dir, prog.command('%s --train_dir %s'
+                                          % (trainer, checkpoint_dir))))
 
 
 def result_line(precision, global_step, path):

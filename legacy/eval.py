@@ -6,15 +6,12 @@ batch wrapped around and counted up to batch - 1 records twice; here the input
 stops after one epoch and the last batch is smaller.
 """
 
-import datetime
-
 import tensorflow.compat.v1 as tf
 
 from common import checkpoints
 from common import cifar10_format
 from common import evaluation
 from common import hparams
-from common import prog
 from common import training
 from legacy import inputs
 from legacy import model
@@ -159,14 +156,10 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
 
   Args:
     checkpoint_dir: str, the train_dir of `legacy.train.train`.
-    data_dir: str, directory holding `cifar-10-batches-bin/test_batch.bin`.
-    batch_size: int, images per evaluation batch.
-    num_examples: optional int, evaluate the first this many test records;
-      None means all.
+    data_dir, batch_size, num_examples: as `eval_once`.
     out: callable taking one line, for the result.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (created if missing; common.evaluation's
-      PrecisionWriter, shared with the modern evaluator).
+      there for TensorBoard (`common.evaluation.write_precision`).
 
   Returns:
     (precision, global_step): float in [0, 1], int.
@@ -176,18 +169,12 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
     common.cifar10_format.DataError: the test file is missing or malformed.
     common.evaluation.EvalDirError: eval_dir cannot be written.
   """
-  found = checkpoints.newest_intact(checkpoint_dir)
-  if found.contents is None:
-    raise EvalError('No checkpoint found in %s. Train first (`%s`) or pass '
-                    'the train_dir as --checkpoint_dir.' % (
-                        checkpoint_dir,
-                        prog.command('legacy --train_dir %s' % checkpoint_dir)))
-  counts = evaluate_contents(found.contents, data_dir, batch_size, num_examples)
-  precision = counts.true_count / counts.total_count
-  out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
-  if eval_dir is not None:
-    evaluation.write_precision(eval_dir, precision, counts.global_step)
-  return precision, counts.global_step
+  return evaluation.evaluate_newest(
+      checkpoint_dir,
+      lambda contents: evaluate_contents(contents, data_dir, batch_size,
+                                         num_examples),
+      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'legacy')),
+      out, eval_dir)
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -209,13 +196,8 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   Returns:
     list of (precision, global_step), one per checkpoint evaluated.
   """
-
-  def evaluate_one(contents, should_stop):
-    return evaluate_contents(contents, data_dir, batch_size, num_examples,
-                             should_stop)
-
-  with training.StopRequest() as stop:
-    results = evaluation.run(checkpoint_dir, evaluate_one, stop, out, warn,
-                             interval_secs=interval_secs, max_evals=max_evals,
-                             eval_dir=eval_dir)
-  return [(r.precision, r.global_step) for r in results]
+  return evaluation.evaluate_each(
+      checkpoint_dir,
+      lambda contents, should_stop: evaluate_contents(
+          contents, data_dir, batch_size, num_examples, should_stop),
+      out, warn, interval_secs, max_evals, eval_dir)

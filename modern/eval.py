@@ -134,8 +134,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
       records; default every record, each exactly once.
     out: callable(str) for the result line.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (created if missing; common.evaluation's
-      PrecisionWriter, shared with the legacy evaluator).
+      there for TensorBoard (`common.evaluation.write_precision`).
 
   Returns:
     (precision float in [0, 1], global step of the checkpoint int).
@@ -145,18 +144,12 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
     common.cifar10_format.DataError: the test file is missing or malformed.
     common.evaluation.EvalDirError: eval_dir cannot be written.
   """
-  found = checkpoints.newest_intact(checkpoint_dir)
-  if found.contents is None:
-    raise EvalError(
-        'no checkpoint found in %s (expected model.ckpt-<step> files and a '
-        '`checkpoint` state file). Train first, with this directory as '
-        '--train_dir.' % checkpoint_dir)
-  counts = evaluate_contents(found.contents, data_dir, batch_size, num_examples)
-  precision = counts.true_count / counts.total_count
-  out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
-  if eval_dir is not None:
-    evaluation.write_precision(eval_dir, precision, counts.global_step)
-  return precision, counts.global_step
+  return evaluation.evaluate_newest(
+      checkpoint_dir,
+      lambda contents: evaluate_contents(contents, data_dir, batch_size,
+                                         num_examples),
+      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'modern')),
+      out, eval_dir)
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
@@ -178,13 +171,8 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_e
   Returns:
     list of (precision, global_step), one per evaluated checkpoint.
   """
-
-  def evaluate_one(contents, should_stop):
-    return evaluate_contents(contents, data_dir, batch_size, num_examples,
-                             should_stop)
-
-  with training.StopRequest() as stop:
-    results = evaluation.run(checkpoint_dir, evaluate_one, stop, out, warn,
-                             interval_secs=interval_secs, max_evals=max_evals,
-                             eval_dir=eval_dir)
-  return [(r.precision, r.global_step) for r in results]
+  return evaluation.evaluate_each(
+      checkpoint_dir,
+      lambda contents, should_stop: evaluate_contents(
+          contents, data_dir, batch_size, num_examples, should_stop),
+      out, warn, interval_secs, max_evals, eval_dir)

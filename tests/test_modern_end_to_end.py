@@ -120,7 +120,7 @@ def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir,
 
 
 def test_evaluate_without_a_checkpoint_says_to_train_first(synth_data_dir, tmp_path):
-  with pytest.raises(eval_lib.EvalError, match='no checkpoint found in .*Train first'):
+  with pytest.raises(eval_lib.EvalError, match='No checkpoint found in .*Train first'):
     eval_lib.evaluate(str(tmp_path), synth_data_dir)
 
 
