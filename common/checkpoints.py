@@ -40,7 +40,7 @@ import re
 
 import tensorflow as tf
 
-from common import config as config_lib
+from cifar10_towers.common import config as config_lib
 
 LEGACY = 'legacy'  # tf.compat.v1 Saver: keys are variable names, e.g. 'conv1/weights'
 MODERN = 'modern'  # tf.train.Checkpoint: keys like 'model/conv1/weights/.ATTRIBUTES/...'

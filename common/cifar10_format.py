@@ -28,8 +28,8 @@ import socket
 
 import numpy as np
 
-from common import hparams
-from common import prog
+from cifar10_towers.common import hparams
+from cifar10_towers.common import prog
 
 BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
 TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))

@@ -3,8 +3,8 @@
 import dataclasses
 import os
 
-from common import hparams
-from common import optimizer as optimizer_lib
+from cifar10_towers.common import hparams
+from cifar10_towers.common import optimizer as optimizer_lib
 
 DEFAULT_DATA_DIR = '/tmp/cifar10_data'  # upstream's default
 DEFAULT_TRAIN_DIR = '/tmp/cifar10_train'  # upstream's default

@@ -12,10 +12,10 @@ import os
 
 import numpy as np
 
-from common import cifar10_format as fmt
-from common import generated
-from common import hparams
-from common import synth
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import generated
+from cifar10_towers.common import hparams
+from cifar10_towers.common import synth
 
 CLASS_NAMES = tuple(str(d) for d in range(10))
 NUM_IMAGES = 1797  # images in sklearn's load_digits

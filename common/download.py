@@ -21,9 +21,9 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from common import cifar10_format as fmt
-from common import generated
-from common import prog
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import generated
+from cifar10_towers.common import prog
 
 DATA_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz'
 ARCHIVE_NAME = 'cifar-10-binary.tar.gz'  # also the name of a local copy in data_dir

@@ -25,9 +25,9 @@ import tempfile
 
 import tensorflow as tf
 
-from common import checkpoints
-from common import prog
-from common import training
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import prog
+from cifar10_towers.common import training
 
 PRECISION_TAG = 'Precision @ 1'  # upstream's summary tag
 

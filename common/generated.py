@@ -15,8 +15,8 @@ import json
 import os
 import shlex
 
-from common import cifar10_format as fmt
-from common import prog
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import prog
 
 MARKER_FILE = fmt.GENERATED_FILE
 

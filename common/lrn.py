@@ -25,7 +25,7 @@ import functools
 
 import tensorflow as tf
 
-from common import hparams
+from cifar10_towers.common import hparams
 
 
 def _window_sum(t, depth_radius):

@@ -54,9 +54,9 @@ can be read (not Linux) nothing is checked.
 import dataclasses
 import os
 
-from common import cifar10_format as fmt
-from common import hparams
-from common import training
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import hparams
+from cifar10_towers.common import training
 
 GIB = 2 ** 30
 RUNTIME_BYTES = 1 * GIB  # TensorFlow's own footprint in a training process
@@ -95,7 +95,7 @@ def activation_bytes_per_image():
   From the layer shapes of `common.model_spec` (imported here, with
   TensorFlow, so that importing this module stays cheap).
   """
-  from common import model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   conv1, conv2, local3, local4, logits = model_spec.LAYERS
   stride = hparams.POOL_STRIDE
   size1 = hparams.IMAGE_SIZE  # conv1 keeps the size (SAME, stride 1)
@@ -125,7 +125,7 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch,
   Returns:
     Estimate.
   """
-  from common import model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   b, n = batch_size, num_towers
   min_after_dequeue = hparams.min_queue_examples(examples_per_epoch)
   batches = (3 * n + 1) * b * IMAGE_BYTES

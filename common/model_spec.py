@@ -10,8 +10,8 @@ import collections
 
 import tensorflow as tf
 
-from common import hparams
-from common import lrn as lrn_lib
+from cifar10_towers.common import hparams
+from cifar10_towers.common import lrn as lrn_lib
 
 LayerSpec = collections.namedtuple(
     'LayerSpec', ['name', 'weight_shape', 'stddev', 'wd', 'bias_init'])

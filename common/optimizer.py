@@ -19,7 +19,7 @@ where <variable> is one of `model_spec.VARIABLE_NAMES`.
 
 import dataclasses
 
-from common import hparams
+from cifar10_towers.common import hparams
 
 SGD, MOMENTUM, ADAM = 'sgd', 'momentum', 'adam'
 NAMES = (SGD, MOMENTUM, ADAM)  # values of --optimizer
@@ -77,7 +77,7 @@ class Optimizer:
 
 def slot_names(name):
   """Legacy names of the slots and non-slot variables of optimizer `name`."""
-  from common import model_spec  # pylint: disable=g-import-not-at-top  (TensorFlow: not for --help)
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top  (TensorFlow: not for --help)
   return tuple('%s/%s' % (var, suffix) for var in model_spec.VARIABLE_NAMES
                for suffix in SLOT_SUFFIXES[name]) + NON_SLOT_NAMES[name]
 
@@ -86,7 +86,7 @@ def slot_shape(slot_name):
   """Shape of a slot named like 'conv1/weights/Adam' (scalars: ())."""
   if '/' not in slot_name:
     return ()
-  from common import model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   return model_spec.variable_shape(slot_name.rsplit('/', 1)[0])
 
 

@@ -6,8 +6,8 @@ legacy tf.compat.v1 graph (queue runners) and inside modern tf.data maps.
 
 import tensorflow as tf
 
-from common import cifar10_format as fmt
-from common import hparams
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import hparams
 
 
 def decode_record(record):

@@ -38,9 +38,9 @@ import os
 
 import numpy as np
 
-from common import cifar10_format as fmt
-from common import generated
-from common import hparams
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import generated
+from cifar10_towers.common import hparams
 
 CLASS_NAMES = ('hstripes4', 'hstripes8', 'vstripes4', 'vstripes8', 'checker4',
                'checker8', 'crosshatch', 'rings', 'disk', 'noise')

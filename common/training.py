@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from common import hparams
+from cifar10_towers.common import hparams
 
 
 class TrainingError(Exception):
@@ -127,7 +127,7 @@ EMA_SUFFIX = 'ExponentialMovingAverage'  # = common.model_spec.EMA_SUFFIX
 def loss_terms():
   """A tower's loss terms, as legacy names them in its 'losses' collection:
   ('local3/weight_loss', 'local4/weight_loss', 'cross_entropy')."""
-  from common import model_spec  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
   return tuple('%s/weight_loss' % layer.name for layer in model_spec.LAYERS
                if layer.wd is not None) + ('cross_entropy',)
 
@@ -168,7 +168,7 @@ def summary_tags(num_towers, activations=True):
   `activations`: with the per-layer activation, sparsity and gradient
   summaries and the images (False: the subset the replica engines write).
   """
-  from common import model_spec  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
   layers = [layer.name for layer in model_spec.LAYERS]
   scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
   histograms = list(model_spec.VARIABLE_NAMES)

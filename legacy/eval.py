@@ -8,13 +8,13 @@ stops after one epoch and the last batch is smaller.
 
 import tensorflow.compat.v1 as tf
 
-from common import checkpoints
-from common import cifar10_format
-from common import evaluation
-from common import hparams
-from common import training
-from legacy import inputs
-from legacy import model
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import evaluation
+from cifar10_towers.common import hparams
+from cifar10_towers.common import training
+from cifar10_towers.legacy import inputs
+from cifar10_towers.legacy import model
 
 
 EvalCounts = evaluation.EvalCounts  # (true_count, total_count, global_step)

@@ -9,9 +9,9 @@ import collections
 
 import tensorflow.compat.v1 as tf
 
-from common import cifar10_format
-from common import hparams
-from common import preprocess
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import hparams
+from cifar10_towers.common import preprocess
 
 CIFAR10Record = collections.namedtuple(
     'CIFAR10Record', ['key', 'label', 'uint8image', 'height', 'width', 'depth'])

@@ -10,10 +10,10 @@ import re
 
 import tensorflow.compat.v1 as tf
 
-from common import devices
-from common import hparams
-from common import model_spec
-from common import training
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.common import model_spec
+from cifar10_towers.common import training
 
 TOWER_NAME = hparams.TOWER_NAME
 LOSSES_COLLECTION = 'losses'  # upstream's collection of per-tower loss terms

@@ -16,17 +16,17 @@ import time
 import tensorflow.compat.v1 as tf
 from tf_slim.data import prefetch_queue
 
-from common import checkpoints
-from common import cifar10_format
-from common import devices
-from common import hparams
-from common import lock
-from common import lrn as lrn_lib
-from common import optimizer as optimizer_lib
-from common import prog
-from common import training
-from legacy import inputs
-from legacy import model
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.common import lock
+from cifar10_towers.common import lrn as lrn_lib
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import prog
+from cifar10_towers.common import training
+from cifar10_towers.legacy import inputs
+from cifar10_towers.legacy import model
 
 Towers = collections.namedtuple('Towers', [
     'train_op',  # one synchronous step: average, apply, then moving average

@@ -30,13 +30,13 @@ import threading
 
 import tensorflow as tf
 
-from common import checkpoints
-from common import config as config_lib
-from common import lock
-from common import model_spec
-from common import optimizer as optimizer_lib
-from common import prog
-from common import training
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import lock
+from cifar10_towers.common import model_spec
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import prog
+from cifar10_towers.common import training
 
 MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
 EMA_SUFFIX = model_spec.EMA_SUFFIX  # legacy's shadow-variable name suffix

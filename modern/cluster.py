@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 
-from common import training
+from cifar10_towers.common import training
 
 TF_CONFIG = 'TF_CONFIG'  # the environment variable naming the cluster
 HELLO = 'cifar10-towers multiworker hello'  # first word of the start-up handshake

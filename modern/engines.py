@@ -36,14 +36,14 @@ import time
 
 import tensorflow as tf
 
-from common import checkpoints
-from common import devices
-from common import lock
-from common import optimizer as optimizer_lib
-from common import training
-from modern import cluster as cluster_lib
-from modern import inputs
-from modern import step as step_lib
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import devices
+from cifar10_towers.common import lock
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import training
+from cifar10_towers.modern import cluster as cluster_lib
+from cifar10_towers.modern import inputs
+from cifar10_towers.modern import step as step_lib
 
 
 class Engine:

@@ -9,13 +9,13 @@ import datetime
 
 import tensorflow as tf
 
-from common import checkpoints
-from common import evaluation
-from common import hparams
-from common import training
-from modern import inputs
-from modern import model as model_lib
-from modern import checkpoints as ckpt_lib
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import evaluation
+from cifar10_towers.common import hparams
+from cifar10_towers.common import training
+from cifar10_towers.modern import inputs
+from cifar10_towers.modern import model as model_lib
+from cifar10_towers.modern import checkpoints as ckpt_lib
 
 
 class EvalError(Exception):

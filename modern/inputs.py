@@ -7,9 +7,9 @@ decoding and the per-image preprocessing are the shared functions of
 
 import tensorflow as tf
 
-from common import cifar10_format as fmt
-from common import hparams
-from common import preprocess
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import hparams
+from cifar10_towers.common import preprocess
 
 
 def _record_dataset(filenames):

@@ -10,8 +10,8 @@ each a `tf.Variable` named like legacy's, e.g. `conv1/weights:0`.
 
 import tensorflow as tf
 
-from common import devices
-from common import model_spec
+from cifar10_towers.common import devices
+from cifar10_towers.common import model_spec
 
 
 class LayerVariables(tf.Module):

@@ -19,13 +19,13 @@ arithmetic.
 
 import tensorflow as tf
 
-from common import devices
-from common import hparams
-from common import lrn
-from common import model_spec
-from common import optimizer as optimizer_lib
-from common import training
-from modern import model as model_lib
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.common import lrn
+from cifar10_towers.common import model_spec
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import training
+from cifar10_towers.modern import model as model_lib
 
 TOWER_NAME = hparams.TOWER_NAME
 

@@ -13,15 +13,15 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from common import checkpoints
-from common import cifar10_format as fmt
-from common import config as config_lib
-from common import hparams
-from common import lock
-from common import model_spec
-from common import training
-from modern import checkpoints as ckpt_lib
-from modern import engines
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import hparams
+from cifar10_towers.common import lock
+from cifar10_towers.common import model_spec
+from cifar10_towers.common import training
+from cifar10_towers.modern import checkpoints as ckpt_lib
+from cifar10_towers.modern import engines
 
 TOWER_NAME = hparams.TOWER_NAME
 

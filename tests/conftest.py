@@ -17,7 +17,7 @@ NUM_LOGICAL_DEVICES = 4  # enough for every multi-tower test
 @pytest.fixture(scope='session', autouse=True)
 def device_plan():
   """Splits the CPU into 4 logical devices before any test starts TensorFlow."""
-  from common import devices
+  from cifar10_towers.common import devices
   return devices.plan_devices(NUM_LOGICAL_DEVICES, warn=lambda _: None)
 
 
@@ -42,7 +42,7 @@ def synth_data_dir(tmp_path_factory):
   eval on it print nothing about generated data, and the tests pin their
   stderr as on the real set. tests/test_generated.py covers marked data.
   """
-  from common import synth
+  from cifar10_towers.common import synth
   data_dir = str(tmp_path_factory.mktemp('synth_data'))
   synth.generate(data_dir, train_per_file=200, num_test=300, seed=0, mark=False)
   return data_dir

@@ -53,7 +53,7 @@ def invoke_cli(args, env=None):
     SystemExit is what a user would have seen as a traceback.
   """
   from click.testing import CliRunner
-  import cli  # pylint: disable=import-outside-toplevel
+  from cifar10_towers import cli  # pylint: disable=import-outside-toplevel
   result = CliRunner().invoke(cli.cli, [str(a) for a in args], env=env)
   exception = result.exception
   if isinstance(exception, SystemExit):
@@ -183,19 +183,19 @@ def trained_dir(impl, data_dir):
   TensorFlow import. Copy it with `copy_trained`; never modify it.
   """
   if impl not in _TRAINED:
-    from common import config as config_lib
-    from common import devices
+    from cifar10_towers.common import config as config_lib
+    from cifar10_towers.common import devices
     path = tempfile.mkdtemp(prefix='faults_%s_' % impl)
     config = config_lib.TrainConfig(
         data_dir=data_dir, train_dir=path, num_gpus=1, batch_size=8,
         max_steps=2, save_every=1, log_every=100, summary_every=1000, seed=0)
     plan = devices.plan_devices(1, warn=lambda _: None)
     if impl == 'legacy':
-      from legacy import train
+      from cifar10_towers.legacy import train
       train.train(config, plan, out=lambda _: None, warn=lambda _: None,
                   num_threads=2)
     else:
-      from modern import train
+      from cifar10_towers.modern import train
       train.train(config, plan, out=lambda _: None, warn=lambda _: None)
     for name in os.listdir(path):  # keep the checkpoints only
       if name.startswith('events.out.tfevents'):
@@ -258,7 +258,7 @@ def upstream_train_dir(path, step=UPSTREAM_STEP, seed=0):
   """
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from common import model_spec  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
   tf1 = tf.compat.v1
   os.makedirs(path, exist_ok=True)
   rng = np.random.default_rng(seed)
@@ -348,10 +348,11 @@ if _HOOKS:
 def hook(at, say=None, dwell=0.0, nth=1, returns=None):
   """One hook of `hooks_env`: at the nth call of `at` ('module:attr.path').
 
+  The module is named inside the cifar10_towers package ('modern.step:...').
   Prints `say` on stdout and sleeps `dwell` seconds before the call goes on,
   or returns `returns` instead of calling (when given).
   """
-  spec = {'at': at, 'nth': nth, 'dwell': dwell}
+  spec = {'at': 'cifar10_towers.' + at, 'nth': nth, 'dwell': dwell}
   if say is not None:
     spec['say'] = say
   if returns is not None:

@@ -12,8 +12,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-import bench
-import cli
+from cifar10_towers import bench
+from cifar10_towers import cli
 
 # conv1 24x24x(5x5x3)x64, conv2 12x12x(5x5x64)x64, local3, local4, softmax_linear.
 FORWARD_FLOPS = 2 * (24 * 24 * 75 * 64 + 12 * 12 * 1600 * 64 + 2304 * 384 +

@@ -2,8 +2,8 @@
 
 import pytest
 
-from common import hparams
-from common import training
+from cifar10_towers.common import hparams
+from cifar10_towers.common import training
 
 
 def test_checked_decay_steps_is_upstreams_formula():

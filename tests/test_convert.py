@@ -12,14 +12,14 @@ import tensorflow as tf
 import tensorflow.compat.v1 as tf1
 from click.testing import CliRunner
 
-import cli
-import convert
-from common import checkpoints
-from common import cifar10_format as fmt
-from common import config as config_lib
-from common import devices
-from common import hparams
-from common import preprocess
+from cifar10_towers import cli
+from cifar10_towers import convert
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.common import preprocess
 
 
 def _plan(device_plan, n):
@@ -30,7 +30,7 @@ def _plan(device_plan, n):
 @pytest.fixture(scope='module')
 def legacy_dir(tmp_path_factory, synth_data_dir, device_plan):
   """A legacy train_dir after 6 steps on 2 towers."""
-  from legacy import train as legacy_train
+  from cifar10_towers.legacy import train as legacy_train
   train_dir = str(tmp_path_factory.mktemp('legacy_train'))
   config = config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=train_dir,
                                   num_gpus=2, batch_size=8, max_steps=6,
@@ -53,7 +53,7 @@ def _eval_images(data_dir, n=64):
 
 def _legacy_logits(path, images):
   """Logits of the moving-average weights, restored the legacy way."""
-  from legacy import model as legacy_model
+  from cifar10_towers.legacy import model as legacy_model
   with tf.Graph().as_default():
     logits = legacy_model.inference(tf.constant(images))
     ema = tf1.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY)
@@ -65,7 +65,7 @@ def _legacy_logits(path, images):
 
 def _modern_logits(path, images):
   """Logits of the moving-average weights, restored the way modern eval does."""
-  from modern import eval as modern_eval
+  from cifar10_towers.modern import eval as modern_eval
   model, _ = modern_eval._restore_moving_averages(path)  # pylint: disable=protected-access
   return model(tf.constant(images)).numpy()
 
@@ -93,8 +93,8 @@ def test_round_trip_is_bit_for_bit(legacy_dir, tmp_path):
 
 
 def test_converted_checkpoint_evaluates_the_same(legacy_dir, synth_data_dir, tmp_path):
-  from legacy import eval as legacy_eval
-  from modern import eval as modern_eval
+  from cifar10_towers.legacy import eval as legacy_eval
+  from cifar10_towers.modern import eval as modern_eval
   modern_dir = str(tmp_path / 'modern')
   _, _, _, modern_path = convert.convert(legacy_dir, modern_dir)
   images, _ = _eval_images(synth_data_dir)
@@ -111,7 +111,7 @@ def test_converted_checkpoint_evaluates_the_same(legacy_dir, synth_data_dir, tmp
 
 def test_training_continues_from_converted(legacy_dir, synth_data_dir, tmp_path,
                                            device_plan):
-  from modern import train as modern_train
+  from cifar10_towers.modern import train as modern_train
   modern_dir = str(tmp_path / 'modern')
   convert.convert(legacy_dir, modern_dir)
   lines = []

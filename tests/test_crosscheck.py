@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import cli
-import crosscheck
-from common import devices
-from common import hparams
-from common import model_spec
+from cifar10_towers import cli
+from cifar10_towers import crosscheck
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.common import model_spec
 
 
 def _plan(device_plan, n):
@@ -72,7 +72,7 @@ def two_towers(device_plan):
 
 
 def test_fails_when_weight_decay_counted_twice(monkeypatch, two_towers):
-  from modern import step as modern_train
+  from cifar10_towers.modern import step as modern_train
   original = modern_train.tower_loss
 
   def twice(model, images, labels, params=None):
@@ -99,8 +99,8 @@ def tf_add_n(terms):
 def test_fails_with_upstream_unfiltered_weight_decay(monkeypatch, two_towers):
   """Upstream's trap: summing the 'losses' collection of every tower."""
   import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-  from legacy import model as legacy_model
-  from legacy import train as legacy_train
+  from cifar10_towers.legacy import model as legacy_model
+  from cifar10_towers.legacy import train as legacy_train
 
   def unfiltered(scope, images, labels, lrn=None):
     legacy_model.loss(legacy_model.inference(images, lrn=lrn), labels)
@@ -117,7 +117,7 @@ def test_fails_with_upstream_unfiltered_weight_decay(monkeypatch, two_towers):
 
 def test_fails_with_sum_instead_of_mean(monkeypatch, two_towers):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import step as modern_train
+  from cifar10_towers.modern import step as modern_train
 
   def summed(tower_grads):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
@@ -134,7 +134,7 @@ def test_fails_with_sum_instead_of_mean(monkeypatch, two_towers):
 
 def test_fails_with_wrong_lrn_constant(monkeypatch, two_towers):
   """alpha = 0.001 instead of 0.001 / 9, in the legacy graph only."""
-  from legacy import train as legacy_train
+  from cifar10_towers.legacy import train as legacy_train
   original = legacy_train.build_towers
 
   def build_with_wrong_alpha(*args, **kwargs):
@@ -179,7 +179,7 @@ def test_cli_crosscheck_dump_is_rechecked_independently(tmp_path):
 
 def test_cli_crosscheck_exits_1_when_broken(monkeypatch):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import step as modern_train
+  from cifar10_towers.modern import step as modern_train
 
   def summed(tower_grads):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]

@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from common import cifar10_format as fmt
-from common import digits
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import digits
 
 
 @pytest.fixture(scope='module')

@@ -14,18 +14,18 @@ import pytest
 import tensorflow as tf
 from click.testing import CliRunner
 
-import cli
-from common import cifar10_format as fmt
-from common import config as config_lib
-from common import devices
-from common import model_spec
-from modern import cluster as cluster_lib
-from modern import engines
-from modern import eval as eval_lib
-from modern import inputs
-from modern import checkpoints as modern_checkpoints
-from modern import step as modern_step
-from modern import train
+from cifar10_towers import cli
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.common import model_spec
+from cifar10_towers.modern import cluster as cluster_lib
+from cifar10_towers.modern import engines
+from cifar10_towers.modern import eval as eval_lib
+from cifar10_towers.modern import inputs
+from cifar10_towers.modern import checkpoints as modern_checkpoints
+from cifar10_towers.modern import step as modern_step
+from cifar10_towers.modern import train
 
 # docs/equivalence.md §2 tolerances.
 GRAD_REL_TOL = 1e-5  # averaged gradients: max|a - b| <= 1e-5 * max|b|, per variable

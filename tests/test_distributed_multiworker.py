@@ -89,10 +89,10 @@ def _worker_main(in_path, out_path, local_batches):
     local_batches: bool, pass only this worker's batch (else all R).
   """
   sys.path.insert(0, ROOT)
-  from common import devices  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
   plan = devices.plan_devices(1, warn=lambda _: None)
-  from modern import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  from modern import engines  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
   cluster = cluster_lib.resolve_cluster()  # from TF_CONFIG
   strategy = engines.multi_worker_strategy(plan, cluster, COLLECTIVE_TIMEOUT)
   trainer = engines.ReplicaTrainer(strategy, plan, DECAY_STEPS,
@@ -139,7 +139,7 @@ def _start_workers(tmp_path, in_path, num_workers, local_batches=False):
 def _inputs(tmp_path, num_replicas, seed):
   """Initial variables and batches for R replicas, written to an npz."""
   rng = np.random.default_rng(seed)
-  import crosscheck  # pylint: disable=g-import-not-at-top
+  from cifar10_towers import crosscheck  # pylint: disable=g-import-not-at-top
   arrays = {'init/' + k: v for k, v in crosscheck.initial_values(seed).items()}
   arrays['images'] = rng.standard_normal(
       (num_replicas, BATCH, 24, 24, 3)).astype(np.float32)
@@ -164,9 +164,9 @@ def test_workers_compute_the_towers_averaged_gradient(tmp_path, num_workers,
   or only its own. With 3 replicas the 1/R scaling of each replica's loss is
   not exact in floating point, hence the relative tolerances.
   """
-  from common import devices  # pylint: disable=g-import-not-at-top
-  from common import model_spec  # pylint: disable=g-import-not-at-top
-  from modern import step as step_lib  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import step as step_lib  # pylint: disable=g-import-not-at-top
   in_path, arrays = _inputs(tmp_path, num_workers, seed=num_workers)
   procs = _start_workers(tmp_path, in_path, num_workers, local_batches)
 
@@ -250,8 +250,8 @@ def test_three_workers_train_together_and_the_chief_keeps_the_checkpoints(
     if index:
       assert out.strip() == '', (index, out)  # progress comes from the chief only
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
-  from modern import eval as eval_lib  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import eval as eval_lib  # pylint: disable=g-import-not-at-top
   path = tf.train.latest_checkpoint(str(train_dir))
   assert path == str(train_dir / 'model.ckpt-20')
   assert (train_dir / 'model.ckpt-10.index').exists()
@@ -326,7 +326,7 @@ def test_a_worker_that_loses_its_peer_stops_with_a_clear_error(
   out = ''.join(seen) + out
   assert step == max(_steps_logged(out)), (step, out[-2000:])
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   assert tf.train.load_variable(saved.group(1),
                                 modern_checkpoints.checkpoint_key('global_step')) == step
   if how != signal.SIGKILL:

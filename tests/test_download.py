@@ -12,9 +12,9 @@ import threading
 import numpy as np
 import pytest
 
-from common import cifar10_format as fmt
-from common import download
-from common import synth
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import download
+from cifar10_towers.common import synth
 
 DATA_NAMES = fmt.TRAIN_FILES + fmt.EVAL_FILES
 

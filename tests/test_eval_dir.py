@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 import faults_support as fs
-from common import evaluation
+from cifar10_towers.common import evaluation
 
 NUM_EXAMPLES = 40  # precision k/40 prints exactly with 3 decimals
 PRINTED = re.compile(r'^.*: precision @ 1 = (\d\.\d{3}) \(global step (\d+), '
@@ -108,7 +108,7 @@ class _Looks:
 
 def test_the_loop_writes_each_checkpoint_as_it_comes(synth_data_dir, tmp_path):
   """common.evaluation.run, either kind: legacy's model.ckpt-1, then its -2."""
-  from legacy import eval as legacy_eval
+  from cifar10_towers.legacy import eval as legacy_eval
   train_dir = fs.copy_trained('legacy', synth_data_dir, str(tmp_path / 'train'))
   later = str(tmp_path / 'later')
   _move(train_dir, 2, later)

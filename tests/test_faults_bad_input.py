@@ -20,8 +20,8 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from common import cifar10_format as fmt
-from common import download
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import download
 
 Case = collections.namedtuple('Case', [
     'name',  # test id

@@ -26,9 +26,9 @@ import time
 import pytest
 
 import faults_support as fs
-from common import cifar10_format as fmt
-from common import download
-from common import synth
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import download
+from cifar10_towers.common import synth
 
 Case = collections.namedtuple('Case', [
     'name',  # test id

@@ -17,9 +17,9 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from common import checkpoints
-from common import devices
-from common import training
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import devices
+from cifar10_towers.common import training
 
 # How train_dir's model.ckpt-2 is blown up: (variable, factor, what follows).
 BLOW_UPS = {
@@ -53,9 +53,9 @@ def test_check_divergence_passes_what_training_sees(losses):
 
 def test_the_bound_is_100_times_a_fresh_models_loss(synth_data_dir, device_plan):
   """INITIAL_LOSS = ln(10) + the expected weight decay, as a fresh model measures it."""
-  from common import model_spec
-  from modern import inputs
-  from modern import step as modern_step
+  from cifar10_towers.common import model_spec
+  from cifar10_towers.modern import inputs
+  from cifar10_towers.modern import step as modern_step
   # The weight decay of the model's own table, over truncated-normal weights
   # (tf.random.truncated_normal cuts at 2 stddevs: 0.7737 of the variance).
   decay = sum(layer.wd * 0.5 * 0.7737 * layer.stddev ** 2
@@ -93,8 +93,8 @@ def _blow_up(impl, src, train_dir, how):
         sess.run(tf.compat.v1.global_variables_initializer())
         saver.save(sess, os.path.join(train_dir, 'model.ckpt'), global_step=2)
   else:
-    from modern import checkpoints as modern_checkpoints
-    from modern import step as modern_step
+    from cifar10_towers.modern import checkpoints as modern_checkpoints
+    from cifar10_towers.modern import step as modern_step
     trainer = modern_step.Trainer(devices.plan_devices(1, warn=lambda _: None),
                             decay_steps=100)
     checkpoint = modern_checkpoints.checkpoint_object(trainer.state)

@@ -22,8 +22,8 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from common import checkpoints
-from common import evaluation
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import evaluation
 
 NUM_EXAMPLES = 40  # test records per evaluation
 RESULT = re.compile(r'^.*: precision @ 1 = \d\.\d{3} \(global step (\d+), '
@@ -129,9 +129,9 @@ class _Looks:
 def _evaluator(impl, synth_data_dir, during=None):
   """evaluate(contents, should_stop) of `impl`; `during(contents)` runs mid-way."""
   if impl == 'legacy':
-    from legacy import eval as impl_eval
+    from cifar10_towers.legacy import eval as impl_eval
   else:
-    from modern import eval as impl_eval
+    from cifar10_towers.modern import eval as impl_eval
 
   def evaluate(contents, should_stop):
     asked = []
@@ -254,9 +254,9 @@ def test_a_signal_in_the_middle_of_an_evaluation(impl, sig, synth_data_dir, tmp_
   """The CLI's loop; the signal comes between two batches of the first evaluation."""
   train_dir = fs.copy_trained(impl, synth_data_dir, str(tmp_path / 'train'))
   if impl == 'legacy':
-    from legacy import eval as impl_eval
+    from cifar10_towers.legacy import eval as impl_eval
   else:
-    from modern import eval as impl_eval
+    from cifar10_towers.modern import eval as impl_eval
   original = impl_eval.evaluate_contents
   batches = []
 

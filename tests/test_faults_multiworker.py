@@ -362,7 +362,7 @@ def test_fault(outcomes, name):
   if name in WRITES_CHECKPOINT:
     # The chief's last completed step, named in its line, is kept whole.
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from modern import checkpoints as modern_checkpoints  # pylint: disable=import-outside-toplevel
+    from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=import-outside-toplevel
     saved = lines[-1].rpartition('saved ')[2].split()[0].rstrip('.')
     step = int(saved.rpartition('-')[2])
     assert step >= 2 and tf.train.latest_checkpoint(outcome.train_dir) == saved
@@ -379,12 +379,12 @@ def test_fault(outcomes, name):
 
 
 def _cluster(hosts, index):
-  from modern import cluster  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.modern import cluster  # pylint: disable=import-outside-toplevel
   return cluster.resolve_cluster(tuple(hosts), index, environ={})
 
 
 def test_workers_meet_whichever_starts_first():
-  from modern import cluster  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.modern import cluster  # pylint: disable=import-outside-toplevel
   hosts = _loopback(fs.free_ports(3))
   lines, errors = [], []
 
@@ -414,7 +414,7 @@ def test_workers_meet_whichever_starts_first():
 
 
 def test_a_worker_listed_at_the_wrong_index_is_named():
-  from modern import cluster  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.modern import cluster  # pylint: disable=import-outside-toplevel
   hosts = _loopback(fs.free_ports(2))
   errors = []
   # The process listening at hosts[1] believes it is worker 0 (as on another
@@ -453,7 +453,7 @@ BOUNDED_MESSAGE = ('Error: worker 0 of 2 (127.0.0.1:1): TensorFlow\'s start-up d
 _BOUNDED_SCRIPT = '''
 import sys, time
 sys.path.insert(0, sys.argv[4])
-from modern import engines
+from cifar10_towers.modern import engines
 bound, block, message = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 print('entering', flush=True)
 try:
@@ -551,7 +551,7 @@ class _Ending:
 
 
 def _watchdog(ending):
-  from modern import engines  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
   return engines.PeerWatchdog(
       _cluster(_loopback([1, 2]), 0), ending.warn,
       ending.save_completed, ending.cleanup, exit=ending.exit)
@@ -607,7 +607,7 @@ def test_the_watchdog_leaves_a_stop_alone_when_the_waits_end_in_time():
   """A stop rides on the next step's vote: waits that end within the grace are left alone."""
   ending = _Ending(SAVED)
   watchdog = _watchdog(ending)
-  from modern import engines  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
   # The 4 steps end before STOP_LIMIT_SECS (see the next test).
   assert 4 * engines.PeerWatchdog.STOP_GRACE_SECS / 2 < engines.PeerWatchdog.STOP_LIMIT_SECS
   try:

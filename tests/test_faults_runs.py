@@ -31,9 +31,9 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from common import checkpoints
-from common import lock
-from common import training
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import lock
+from cifar10_towers.common import training
 
 STEP_LINE = re.compile(r': step (\d+), loss = ')
 EXIT_WITHIN_SECS = 10

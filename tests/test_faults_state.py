@@ -28,7 +28,7 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from common import model_spec
+from cifar10_towers.common import model_spec
 
 NUM_EXAMPLES = 40  # test records per evaluation: enough to mean something, fast
 

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from common import cifar10_format as fmt
+from cifar10_towers.common import cifar10_format as fmt
 
 
 def _images_and_labels(n, seed=0):

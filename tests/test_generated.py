@@ -15,9 +15,9 @@ import shutil
 import pytest
 
 import faults_support as fs
-from common import cifar10_format as fmt
-from common import generated
-from common import synth
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import generated
+from cifar10_towers.common import synth
 
 SMALL = ['--train_per_file', '20', '--num_test', '20']
 

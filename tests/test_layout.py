@@ -9,21 +9,36 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ('common', 'legacy', 'modern', 'towerprofile')
+PACKAGE = 'cifar10_towers'
+# Directory in the checkout -> the package it installs as (pyproject.toml).
+DIRECTORIES = {PACKAGE: PACKAGE, 'common': 'cifar10_towers.common',
+               'legacy': 'cifar10_towers.legacy',
+               'modern': 'cifar10_towers.modern',
+               'towerprofile': 'cifar10_towers.towerprofile'}
+PACKAGES = tuple(DIRECTORIES.values())
+# Names the project's modules had before they moved into one namespace; an
+# import of one of them would load a second copy of a module from a checkout.
+BARE_NAMES = ('common', 'legacy', 'modern', 'towerprofile', 'cli', 'bench',
+              'convert', 'crosscheck')
+
+
+def _short(module):
+  """'cifar10_towers.modern.train' -> 'modern.train', as the asserts read."""
+  return module[len(PACKAGE) + 1:] if module.startswith(PACKAGE + '.') else module
 
 
 def _modules():
-  """Dict module name ('modern.train', 'cli') -> path of the project's source."""
-  found = {}
-  for name in sorted(os.listdir(ROOT)):
-    if name.endswith('.py') and name != 'setup.py':
-      found[name[:-3]] = os.path.join(ROOT, name)
-  for package in PACKAGES:
-    directory = os.path.join(ROOT, package)
-    for name in sorted(os.listdir(directory)):
+  """Dict module name ('modern.train', 'cli') -> path of the project's source.
+
+  Names are relative to cifar10_towers; the checkout's thin `cli.py` entry
+  file is 'cli.py', the script.
+  """
+  found = {'cli.py': os.path.join(ROOT, 'cli.py')}
+  for directory, package in DIRECTORIES.items():
+    for name in sorted(os.listdir(os.path.join(ROOT, directory))):
       if name.endswith('.py'):
         module = package if name == '__init__.py' else '%s.%s' % (package, name[:-3])
-        found[module] = os.path.join(directory, name)
+        found[_short(module)] = os.path.join(ROOT, directory, name)
   return found
 
 
@@ -37,7 +52,7 @@ def _imports(path):
       names.extend(alias.name for alias in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
       names.append(node.module)
-      # `from modern import train` imports the module modern.train.
+      # `from cifar10_towers.modern import train` imports the module modern.train.
       names.extend('%s.%s' % (node.module, alias.name) for alias in node.names)
   return names
 
@@ -47,9 +62,9 @@ def _project_graph():
   modules = _modules()
   graph = {}
   for module, path in modules.items():
-    graph[module] = sorted({name for name in _imports(path)
-                            if name in modules and name not in PACKAGES
-                            and name != module})
+    graph[module] = sorted({_short(name) for name in _imports(path)
+                            if _short(name) in modules and name not in PACKAGES
+                            and _short(name) != module})
   return graph
 
 
@@ -89,6 +104,21 @@ def test_the_walk_sees_imports():
   assert _cycle({'a': ['b'], 'b': []}) is None
 
 
+def test_every_project_import_goes_through_the_namespace():
+  # tests/ included: a bare `from common import x` would still work from a
+  # checkout (its root is on sys.path) and load a second copy of the module.
+  paths = dict(_modules())
+  tests = os.path.join(ROOT, 'tests')
+  paths.update(('tests/' + name, os.path.join(tests, name))
+               for name in os.listdir(tests) if name.endswith('.py'))
+  bare = {module: [name for name in _imports(path)
+                   if name.split('.')[0] in BARE_NAMES]
+          for module, path in paths.items()}
+  assert {module: names for module, names in bare.items() if names} == {}
+  assert _imports(paths['cli.py']) == ['cifar10_towers.cli',
+                                       'cifar10_towers.cli.main']
+
+
 def test_no_module_imports_private_tensorflow():
   private = {module: [name for name in _imports(path)
                       if name.startswith(('tensorflow.python',
@@ -111,5 +141,5 @@ def test_layers_point_one_way():
       assert not [t for t in targets if t.startswith('modern')], module
     if module.startswith('modern'):
       assert not [t for t in targets if t.startswith('legacy')], module
-    if module != 'cli':
+    if module not in ('cli', 'cli.py'):
       assert 'cli' not in targets, module

@@ -7,10 +7,10 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import faults_support as fs
-from common import cifar10_format
-from common import hparams
-from legacy import eval as legacy_eval
-from legacy import model
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import hparams
+from cifar10_towers.legacy import eval as legacy_eval
+from cifar10_towers.legacy import model
 
 NUM_TEST = 300  # not a multiple of the batch size 128
 PREDICTED = 3  # the class the crafted averaged model always predicts

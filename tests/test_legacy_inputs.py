@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from common import cifar10_format
-from common import hparams
-from common import preprocess
-from legacy import inputs
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import hparams
+from cifar10_towers.common import preprocess
+from cifar10_towers.legacy import inputs
 
 
 def _write_test_file(data_dir, n, seed=0):

@@ -8,12 +8,12 @@ import threading
 import pytest
 import tensorflow as tf
 
-from common import cifar10_format
-from common import config as config_lib
-from common import devices
-from common import training
-from legacy import eval as legacy_eval
-from legacy import train
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.common import training
+from cifar10_towers.legacy import eval as legacy_eval
+from cifar10_towers.legacy import train
 
 NUM_THREADS = 2  # preprocessing threads; upstream's 16 only slow 2 cores down
 

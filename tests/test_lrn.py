@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from common import devices
-from common import hparams
-from common import lrn
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.common import lrn
 
 # Both sides are float32. Each output sums 9 squares in a different order and
 # takes s ** -beta as rsqrt * sqrt(rsqrt) instead of pow: a few ulps, measured
@@ -88,13 +88,13 @@ def test_for_plan_uses_the_fast_lrn_on_cpu_towers_only():
 
 
 def test_modern_trainer_builds_its_model_with_the_plans_lrn(device_plan):
-  from modern import step as modern_step
+  from cifar10_towers.modern import step as modern_step
   trainer = modern_step.Trainer(device_plan, decay_steps=10)
   assert trainer.state.model._lrn is lrn.fast_lrn  # pylint: disable=protected-access
 
 
 def test_legacy_towers_use_the_fast_lrn_on_cpu_plans(device_plan):
-  from legacy import train as legacy_train
+  from cifar10_towers.legacy import train as legacy_train
   plan = devices.DevicePlan(device_plan.tower_devices[:2], 'cpu',
                             device_plan.num_cpu_devices)
   with tf.Graph().as_default() as graph:

@@ -19,10 +19,10 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from common import devices
-from common import hparams
-from common import memory
-from common import model_spec
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.common import memory
+from cifar10_towers.common import model_spec
 
 GIB = memory.GIB
 CPU_PLAN = devices.DevicePlan(('/device:CPU:0', '/device:CPU:1'), 'cpu', 2)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from common import cifar10_format as fmt
-from common import preprocess
-from modern import inputs
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import preprocess
+from cifar10_towers.modern import inputs
 
 
 def test_eval_inputs_equal_shared_preprocessing_of_decoded_records(synth_data_dir):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from common import model_spec
-from modern import model as model_lib
+from cifar10_towers.common import model_spec
+from cifar10_towers.modern import model as model_lib
 
 
 @pytest.fixture(scope='module')

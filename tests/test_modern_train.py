@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from common import devices
-from common import model_spec
-from modern import checkpoints as modern_checkpoints
-from modern import step as modern_step
+from cifar10_towers.common import devices
+from cifar10_towers.common import model_spec
+from cifar10_towers.modern import checkpoints as modern_checkpoints
+from cifar10_towers.modern import step as modern_step
 
 # docs/equivalence.md §2: averaged gradients agree to max|a - b| <= 1e-5 * max|b| per variable.
 GRAD_REL_TOL = 1e-5

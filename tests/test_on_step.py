@@ -4,14 +4,14 @@ import importlib
 
 import pytest
 
-from common import config as config_lib
-from common import devices
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
 
 
 @pytest.mark.parametrize('impl', ['legacy', 'modern'])
 def test_on_step_sees_every_step_with_all_towers_images(impl, synth_data_dir,
                                                          tmp_path):
-  trainer = importlib.import_module('%s.train' % impl)
+  trainer = importlib.import_module('cifar10_towers.%s.train' % impl)
   config = config_lib.TrainConfig(
       data_dir=synth_data_dir, train_dir=str(tmp_path / 'train'), num_gpus=2,
       batch_size=8, max_steps=4, save_every=100, log_every=100,

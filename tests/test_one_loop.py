@@ -13,22 +13,22 @@ import sys
 import tensorflow as tf
 
 import faults_support as fs
-from common import config as config_lib
-from common import devices
-from modern import engines
-from modern import train
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.modern import engines
+from cifar10_towers.modern import train
 
 # Runs the CLI with modern.train._train_loop wrapped to print its engine's class.
 _SPY = '''
 import sys
 sys.path.insert(0, %(root)r)
-from modern import train
+from cifar10_towers.modern import train
 loop = train._train_loop
 def spy(config, engine, *args, **kwargs):
   print('ENGINE', type(engine).__name__, flush=True)
   return loop(config, engine, *args, **kwargs)
 train._train_loop = spy
-import cli
+from cifar10_towers import cli
 sys.argv = ['cli.py'] + sys.argv[1:]
 cli.main()
 '''

@@ -15,14 +15,14 @@ import tensorflow as tf
 import tensorflow.compat.v1 as tf1
 from click.testing import CliRunner
 
-import cli
-import convert
-import crosscheck
-from common import config as config_lib
-from common import devices
-from common import model_spec
-from common import optimizer as optimizer_lib
-from common import training
+from cifar10_towers import cli
+from cifar10_towers import convert
+from cifar10_towers import crosscheck
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.common import model_spec
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import training
 
 CLIP = 1.0  # well below the initial gradients' global norm: clipping is active
 
@@ -80,7 +80,7 @@ def test_mirrored_strategy_applies_the_same_update(device_plan, name, clip_where
 
 
 def test_adam_without_bias_correction_fails(monkeypatch, device_plan):
-  from modern import step as modern_step
+  from cifar10_towers.modern import step as modern_step
 
   def uncorrected(var, m, v, beta1_power, beta2_power, grad, lr, beta1, beta2,
                   epsilon):
@@ -103,7 +103,7 @@ def test_adam_without_bias_correction_fails(monkeypatch, device_plan):
 
 
 def test_clipping_per_tower_when_averaged_asked_fails(monkeypatch, device_plan):
-  from modern import step as modern_step
+  from cifar10_towers.modern import step as modern_step
   monkeypatch.setattr(modern_step.TrainState, 'clip_tower',
                       lambda self, grads, scale=1.0: modern_step.clip(
                           grads, self.optimizer.clip_norm * scale))
@@ -125,7 +125,7 @@ def test_sum_instead_of_mean_fails_even_when_clipping_hides_it(monkeypatch,
                                                                device_plan):
   """Clipping the sum to the same norm as the mean gives the same update; the
   averaged-gradient rows still catch it."""
-  from modern import step as modern_step
+  from cifar10_towers.modern import step as modern_step
 
   def summed(tower_grads):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
@@ -169,7 +169,7 @@ DECAY_STEPS = 1000
 @pytest.fixture(scope='module')
 def adam_legacy_dir(tmp_path_factory, synth_data_dir, device_plan):
   """A legacy train_dir after 4 Adam steps with clipping, on 2 towers."""
-  from legacy import train as legacy_train
+  from cifar10_towers.legacy import train as legacy_train
   train_dir = str(tmp_path_factory.mktemp('adam_legacy'))
   config = config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=train_dir,
                                   num_gpus=2, batch_size=8, max_steps=4,
@@ -186,7 +186,7 @@ def _tensors(path):
 
 def _legacy_losses(path, plan, images, labels, steps):
   """Tower losses of `steps` legacy steps on fixed batches, from checkpoint `path`."""
-  from legacy import train as legacy_train
+  from cifar10_towers.legacy import train as legacy_train
   with tf.Graph().as_default():
     batches = [(tf.constant(images[i]), tf.constant(labels[i]))
                for i in range(images.shape[0])]
@@ -200,8 +200,8 @@ def _legacy_losses(path, plan, images, labels, steps):
 
 def _modern_losses(path, plan, images, labels, steps):
   """The same with modern's towers, from a modern checkpoint."""
-  from modern import checkpoints as modern_checkpoints
-  from modern import step as modern_step
+  from cifar10_towers.modern import checkpoints as modern_checkpoints
+  from cifar10_towers.modern import step as modern_step
   trainer = modern_step.Trainer(plan, DECAY_STEPS, optimizer=ADAM)
   modern_checkpoints.checkpoint_object(trainer.state).restore(
       path).assert_existing_objects_matched()
@@ -211,7 +211,7 @@ def _modern_losses(path, plan, images, labels, steps):
 
 def test_adam_round_trip_is_bit_for_bit_and_trains_on_the_same(
     adam_legacy_dir, tmp_path, device_plan):
-  from common import checkpoints
+  from cifar10_towers.common import checkpoints
   modern_dir, back_dir = str(tmp_path / 'modern'), str(tmp_path / 'back')
   _, _, step, modern_path = convert.convert(adam_legacy_dir, modern_dir)
   assert step == 4
@@ -226,7 +226,7 @@ def test_adam_round_trip_is_bit_for_bit_and_trains_on_the_same(
     assert np.array_equal(back[name], value), name
   assert original['beta1_power'] == np.float32(0.9) ** 5  # step 4, then one more
   modern = _tensors(modern_path)
-  from modern import checkpoints as modern_checkpoints
+  from cifar10_towers.modern import checkpoints as modern_checkpoints
   for name in ADAM.slot_names():
     assert np.array_equal(modern[modern_checkpoints.checkpoint_key(name)],
                           original[name]), name
@@ -244,8 +244,8 @@ def test_adam_round_trip_is_bit_for_bit_and_trains_on_the_same(
 
 def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
                                           tmp_path, device_plan):
-  from legacy import train as legacy_train
-  from modern import train as modern_train
+  from cifar10_towers.legacy import train as legacy_train
+  from cifar10_towers.modern import train as modern_train
   plan = _plan(device_plan, 1)
 
   def config(train_dir, optimizer):

@@ -11,9 +11,9 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.ops import random_ops
 
-from common import cifar10_format as fmt
-from common import hparams
-from common import preprocess
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import hparams
+from cifar10_towers.common import preprocess
 
 NUM_IMAGES = 64
 

@@ -6,10 +6,10 @@ import os
 import pytest
 from click.testing import CliRunner
 
-import cli
-from common import devices
-from towerprofile import analysis
-from towerprofile import run as profile_lib
+from cifar10_towers import cli
+from cifar10_towers.common import devices
+from cifar10_towers.towerprofile import analysis
+from cifar10_towers.towerprofile import run as profile_lib
 
 BATCH = 24  # small, yet the ops outweigh the runtime's per-step overhead
 STEPS = 2

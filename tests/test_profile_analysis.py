@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from towerprofile import analysis
+from cifar10_towers.towerprofile import analysis
 
 CPU0, CPU1 = '/device:CPU:0', '/device:CPU:1'
 
@@ -135,7 +135,7 @@ def _node(name, op, *inputs):
 
 
 def test_modern_moving_average_ops_follow_the_decay():
-  from towerprofile import modern_trace
+  from cifar10_towers.towerprofile import modern_trace
   step = types.SimpleNamespace(node_def=[
       _node('step', 'ReadVariableOp', 'global_step'),
       _node('lr', 'Pow', 'step'),  # the update's: shared input stays update

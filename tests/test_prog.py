@@ -7,20 +7,20 @@ import subprocess
 import sys
 
 import faults_support as fs
-from common import prog
-from common import version
+from cifar10_towers.common import prog
+from cifar10_towers.common import version
 
 
 def _console_script(directory):
   """A `cifar10-towers` script as pip's console_scripts entry point writes it.
 
-  pip's launcher runs `cli:main` with sys.argv[0] = the script's own path;
+  pip's launcher runs `cifar10_towers.cli:main` with sys.argv[0] = the script's own path;
   this one also puts the checkout first on sys.path, which an install does
   through site-packages.
   """
   path = os.path.join(str(directory), prog.CONSOLE_SCRIPT)
   with open(path, 'w', encoding='utf-8') as f:
-    f.write('#!%s\nimport sys\nsys.path.insert(0, %r)\nfrom cli import main\n'
+    f.write('#!%s\nimport sys\nsys.path.insert(0, %r)\nfrom cifar10_towers.cli import main\n'
             'sys.exit(main())\n' % (sys.executable, fs.ROOT))
   os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
   return path
@@ -47,7 +47,7 @@ def test_convert_command_is_exact_and_runs_as_the_cli_parses_it():
   assert prog.convert_command('my runs', 'legacy') == (
       "python cli.py convert --from_dir 'my runs' --to_dir 'my runs_legacy'")
   # Every flag it names is one `convert` has.
-  import cli  # pylint: disable=import-outside-toplevel
+  from cifar10_towers import cli  # pylint: disable=import-outside-toplevel
   flags = {opt for p in cli.convert.params for opt in p.opts}
   words = prog.convert_command('/a', 'modern').split()
   assert {w for w in words if w.startswith('--')} <= flags

@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from common import cifar10_format as fmt
-from common import synth
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import synth
 
 
 def _read_dir(data_dir):
@@ -156,7 +156,7 @@ def _preprocessors(kind):
     rng = np.random.default_rng(0)
     return (lambda images: _numpy_distort(rng, images)), _numpy_eval
   pytest.importorskip('tensorflow')
-  preprocess = pytest.importorskip('common.preprocess')
+  preprocess = pytest.importorskip('cifar10_towers.common.preprocess')
   return (lambda images: _tf_preprocess(preprocess.distort_image, images),
           lambda images: _tf_preprocess(preprocess.eval_image, images))
 

@@ -14,9 +14,9 @@ import pytest
 from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
-from common import config as config_lib
-from common import devices
-from common import training
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.common import training
 import faults_support as fs
 
 PLUGINS = ('scalars', 'histograms', 'images')
@@ -41,7 +41,7 @@ def _slow_summary_writes(impl, monkeypatch):
   """Slows each summary write of `impl` by SLOW_WRITE seconds; the list of calls."""
   calls = []
   if impl == 'modern':
-    module = importlib.import_module('modern.train')
+    module = importlib.import_module('cifar10_towers.modern.train')
     write = module._write_summaries  # pylint: disable=protected-access
 
     def slow(*args, **kwargs):
@@ -66,7 +66,7 @@ def _train(impl, synth_data_dir, train_dir, monkeypatch):
   # Any wait of the first step past 50 ms says what it is doing.
   monkeypatch.setattr(training, 'HEARTBEAT_AFTER', 0.05)
   calls = _slow_summary_writes(impl, monkeypatch)
-  trainer = importlib.import_module('%s.train' % impl)
+  trainer = importlib.import_module('cifar10_towers.%s.train' % impl)
   config = config_lib.TrainConfig(
       data_dir=synth_data_dir, train_dir=str(train_dir), num_gpus=2,
       batch_size=4, max_steps=4, log_every=4, summary_every=2, save_every=100,

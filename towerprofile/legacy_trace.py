@@ -10,12 +10,12 @@ import time
 
 import tensorflow.compat.v1 as tf
 
-from common import cifar10_format
-from common import devices
-from common import hparams
-from legacy import inputs
-from legacy import train
-from towerprofile import analysis
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.legacy import inputs
+from cifar10_towers.legacy import train
+from cifar10_towers.towerprofile import analysis
 
 INPUT_THREADS = 4  # preprocessing threads; the profile keeps the CPU for the towers
 

@@ -22,12 +22,12 @@ import time
 import tensorflow as tf
 from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-from common import cifar10_format
-from common import devices
-from common import hparams
-from modern import inputs
-from modern import step as modern_step
-from towerprofile import analysis
+from cifar10_towers.common import cifar10_format
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.modern import inputs
+from cifar10_towers.modern import step as modern_step
+from cifar10_towers.towerprofile import analysis
 
 STEP_EVENT = 'towerprofile_step'  # the tf.profiler.experimental.Trace of one step
 

@@ -3,7 +3,7 @@
 import json
 import os
 
-from towerprofile import analysis
+from cifar10_towers.towerprofile import analysis
 
 # One colour per category (matplotlib's tab10 order); idle is not drawn.
 COLOURS = {

@@ -4,10 +4,10 @@ import dataclasses
 import shutil
 import tempfile
 
-from common import config as config_lib
-from common import devices
-from towerprofile import analysis
-from towerprofile import render
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.towerprofile import analysis
+from cifar10_towers.towerprofile import render
 
 IMPLS = ('legacy', 'modern')
 WARMUP_STEPS = 3  # untraced steps first: queues fill, functions trace, kernels warm up
@@ -54,7 +54,7 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
   scratch = tempfile.mkdtemp(prefix='towerprofile_')
   try:
     if data_dir is None:
-      from common import synth  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
       data_dir = '%s/data' % scratch
       synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10,
                      seed=seed)
@@ -64,17 +64,17 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
         num_gpus=plan.num_towers, batch_size=batch_size, seed=seed)
     sources = None
     if impl == 'legacy' and warn:
-      from common import cifar10_format  # pylint: disable=g-import-not-at-top
-      from common import hparams  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.common import cifar10_format  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
       warn('legacy: the first step waits until the shuffle queue holds %d '
            'images.' % hparams.min_queue_examples(cifar10_format.num_examples(
                cifar10_format.train_files(data_dir))))
     if impl == 'legacy':
-      from towerprofile import legacy_trace  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.towerprofile import legacy_trace  # pylint: disable=g-import-not-at-top
       events, windows, wall_us = legacy_trace.trace(
           config, plan, steps, warmup=warmup, trainer_plan=trainer_plan)
     else:
-      from towerprofile import modern_trace  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.towerprofile import modern_trace  # pylint: disable=g-import-not-at-top
       events, windows, wall_us, sources = modern_trace.trace(
           config, plan, steps, warmup=warmup, trainer_plan=trainer_plan,
           logdir='%s/profiler' % scratch)

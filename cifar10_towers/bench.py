@@ -21,7 +21,7 @@ For every (implementation, towers) combination the benchmark measures
   than wall time does.
 
 How. Every contender (Keras, legacy and modern for each tower count, and the
-matmul) runs in its own process (`python bench.py --contend SPEC`), started
+matmul) runs in its own process (`python -m cifar10_towers.bench --contend SPEC`), started
 once and then paced: at each window boundary it reports the window's times
 and waits, blocked, until the parent says "go". The parent runs one window of
 each contender in turn (a round; the order rotates from round to round), so
@@ -57,7 +57,8 @@ import threading
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+# The directory that holds the cifar10_towers package (a checkout or site-packages).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ('legacy', 'modern')
 BASELINE = 'keras'  # the contender every ratio is taken against
 MATMUL = 'matmul'  # the contender that measures the machine's FLOP/s
@@ -119,8 +120,8 @@ def forward_flops_per_image():
   conv1 at 24x24, conv2 at 12x12 (after the first stride-2 pool), then the
   three fully connected layers; about 36.9 MFLOP (docs/equivalence.md §1: ~18.5M multiply-adds).
   """
-  from common import hparams  # pylint: disable=g-import-not-at-top
-  from common import model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   size = hparams.IMAGE_SIZE
   flops = 0
   for layer in model_spec.LAYERS:
@@ -189,12 +190,12 @@ class Pacer:
 
 
 def _plan(num_gpus):
-  from common import devices  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
   return devices.plan_devices(num_gpus, warn=lambda _: None)
 
 
 def _train_config(spec, train_dir, max_steps):
-  from common import config as config_lib  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import config as config_lib  # pylint: disable=g-import-not-at-top
   return config_lib.TrainConfig(
       data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
       batch_size=spec['batch_size'], max_steps=max_steps,
@@ -218,9 +219,9 @@ def contend_training(spec, pacer):
   """
   plan = _plan(spec['num_gpus'])
   if spec['impl'] == 'legacy':
-    from legacy import train as trainer  # pylint: disable=g-import-not-at-top
+    from cifar10_towers.legacy import train as trainer  # pylint: disable=g-import-not-at-top
   else:
-    from modern import train as trainer  # pylint: disable=g-import-not-at-top
+    from cifar10_towers.modern import train as trainer  # pylint: disable=g-import-not-at-top
   boundaries = []
 
   def on_step(step, seconds, images):
@@ -247,8 +248,8 @@ def keras_model(tf, keras):
   biases) and weight decay as `common.model_spec`: Keras' L2(l) adds
   l * sum(w**2), so wd * l2_loss(w) = wd * sum(w**2) / 2 is L2(wd / 2).
   """
-  from common import hparams  # pylint: disable=g-import-not-at-top
-  from common import model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   layers = keras.layers
 
   class LocalResponseNormalization(layers.Layer):
@@ -313,8 +314,8 @@ def contend_baseline(spec, pacer):
   plan = _plan(spec['num_gpus'])
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
-  from common import hparams  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
   size = hparams.IMAGE_SIZE
   global_batch = spec['batch_size'] * spec['num_gpus']
   rng = np.random.default_rng(0)
@@ -381,8 +382,8 @@ def contend_matmul(spec, pacer):
 def _legacy_input_stamps(spec, windows):
   """Time stamps of legacy's prefetch-queue dequeues, one per window end."""
   import tensorflow.compat.v1 as tf  # pylint: disable=g-import-not-at-top
-  from legacy import inputs as legacy_inputs  # pylint: disable=g-import-not-at-top
-  from legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.legacy import inputs as legacy_inputs  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   plan = _plan(spec['num_gpus'])
   stamps = []
   config = _train_config(spec, tempfile.gettempdir(), 1)
@@ -411,7 +412,7 @@ def _legacy_input_stamps(spec, windows):
 
 def _modern_input_stamps(spec, windows):
   """Time stamps of modern's dataset elements (all towers' batches) at window ends."""
-  from modern import inputs  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import inputs  # pylint: disable=g-import-not-at-top
   _plan(spec['num_gpus'])
   iterator = iter(inputs.distorted_inputs(spec['data_dir'], spec['batch_size'],
                                           spec['num_gpus']))
@@ -458,9 +459,9 @@ _MEASUREMENTS = {
 
 
 def worker_main(argv):
-  """`python bench.py --contend SPEC` (paced) or `--worker SPEC` (one shot)."""
+  """`python -m cifar10_towers.bench --contend SPEC` (paced) or `--worker SPEC` (one shot)."""
   if len(argv) != 2 or argv[0] not in ('--contend', '--worker'):
-    print('usage: python bench.py --contend|--worker SPEC_JSON (internal; use '
+    print('usage: python -m cifar10_towers.bench --contend|--worker SPEC_JSON (internal; use '
           '`cifar10-towers bench` or `python cli.py bench`)', file=sys.stderr)
     return 2
   spec = json.loads(argv[1])
@@ -485,7 +486,7 @@ def _worker_command(flag, spec):
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   env['PYTHONPATH'] = os.pathsep.join(
       [ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
-  return [sys.executable, os.path.join(ROOT, 'bench.py'), flag, json.dumps(spec)], env
+  return [sys.executable, '-m', 'cifar10_towers.bench', flag, json.dumps(spec)], env
 
 
 def _last_error_line(text):
@@ -514,7 +515,7 @@ def run_worker(spec, timeout_secs):
 
 
 class Contender:
-  """A paced contender process (`python bench.py --contend SPEC`), parent side."""
+  """A paced contender process (`python -m cifar10_towers.bench --contend SPEC`), parent side."""
 
   def __init__(self, spec, timeout_secs):
     self.spec = spec
@@ -743,7 +744,7 @@ def run(config, progress=None, launch=Contender, runner=run_worker):
   progress = progress or (lambda _: None)
   with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
     if config.data_dir is None:
-      from common import synth  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
       progress('Generating %d training records in %s ...'
                % (5 * config.synth_per_file, tmp))
       synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
@@ -751,7 +752,7 @@ def run(config, progress=None, launch=Contender, runner=run_worker):
       data_description = 'generated (common.synth), %d records' % (
           5 * config.synth_per_file)
     else:
-      from common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
       data_dir = config.data_dir
       data_description = '%s, %d records' % (
           data_dir, fmt.num_examples(fmt.train_files(data_dir)))

@@ -31,11 +31,11 @@ import os
 
 import numpy as np
 
-from common import cifar10_format as fmt
-from common import config as config_lib
-from common import hparams
-from common import model_spec
-from common import optimizer as optimizer_lib
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import hparams
+from cifar10_towers.common import model_spec
+from cifar10_towers.common import optimizer as optimizer_lib
 
 GRAD_RTOL = 1e-5  # contract 1 and 4: averaged gradients, relative to max|g|
 LOSS_RTOL = 1e-6  # contract 2: per-tower total losses
@@ -89,11 +89,11 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
     labels int32 [N, B].
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from common import preprocess  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import preprocess  # pylint: disable=g-import-not-at-top
   n = num_towers * batch_size
   rng = np.random.default_rng(seed)
   if data_dir is None:
-    from common import synth  # pylint: disable=g-import-not-at-top
+    from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
     labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
     raw = synth.make_images(rng, labels)
   else:
@@ -246,7 +246,7 @@ def write_evidence(path_dir, images, labels, init, report):
 
 def _single_tower(plan):
   """The plan's first device alone, for the identity check."""
-  from common import devices  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
   return devices.DevicePlan(plan.tower_devices[:1], plan.kind, plan.num_cpu_devices)
 
 
@@ -259,7 +259,7 @@ def _legacy_run(plan, init, images, labels, steps, decay_steps, optimizer):
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-  from legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   num_towers = images.shape[0]
   with tf.Graph().as_default():
     batches = [(tf.constant(images[i]), tf.constant(labels[i]))
@@ -323,7 +323,7 @@ def modern_engines():
   under tf.distribute.MirroredStrategy (see modern.engines; 'multiworker'
   needs several processes and has its own test).
   """
-  from modern import engines  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
 
   def builder(name):
     return lambda plan, decay_steps, optimizer: engines.make(config_lib.TrainConfig(

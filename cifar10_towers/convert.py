@@ -15,11 +15,11 @@ import shutil
 
 import numpy as np
 
-from common import checkpoints
-from common import config as config_lib
-from common import devices
-from common import model_spec
-from common import optimizer as optimizer_lib
+from cifar10_towers.common import checkpoints
+from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import devices
+from cifar10_towers.common import model_spec
+from cifar10_towers.common import optimizer as optimizer_lib
 
 class ConvertError(Exception):
   """A conversion cannot be done; the message says why and what to do."""
@@ -33,7 +33,7 @@ def _host_plan():
 def _key(kind, legacy_name):
   if kind == checkpoints.LEGACY:
     return legacy_name
-  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   return modern_checkpoints.checkpoint_key(legacy_name)
 
 
@@ -108,8 +108,8 @@ def write_modern(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
   `optimizer` names the optimizer whose `slots` (name -> array) are saved.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
-  from modern import step as modern_step  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
   state = modern_step.TrainState(_host_plan(), decay_steps=1,
                                  optimizer=optimizer_lib.Optimizer(name=optimizer))
   state.assign_variables(values, shadows)
@@ -134,7 +134,7 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-  from legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     images = tf1.placeholder(tf.float32, [1, 24, 24, 3])
     labels = tf1.placeholder(tf.int32, [1])
