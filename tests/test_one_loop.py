@@ -4,6 +4,10 @@
 of towers, mirrored and multiworker (a one-worker cluster, in its own
 process: MultiWorkerMirroredStrategy must start before any other op) then
 trains 4 steps through `python cli.py modern`'s code and saves model.ckpt-4.
+Summaries are on (steps 2 and 4), and the event files are read back as
+TensorBoard reads them: towers writes every tag of
+common.training.summary_tags, the replica engines the subset the README's
+TensorBoard section names (summary_tags(n, activations=False)), all a graph.
 """
 
 import os
@@ -15,8 +19,10 @@ import tensorflow as tf
 import faults_support as fs
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
+from cifar10_towers.common import training
 from cifar10_towers.modern import engines
 from cifar10_towers.modern import train
+import test_tensorboard
 
 # Runs the CLI with modern.train._train_loop wrapped to print its engine's class.
 _SPY = '''
@@ -46,6 +52,14 @@ def _spied(monkeypatch):
   return seen
 
 
+def _check_summaries(train_dir, num_towers, activations):
+  """train_dir's events: summary_tags(num_towers, activations) at steps 2 and 4, a graph."""
+  tags, graph, acc = test_tensorboard.read_tags(train_dir)
+  assert tags == training.summary_tags(num_towers, activations=activations)
+  assert graph
+  assert [e.step for e in acc.Tensors(training.MEAN_LOSS_TAG)] == [2, 4]
+
+
 def _settings(synth_data_dir, train_dir):
   return dict(data_dir=synth_data_dir, train_dir=str(train_dir), batch_size=8,
               max_steps=4, log_every=2, summary_every=2, save_every=100, seed=3)
@@ -63,6 +77,7 @@ def test_towers_and_mirrored_run_through_the_one_loop(synth_data_dir, tmp_path,
     assert train.train(config, plan, out=lines.append, warn=lines.append) == 4
     assert sum(': step ' in line for line in lines) == 2, lines
     assert tf.train.latest_checkpoint(str(train_dir)) == str(train_dir / 'model.ckpt-4')
+    _check_summaries(train_dir, 2, activations=strategy == 'towers')
   assert seen == ['Towers', 'Mirrored']
   assert engines.ENGINES == {'towers': engines.Towers, 'mirrored': engines.Mirrored,
                              'multiworker': engines.MultiWorker}
@@ -88,3 +103,5 @@ def test_multiworker_runs_through_the_one_loop(synth_data_dir, tmp_path):
   assert sum(': step ' in line for line in lines) == 2, result.stdout
   assert tf.train.latest_checkpoint(str(train_dir)) == os.path.join(
       str(train_dir), 'model.ckpt-4')
+  # On CPUs a worker runs one replica.
+  _check_summaries(train_dir, 1, activations=False)
