@@ -453,3 +453,22 @@ def precision_points(eval_dir, tag='Precision @ 1'):
           assert value.metadata.plugin_data.plugin_name == 'scalars', value
           points.append((event.step, float(np.squeeze(tf.make_ndarray(value.tensor)))))
   return points
+
+
+SUMMARY_PLUGINS = ('scalars', 'histograms', 'images')  # TensorBoard's, as summary_tags keys them
+
+
+def read_tags(train_dir):
+  """{'scalars', 'histograms', 'images'} -> sorted tags, and whether a graph is there.
+
+  TensorBoard's own reader (the plugin accumulator), which shows legacy's
+  TF1 summaries and modern's tf.summary tensors alike, by plugin. The
+  accumulator is returned too.
+  """
+  from tensorboard.backend.event_processing import plugin_event_accumulator
+  acc = plugin_event_accumulator.EventAccumulator(
+      str(train_dir), size_guidance={plugin_event_accumulator.TENSORS: 0})
+  acc.Reload()
+  tags = {plugin: sorted(acc.PluginTagToContent(plugin))
+          if plugin in acc.ActivePlugins() else [] for plugin in SUMMARY_PLUGINS}
+  return tags, acc.Tags()['graph'], acc

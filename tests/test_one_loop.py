@@ -22,7 +22,6 @@ from cifar10_towers.common import devices
 from cifar10_towers.common import training
 from cifar10_towers.modern import engines
 from cifar10_towers.modern import train
-import test_tensorboard
 
 # Runs the CLI with modern.train._train_loop wrapped to print its engine's class.
 _SPY = '''
@@ -54,7 +53,7 @@ def _spied(monkeypatch):
 
 def _check_summaries(train_dir, num_towers, activations):
   """train_dir's events: summary_tags(num_towers, activations) at steps 2 and 4, a graph."""
-  tags, graph, acc = test_tensorboard.read_tags(train_dir)
+  tags, graph, acc = fs.read_tags(train_dir)
   assert tags == training.summary_tags(num_towers, activations=activations)
   assert graph
   assert [e.step for e in acc.Tensors(training.MEAN_LOSS_TAG)] == [2, 4]

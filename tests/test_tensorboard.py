@@ -11,7 +11,6 @@ import re
 import time
 
 import pytest
-from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.util import tensor_util
 
 from cifar10_towers.common import config as config_lib
@@ -19,24 +18,7 @@ from cifar10_towers.common import devices
 from cifar10_towers.common import training
 import faults_support as fs
 
-PLUGINS = ('scalars', 'histograms', 'images')
 SLOW_WRITE = 1.5  # seconds each summary write is slowed by
-
-
-def read_tags(train_dir):
-  """{'scalars', 'histograms', 'images'} -> sorted tags, and whether a graph is there.
-
-  TensorBoard's own reader (the plugin accumulator), which shows legacy's
-  TF1 summaries and modern's tf.summary tensors alike, by plugin. The
-  accumulator is returned too. tests/test_one_loop.py reads the mirrored and
-  multiworker runs with it.
-  """
-  acc = plugin_event_accumulator.EventAccumulator(
-      str(train_dir), size_guidance={plugin_event_accumulator.TENSORS: 0})
-  acc.Reload()
-  tags = {plugin: sorted(acc.PluginTagToContent(plugin))
-          if plugin in acc.ActivePlugins() else [] for plugin in PLUGINS}
-  return tags, acc.Tags()['graph'], acc
 
 
 def _slow_summary_writes(impl, monkeypatch):
@@ -78,7 +60,7 @@ def _train(impl, synth_data_dir, train_dir, monkeypatch):
   assert trainer.train(config, devices.plan_devices(2, warn=lambda _: None),
                        out=lines.append, warn=lines.append, **extra) == 4
   assert len(calls) == 2, calls  # steps 2 and 4 wrote summaries, slowly
-  tags, graph, acc = read_tags(train_dir)
+  tags, graph, acc = fs.read_tags(train_dir)
   return tags, graph, acc, lines
 
 
