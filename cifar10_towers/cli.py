@@ -849,9 +849,18 @@ def synth(data_dir, train_per_file, num_test, seed, force):
   """Generate learnable CIFAR-format data (works offline)."""
   replacing = _replacing(data_dir, 'synth', force)
   with _user_errors():
+    from cifar10_towers.common import cifar10_format as fmt
+    from cifar10_towers.common import progress as progress_lib
     from cifar10_towers.common import synth as synth_lib
-    counts = synth_lib.generate(data_dir, train_per_file=train_per_file,
-                                num_test=num_test, seed=seed)
+    # CIFAR-10's size takes ~10 s: a bar over the files, or a line for each.
+    with progress_lib.Progress(len(fmt.TRAIN_FILES + fmt.EVAL_FILES),
+                               'Generating', 'files') as progress:
+      counts = synth_lib.generate(
+          data_dir, train_per_file=train_per_file, num_test=num_test, seed=seed,
+          progress=lambda name, number, count: progress.stage(
+              number - 1, 'Generating %s (%d of %d)...' % (name, number, count),
+              name))
+      progress.update(progress.total)
   _say_written(counts, 'synth', data_dir, replacing)
 
 
