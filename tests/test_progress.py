@@ -7,11 +7,18 @@ clock is a fake one, or the interval between lines is 0.
 """
 
 import io
+import os
 import re
+
+import pytest
 
 import faults_support as fs
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import progress as progress_lib
+
+NUM_EXAMPLES = 40  # test records per evaluation: 5 batches of 8
+RESULT = re.compile(r'^.*: precision @ 1 = \d\.\d{3} \(global step 2, '
+                    r'model\.ckpt-2\)$')
 
 
 class _Clock:
@@ -92,3 +99,45 @@ def test_data_synth_says_each_file_and_then_what_it_wrote(tmp_path):
       'Generating test_batch.bin (6 of 6)...',
       'Wrote 15 training and 4 test records of generated data (synth) to %s.'
       % data_dir]
+
+
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_each_evaluator_reports_the_records_done_after_each_batch(
+    impl, synth_data_dir):
+  from cifar10_towers.common import checkpoints
+  if impl == 'legacy':
+    from cifar10_towers.legacy import eval as impl_eval
+  else:
+    from cifar10_towers.modern import eval as impl_eval
+  contents = checkpoints.read(os.path.join(
+      fs.trained_dir(impl, synth_data_dir), 'model.ckpt-2'))
+  done = []
+  counts = impl_eval.evaluate_contents(contents, synth_data_dir, 8, 36,
+                                       progress=done.append)
+  assert counts.total_count == 36
+  assert done == [8, 16, 24, 32, 36]
+
+
+def test_eval_says_which_checkpoint_and_how_many_records(synth_data_dir,
+                                                         tmp_path, monkeypatch):
+  train_dir = fs.trained_dir('legacy', synth_data_dir)  # only read
+  args = ['eval', '--run_once', '--data_dir', synth_data_dir, '--checkpoint_dir',
+          train_dir, '--batch_size', 8, '--num_examples', NUM_EXAMPLES,
+          '--eval_dir', str(tmp_path / 'eval')]
+  code, out, err, exception = fs.invoke_cli(args)
+  assert (code, err, exception) == (0, '', None), err
+  lines = out.splitlines()
+  assert lines[0] == 'Evaluating model.ckpt-2 on 40 test records...'
+  assert RESULT.match(lines[1]) and len(lines) == 2, out
+
+  # As slow as can be (a line is due at every batch): one a quarter.
+  monkeypatch.setattr(progress_lib, 'EVERY_SECS', 0.0)
+  code, out, err, exception = fs.invoke_cli(args)
+  assert (code, err, exception) == (0, '', None), err
+  lines = out.splitlines()
+  assert lines[:4] == [
+      'Evaluating model.ckpt-2 on 40 test records...',
+      'Evaluating model.ckpt-2: 16 of 40 records (40%)...',
+      'Evaluating model.ckpt-2: 24 of 40 records (60%)...',
+      'Evaluating model.ckpt-2: 32 of 40 records (80%)...']
+  assert RESULT.match(lines[4]) and len(lines) == 5, out
