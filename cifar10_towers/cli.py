@@ -415,25 +415,34 @@ def modern(**options):
   _train('modern', **options)
 
 
-def _evaluate_by_kind(data_dir, batch_size, num_examples):
+def _evaluate_by_kind(data_dir, batch_size, num_examples, num_records):
   """What `common.evaluation.run` calls: each checkpoint by its own trainer's evaluator.
 
   Chosen per checkpoint, not once: one train_dir can hold either trainer's
   checkpoints over time. legacy/ and modern/ never import each other; the
-  dispatch is here.
+  dispatch is here. Each evaluation shows its progress over the num_records
+  test records (`common.progress`): a bar on a terminal, else a line as it
+  begins and a few more if it is slow.
   """
   from cifar10_towers.common import checkpoints
+  from cifar10_towers.common import progress as progress_lib
 
   def evaluate(contents, should_stop):
-    if contents.kind == checkpoints.LEGACY:
-      from cifar10_towers.legacy import eval as evaluator
-    else:
-      from cifar10_towers.modern import eval as evaluator
-    try:
-      return evaluator.evaluate_contents(contents, data_dir, batch_size,
-                                         num_examples, should_stop)
-    except evaluator.EvalError as e:
-      raise click.ClickException(_first_line(e)) from None
+    name = os.path.basename(contents.path)
+    with progress_lib.Progress(num_records, 'Evaluating %s' % name,
+                               'records') as progress:
+      progress.stage(0, 'Evaluating %s on %d test records...'
+                     % (name, num_records))
+      if contents.kind == checkpoints.LEGACY:
+        from cifar10_towers.legacy import eval as evaluator
+      else:
+        from cifar10_towers.modern import eval as evaluator
+      try:
+        return evaluator.evaluate_contents(contents, data_dir, batch_size,
+                                           num_examples, should_stop,
+                                           progress=progress.update)
+      except evaluator.EvalError as e:
+        raise click.ClickException(_first_line(e)) from None
 
   return evaluate
 
@@ -485,7 +494,9 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
                                         available))
     try:
       evaluation.run(checkpoint_dir,
-                     _evaluate_by_kind(data_dir, batch_size, num_examples),
+                     _evaluate_by_kind(data_dir, batch_size, num_examples,
+                                       min(num_examples or available,
+                                           available)),
                      stop, out=click.echo, warn=_warn,
                      interval_secs=None if run_once else eval_interval_secs,
                      eval_dir=eval_dir)
@@ -849,9 +860,18 @@ def synth(data_dir, train_per_file, num_test, seed, force):
   """Generate learnable CIFAR-format data (works offline)."""
   replacing = _replacing(data_dir, 'synth', force)
   with _user_errors():
+    from cifar10_towers.common import cifar10_format as fmt
+    from cifar10_towers.common import progress as progress_lib
     from cifar10_towers.common import synth as synth_lib
-    counts = synth_lib.generate(data_dir, train_per_file=train_per_file,
-                                num_test=num_test, seed=seed)
+    # CIFAR-10's size takes ~10 s: a bar over the files, or a line for each.
+    with progress_lib.Progress(len(fmt.TRAIN_FILES + fmt.EVAL_FILES),
+                               'Generating', 'files') as progress:
+      counts = synth_lib.generate(
+          data_dir, train_per_file=train_per_file, num_test=num_test, seed=seed,
+          progress=lambda name, number, count: progress.stage(
+              number - 1, 'Generating %s (%d of %d)...' % (name, number, count),
+              name))
+      progress.update(progress.total)
   _say_written(counts, 'synth', data_dir, replacing)
 
 

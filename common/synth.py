@@ -34,6 +34,7 @@ P is the sum of two diagonal waves of period P, so the crosshatch uses period
 Deterministic for a seed: everything comes from one `numpy.random.Generator`.
 """
 
+import copy
 import os
 
 import numpy as np
@@ -49,12 +50,34 @@ _SIZE = fmt.HEIGHT  # 32; the images are square
 _PIXEL_NOISE = 10.0  # stddev of the Gaussian noise added to every pattern image
 
 
-def _patterns(rng, labels):
+_CHUNK = 1000  # images made at once: bounds the float32 working memory (~50 MB)
+
+
+def _per_image_draws(rng, n):
+  """The small per-image draws of `_patterns`: phases, centres, radii.
+
+  Random per-image phases and positions, drawn for every image so the random
+  stream does not depend on the order of the classes.
+
+  Returns:
+    dict name -> array with N first.
+  """
+  return {
+      'phase_y': rng.integers(0, 8, n)[:, None, None],
+      'phase_x': rng.integers(0, 8, n)[:, None, None],
+      'centre': rng.uniform(8.0, 24.0, (n, 2)).astype(np.float32),
+      'radius': rng.uniform(4.0, 9.0, n).astype(np.float32)[:, None, None],
+      'ring_phase': rng.uniform(0.0, 6.0, n).astype(np.float32)[:, None, None],
+  }
+
+
+def _patterns(labels, draws, noise):
   """Pattern intensities in [0, 1] for each label.
 
   Args:
-    rng: numpy Generator.
     labels: int array [N] in 0..9.
+    draws: `_per_image_draws` of these N images.
+    noise: float32 [N, 32, 32] in [0, 1), the pattern of the noise class.
 
   Returns:
     float32 [N, 32, 32]: 1 where the foreground colour goes, 0 for background.
@@ -63,14 +86,8 @@ def _patterns(rng, labels):
   yy, xx = np.mgrid[0:_SIZE, 0:_SIZE]
   yy = yy[None].astype(np.float32)  # [1, 32, 32]
   xx = xx[None].astype(np.float32)
-  # Random per-image phases and positions, drawn for every image so the random
-  # stream does not depend on the order of the classes.
-  phase_y = rng.integers(0, 8, n)[:, None, None]
-  phase_x = rng.integers(0, 8, n)[:, None, None]
-  centre = rng.uniform(8.0, 24.0, (n, 2)).astype(np.float32)
-  radius = rng.uniform(4.0, 9.0, n).astype(np.float32)[:, None, None]
-  ring_phase = rng.uniform(0.0, 6.0, n).astype(np.float32)[:, None, None]
-  noise = rng.random((n, _SIZE, _SIZE), dtype=np.float32)
+  phase_y, phase_x = draws['phase_y'], draws['phase_x']
+  centre, radius, ring_phase = draws['centre'], draws['radius'], draws['ring_phase']
 
   def square_wave(v, period):
     return (np.floor(v / (period / 2)) % 2).astype(np.float32)
@@ -119,8 +136,39 @@ def make_images(rng, labels):
     uint8 [N, 32, 32, 3] (height, width, channel).
   """
   labels = np.asarray(labels)
+  return next(_image_pieces(rng, labels, [labels.shape[0]]))
+
+
+def _image_pieces(rng, labels, sizes):
+  """`make_images(rng, labels)` in consecutive pieces, with bounded memory.
+
+  The random numbers are drawn as one call over all N images would draw them,
+  in the same order: the small per-image draws whole; the two big per-pixel
+  draws (the noise class's pattern, [N, 32, 32], and the pixel noise,
+  [N, 32, 32, 3]) `_CHUNK` images at a time - the first from a copy of the
+  generator, skipped in the original - so the same seed gives the same bytes
+  whatever the pieces, and the float32 working memory is that of `_CHUNK`
+  images, not of N (2 GB for CIFAR-10's 60000).
+
+  Args:
+    rng: numpy Generator.
+    labels: int array [N] in 0..9.
+    sizes: ints summing to N, the images of each piece in turn.
+
+  Yields:
+    uint8 [size, 32, 32, 3] (height, width, channel) for each size in turn.
+  """
+  labels = np.asarray(labels)
   n = labels.shape[0]
-  pattern = _patterns(rng, labels)[..., None]  # [N, 32, 32, 1]
+  if sum(sizes) != n:
+    raise ValueError('the pieces (%d images) must cover the %d labels'
+                     % (sum(sizes), n))
+  draws = _per_image_draws(rng, n)
+  # The noise class's pattern comes next in the stream; a big per-pixel
+  # draw: taken piece by piece from a copy, and skipped here the same way.
+  noise_rng = copy.deepcopy(rng)
+  for start in range(0, n, _CHUNK):
+    rng.random((min(_CHUNK, n - start), _SIZE, _SIZE), dtype=np.float32)
   # Foreground and background colours: a random mid colour plus/minus half a
   # random colour difference of length 80-160, so every image has contrast.
   base = rng.uniform(60.0, 195.0, (n, 3))
@@ -129,10 +177,22 @@ def make_images(rng, labels):
   delta = direction * rng.uniform(80.0, 160.0, (n, 1))
   background = (base - delta / 2).astype(np.float32)[:, None, None, :]
   difference = delta.astype(np.float32)[:, None, None, :]
-  images = background + pattern * difference
-  images += _PIXEL_NOISE * rng.standard_normal(images.shape, dtype=np.float32)
-  np.rint(images, out=images)
-  return np.clip(images, 0, 255, out=images).astype(np.uint8)
+  # The pixel noise, last in the stream, is drawn piece by piece below.
+  start = 0
+  for size in sizes:
+    piece = np.empty((size, _SIZE, _SIZE, 3), np.uint8)
+    for offset in range(0, size, _CHUNK):
+      part = slice(start + offset, start + min(offset + _CHUNK, size))
+      k = part.stop - part.start
+      noise = noise_rng.random((k, _SIZE, _SIZE), dtype=np.float32)
+      pattern = _patterns(labels[part], {key: value[part] for key, value
+                                         in draws.items()}, noise)[..., None]
+      images = background[part] + pattern * difference[part]  # [k, 32, 32, 3]
+      images += _PIXEL_NOISE * rng.standard_normal(images.shape, dtype=np.float32)
+      np.rint(images, out=images)
+      piece[offset:offset + k] = np.clip(images, 0, 255, out=images)
+    start += size
+    yield piece
 
 
 def _balanced_labels(rng, n):
@@ -140,7 +200,8 @@ def _balanced_labels(rng, n):
   return rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
 
 
-def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True):
+def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
+             progress=None):
   """Writes a generated data set in the CIFAR-10 binary layout.
 
   Creates `<data_dir>/cifar-10-batches-bin/` with `data_batch_1.bin` ..
@@ -149,7 +210,8 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True):
   the marker `GENERATED.json` (`common.generated`).
   The files are written aside and replace an existing directory's files all
   at once (`cifar10_format.staged_batches_dir`): an interrupted or failed run
-  changes nothing.
+  changes nothing. The files are made and written one at a time, so the
+  memory used is about one file's worth, whatever the size.
 
   Args:
     data_dir: str, the data directory (created if missing).
@@ -158,6 +220,9 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True):
     seed: int, the same seed gives byte-identical files.
     mark: bool, write GENERATED.json; False only for data that stands in
       for CIFAR-10 (the tests' fixtures), which no command will label.
+    progress: optional callable(name, number, count), called as each .bin
+      file is begun: its name, its number (1 to count) and the number of
+      files (6).
 
   Returns:
     dict file name -> number of records written.
@@ -173,21 +238,24 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True):
   # training images.
   train_rng, test_rng = [np.random.default_rng(s)
                          for s in np.random.SeedSequence(seed).spawn(2)]
+  progress = progress or (lambda name, number, count: None)
   counts = {}
   num_train = train_per_file * len(fmt.TRAIN_FILES)
   needed_bytes = (num_train + num_test) * fmt.RECORD_BYTES
+  # Each stream is drawn as if all its images were made at once (the labels
+  # first, then `_image_pieces`), so the bytes do not depend on the files.
+  streams = [(train_rng, fmt.TRAIN_FILES, train_per_file),
+             (test_rng, fmt.EVAL_FILES, num_test)]
+  count = len(fmt.TRAIN_FILES) + len(fmt.EVAL_FILES)
   with fmt.staged_batches_dir(data_dir, needed_bytes) as out_dir:
-    labels = _balanced_labels(train_rng, num_train)
-    images = make_images(train_rng, labels)
-    for i, name in enumerate(fmt.TRAIN_FILES):
-      part = slice(i * train_per_file, (i + 1) * train_per_file)
-      fmt.write_records(os.path.join(out_dir, name), images[part], labels[part])
-      counts[name] = train_per_file
-    labels = _balanced_labels(test_rng, num_test)
-    images = make_images(test_rng, labels)
-    name = fmt.EVAL_FILES[0]
-    fmt.write_records(os.path.join(out_dir, name), images, labels)
-    counts[name] = num_test
+    for rng, names, per_file in streams:
+      labels = _balanced_labels(rng, per_file * len(names))
+      pieces = _image_pieces(rng, labels, [per_file] * len(names))
+      for i, name in enumerate(names):
+        progress(name, len(counts) + 1, count)
+        fmt.write_records(os.path.join(out_dir, name), next(pieces),
+                          labels[i * per_file:(i + 1) * per_file])
+        counts[name] = per_file
     write_meta(out_dir, CLASS_NAMES)
     if mark:
       generated.write_marker(

@@ -57,13 +57,14 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
 
 
 def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
-                      num_examples=None, should_stop=None):
+                      num_examples=None, should_stop=None, progress=None):
   """`eval_once` of a checkpoint already read (`common.checkpoints.read`).
 
   Args:
     contents: common.checkpoints.Contents of a legacy checkpoint.
     data_dir, batch_size, num_examples: as `eval_once`.
     should_stop: optional callable() -> bool, asked between batches.
+    progress: optional callable(records_done), called after each batch.
 
   Returns:
     EvalCounts, or None when should_stop() turned true first.
@@ -80,6 +81,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
     raise ValueError('num_examples must be >= 1, got %d' % num_examples)
   num_examples = min(num_examples or available, available)
   should_stop = should_stop or (lambda: False)
+  progress = progress or (lambda records_done: None)
 
   with tf.Graph().as_default() as graph:
     # One epoch in file order (one reader thread), the last batch smaller.
@@ -120,6 +122,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
           predictions = predictions[:num_examples - total_count]
           true_count += int(predictions.sum())
           total_count += len(predictions)
+          progress(total_count)
       except tf.errors.OutOfRangeError:
         pass  # the epoch is over: every record was seen once
       finally:

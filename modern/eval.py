@@ -54,14 +54,14 @@ def _restore_moving_averages(path):
 
 
 def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
-                      num_examples=None,
-                      should_stop=None):
+                      num_examples=None, should_stop=None, progress=None):
   """Counts the correct top-1 predictions of a checkpoint already read.
 
   Args:
     contents: common.checkpoints.Contents of a modern checkpoint.
     data_dir, batch_size, num_examples: as `evaluate`.
     should_stop: optional callable() -> bool, asked between batches.
+    progress: optional callable(records_done), called after each batch.
 
   Returns:
     common.evaluation.EvalCounts, or None when should_stop() turned true
@@ -74,6 +74,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   model, global_step = _model_of(contents)
   size = hparams.IMAGE_SIZE
   should_stop = should_stop or (lambda: False)
+  progress = progress or (lambda records_done: None)
 
   @tf.function(input_signature=[
       tf.TensorSpec([None, size, size, 3], tf.float32),
@@ -92,6 +93,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       return None
     true_count += int(count_correct(images, labels))
     total += int(labels.shape[0])
+    progress(total)
   if total == 0:
     raise EvalError('no test records were read from %s' % data_dir)
   return evaluation.EvalCounts(true_count, total, global_step)

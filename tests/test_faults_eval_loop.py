@@ -260,13 +260,15 @@ def test_a_signal_in_the_middle_of_an_evaluation(impl, sig, synth_data_dir, tmp_
   original = impl_eval.evaluate_contents
   batches = []
 
-  def signalled(contents, data_dir, batch_size, num_examples, should_stop):
+  def signalled(contents, data_dir, batch_size, num_examples, should_stop,
+                progress):
     def ask():
       batches.append(1)
       if len(batches) == 3:
         os.kill(os.getpid(), sig)
       return should_stop()
-    return original(contents, data_dir, batch_size, num_examples, ask)
+    return original(contents, data_dir, batch_size, num_examples, ask,
+                    progress=progress)
 
   monkeypatch.setattr(impl_eval, 'evaluate_contents', signalled)
   before = fs.snapshot(train_dir)
@@ -276,7 +278,8 @@ def test_a_signal_in_the_middle_of_an_evaluation(impl, sig, synth_data_dir, tmp_
   assert exception is None, exception
   _clean(code, out, err)
   assert code == 128 + sig
-  assert out.splitlines() == ['Stopped by %s; evaluated no checkpoint; the '
+  assert out.splitlines() == ['Evaluating model.ckpt-2 on 300 test records...',
+                              'Stopped by %s; evaluated no checkpoint; the '
                               'evaluation of model.ckpt-2 was cut short.' % sig.name]
   assert 3 <= len(batches) <= 4  # it stopped at the next batch
   assert fs.changed(before, fs.snapshot(train_dir)) == []

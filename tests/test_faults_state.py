@@ -184,6 +184,15 @@ def _eval_args(synth_data_dir, train_dir, *extra):
 
 
 RESULT = r'^.*: precision @ 1 = \d\.\d{3} \(global step %d, model\.ckpt-%d\)$'
+# What eval prints as it begins a checkpoint (tests/test_progress.py).
+EVALUATING = 'Evaluating model.ckpt-%d on %d test records...'
+
+
+def _evaluated(out, step, ckpt, records=NUM_EXAMPLES):
+  """Whether `out` is eval's start line and result line for model.ckpt-<ckpt>."""
+  lines = out.splitlines()
+  return (len(lines) == 2 and lines[0] == EVALUATING % (ckpt, records)
+          and re.match(RESULT % (step, ckpt), lines[1]) is not None)
 
 
 @pytest.mark.parametrize('damaged', _cases(), indirect=True)
@@ -206,8 +215,7 @@ def test_eval(damaged, synth_data_dir):
         % (re.escape(_ckpt(train_dir, 2)), re.escape(said), damage.fact),
         err.splitlines()[0]), err
     evaluated = 1
-  assert [l for l in out.splitlines() if re.match(RESULT % (evaluated, evaluated), l)] \
-      == out.splitlines(), out
+  assert _evaluated(out, evaluated, evaluated), out
   after = fs.snapshot(train_dir)
   assert fs.changed(before, after) == []
   assert sorted(set(after) - set(before)) == []
@@ -242,7 +250,7 @@ def test_eval_says_when_num_examples_exceeds_the_test_set(synth_data_dir, tmp_pa
   assert err.splitlines() == [
       '--num_examples 100000 is more than the 300 records of the test set in %s; '
       'evaluating all 300.' % synth_data_dir]
-  assert re.match(RESULT % (2, 2), out.strip()), out
+  assert _evaluated(out, 2, 2, records=300), out
 
 
 # --- convert -----------------------------------------------------------------
@@ -336,7 +344,7 @@ def test_eval_and_convert_read_an_upstream_train_dir(upstream_dir, synth_data_di
   code, out, err, exception = fs.invoke_cli(_eval_args(synth_data_dir, train_dir))
   _no_traceback(out, err, exception)
   assert (code, err) == (0, ''), err
-  assert re.match(RESULT % (fs.UPSTREAM_STEP, fs.UPSTREAM_STEP - 1), out.strip()), out
+  assert _evaluated(out, fs.UPSTREAM_STEP, fs.UPSTREAM_STEP - 1), out
 
   # modern refuses it as it is, and says to convert it.
   code, out, err, exception = fs.invoke_cli(

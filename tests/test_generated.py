@@ -20,6 +20,10 @@ from cifar10_towers.common import generated
 from cifar10_towers.common import synth
 
 SMALL = ['--train_per_file', '20', '--num_test', '20']
+# `data synth`'s progress without a terminal (tests/test_progress.py).
+GENERATING = ''.join(
+    'Generating %s (%d of 6)...\n' % (name, number)
+    for number, name in enumerate(fmt.TRAIN_FILES + fmt.EVAL_FILES, start=1))
 
 
 def _errors(err):
@@ -66,8 +70,8 @@ def test_synth_writes_the_marker_with_its_data(tmp_path):
   data_dir = str(tmp_path / 'data')
   code, out, err = _synth(data_dir, '--seed', '7')
   assert (code, err) == (0, ''), err
-  assert out == ('Wrote 100 training and 20 test records of generated data '
-                 '(synth) to %s.\n' % data_dir)
+  assert out == GENERATING + ('Wrote 100 training and 20 test records of '
+                              'generated data (synth) to %s.\n' % data_dir)
   with open(generated.marker_path(data_dir)) as f:
     info = json.load(f)
   assert info['generator'] == 'synth'
@@ -106,9 +110,9 @@ def test_synth_replaces_its_own_kind(tmp_path):
   data_dir = _marked(str(tmp_path / 'data'), 'synth')
   code, out, err = _synth(data_dir, '--seed', '9')
   assert (code, err) == (0, ''), err
-  assert out == ('Wrote 100 training and 20 test records of generated data '
-                 '(synth) to %s, replacing the generated data (synth) there.\n'
-                 % data_dir)
+  assert out == GENERATING + (
+      'Wrote 100 training and 20 test records of generated data (synth) to %s, '
+      'replacing the generated data (synth) there.\n' % data_dir)
   assert generated.read(data_dir)['params']['seed'] == 9
 
 

@@ -1,6 +1,8 @@
 """Generated data: deterministic, balanced, valid, and learnable after distortions."""
 
+import hashlib
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -84,6 +86,65 @@ def test_images_use_the_range_and_vary(small_set):
 def test_generate_rejects_empty_files(tmp_path):
   with pytest.raises(ValueError, match='>= 1'):
     synth.generate(str(tmp_path), train_per_file=0)
+
+
+# sha256 of the six .bin files, in TRAIN_FILES + EVAL_FILES order, as written
+# by the generator that made every image of a stream at once (before issue 11
+# made them file by file, `_CHUNK` images at a time): the same seed must keep
+# giving these bytes, whatever the size of the pieces.
+PINNED_FILES = {
+    # (train_per_file, num_test, seed): sha256
+    (20, 30, 7): '53aed7416a332d2fa8abb7e7088967c1d2b90aa8a74c5a9eadb0f5edf841b264',
+    (37, 23, 11): 'fc0df56113670c5c915d3a27dd6ada52c854a284496f69b604bdbc34e526063f',
+}
+# make_images(default_rng(5), arange(25) % 10), as the cross-check draws its
+# batches, and the generator's next draw after it (crosscheck draws on).
+PINNED_IMAGES = '0c6a5a4361c12bf2c5991e825913abf377c41f2a1a93465c8a9849e5733fb5d6'
+PINNED_NEXT_DRAW = 0.04087284226117871
+
+
+@pytest.mark.parametrize('chunk', [1, 7, 1000])
+def test_the_bytes_of_a_seed_do_not_depend_on_the_pieces(chunk, tmp_path,
+                                                         monkeypatch):
+  monkeypatch.setattr(synth, '_CHUNK', chunk)
+  for (train_per_file, num_test, seed), expected in PINNED_FILES.items():
+    data_dir = str(tmp_path / ('%d_%d_%d' % (train_per_file, num_test, seed)))
+    synth.generate(data_dir, train_per_file=train_per_file, num_test=num_test,
+                   seed=seed, mark=False)
+    digest = hashlib.sha256()
+    for name in fmt.TRAIN_FILES + fmt.EVAL_FILES:
+      with open(os.path.join(fmt.batches_dir(data_dir), name), 'rb') as f:
+        digest.update(f.read())
+    assert digest.hexdigest() == expected, (train_per_file, num_test, seed)
+  rng = np.random.default_rng(5)
+  images = synth.make_images(rng, np.arange(25) % 10)
+  assert hashlib.sha256(images.tobytes()).hexdigest() == PINNED_IMAGES
+  assert rng.random() == PINNED_NEXT_DRAW
+
+
+def test_generate_holds_about_one_file_in_memory(tmp_path, monkeypatch):
+  """Made all at once, 2000 training images took ~60 files' worth (float32
+  pixels, noise and patterns of every image); file by file, a file's pixels,
+  its records and their bytes, and the float32 work of `_CHUNK` images."""
+  monkeypatch.setattr(synth, '_CHUNK', 50)
+  train_per_file = 400
+  file_bytes = train_per_file * fmt.RECORD_BYTES
+  tracemalloc.start()
+  try:
+    synth.generate(str(tmp_path), train_per_file=train_per_file, num_test=10,
+                   seed=0, mark=False)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 10 * file_bytes, '%.1f files\' worth' % (peak / file_bytes)
+
+
+def test_generate_says_which_file_it_begins(tmp_path):
+  begun = []
+  synth.generate(str(tmp_path), train_per_file=2, num_test=3, seed=0,
+                 progress=lambda *args: begun.append(args))
+  assert begun == [(name, number, 6) for number, name in enumerate(
+      fmt.TRAIN_FILES + fmt.EVAL_FILES, start=1)]
 
 
 # --- Learnability -------------------------------------------------------------

@@ -1,0 +1,110 @@
+"""Progress of the long waits: a bar on a terminal, a few plain lines elsewhere.
+
+`data synth` at CIFAR-10 size and `eval` work for seconds to minutes before
+their result line. On a terminal they draw click's progress bar. When the
+stream is a file or a pipe (a log, a CI job), where a bar would be a heap of
+carriage returns, they print a line as each stage begins (`stage`) and,
+within a long stage (`update`, after each batch), a line at a quarter, half
+and three quarters of it, each only when EVERY_SECS have passed since the
+line before: a fast stage says one line, a slow one at most four.
+
+Like the other progress of the CLI (training's step lines and heartbeats),
+it goes to stdout, with the results; diagnostics go to stderr.
+"""
+
+import sys
+import time
+
+import click
+
+EVERY_SECS = 10.0  # without a terminal, no line within a stage sooner after the last
+
+
+class Progress:
+  """A context: the progress of one task of `total` units (files, records).
+
+  Args:
+    total: int >= 0, the units of the task.
+    label: str, what the task is doing, e.g. 'Evaluating model.ckpt-2': the
+      bar's label, and the start of the lines within a stage.
+    unit: str, what the lines call a unit, e.g. 'records'.
+    file: the text stream; default sys.stdout, looked up when made (so
+      click's CliRunner captures it).
+    every_secs: optional float; default EVERY_SECS.
+    clock: callable() -> float seconds, for tests.
+  """
+
+  def __init__(self, total, label, unit, file=None, every_secs=None,
+               clock=time.monotonic):
+    self.total = total
+    self.label = label
+    self.unit = unit
+    self.file = sys.stdout if file is None else file
+    self.terminal = _isatty(self.file)  # draw a bar, not lines
+    self._every_secs = EVERY_SECS if every_secs is None else every_secs
+    self._clock = clock
+    self._bar = None
+    self._quarters = 0  # quarters of the total said so far
+    self._said_at = None  # clock() of the last line
+
+  def __enter__(self):
+    self._said_at = self._clock()
+    if self.terminal:
+      self._bar = click.progressbar(length=self.total, label=self.label,
+                                    file=self.file, show_pos=True,
+                                    item_show_func=lambda item: item)
+      self._bar.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    if self._bar is not None:
+      self._bar.__exit__(*exc)  # ends the bar's line
+    return False
+
+  def stage(self, done, line, item=None):
+    """A stage begins with `done` units done.
+
+    Args:
+      done: int, units done so far.
+      line: str, what the stage does, printed without a terminal.
+      item: optional str, what the bar shows beside it on a terminal.
+    """
+    if self._bar is None:
+      self._say(line)
+    else:
+      self._move(done, item)
+
+  def update(self, done):
+    """`done` units of the total are done; prints at most a quarter's line."""
+    if self._bar is not None:
+      self._move(done)
+      return
+    if not 0 < done < self.total:
+      return  # nothing to say yet, or the result comes next
+    quarters = 4 * done // self.total
+    if (quarters > self._quarters
+        and self._clock() - self._said_at >= self._every_secs):
+      self._quarters = quarters
+      self._say('%s: %d of %d %s (%d%%)...' % (
+          self.label, done, self.total, self.unit, 100 * done // self.total))
+
+  def _say(self, line):
+    click.echo(line, file=self.file)
+    self._said_at = self._clock()
+
+  def _move(self, done, item=None):
+    if item is not None:
+      self._bar.current_item = item
+    if done >= self.total:
+      self._bar.current_item = None  # all done: no stage to name
+    if done != self._bar.pos:
+      self._bar.update(done - self._bar.pos)
+    else:
+      self._bar.render_progress()  # the item changed, not the position
+
+
+def _isatty(stream):
+  try:
+    return stream.isatty()
+  except (AttributeError, ValueError):  # no such method, or closed
+    return False
