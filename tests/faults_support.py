@@ -99,8 +99,9 @@ class Running:
       try:
         line = self.lines.get(timeout=max(0.0, deadline - time.time()))
       except queue.Empty:
-        raise AssertionError('no matching line within %d s; stderr:\n%s'
-                             % (timeout, '\n'.join(self.stderr[-20:])))
+        raise AssertionError('no matching line within %d s; stdout:\n%s\nstderr:\n%s'
+                             % (timeout, '\n'.join(self.stdout[-5:]),
+                                '\n'.join(self.stderr[-20:])))
       if line is None or predicate(line):
         return line
 
@@ -345,14 +346,21 @@ if _HOOKS:
 '''
 
 
+# The subpackages of cifar10_towers, which `hook` names without the prefix.
+PROJECT_PACKAGES = ('common', 'legacy', 'modern', 'towerprofile')
+
+
 def hook(at, say=None, dwell=0.0, nth=1, returns=None):
   """One hook of `hooks_env`: at the nth call of `at` ('module:attr.path').
 
-  The module is named inside the cifar10_towers package ('modern.step:...').
+  The project's modules are named inside the cifar10_towers package
+  ('modern.step:...'); others in full ('tensorflow.python...:...').
   Prints `say` on stdout and sleeps `dwell` seconds before the call goes on,
   or returns `returns` instead of calling (when given).
   """
-  spec = {'at': 'cifar10_towers.' + at, 'nth': nth, 'dwell': dwell}
+  if at.split('.')[0] in PROJECT_PACKAGES:
+    at = 'cifar10_towers.' + at
+  spec = {'at': at, 'nth': nth, 'dwell': dwell}
   if say is not None:
     spec['say'] = say
   if returns is not None:
