@@ -960,4 +960,6 @@ def plot(report, path):
 
 
 if __name__ == '__main__':
+  from cifar10_towers.common import stderr_filter
+  stderr_filter.install()  # as cli.main: TensorFlow's known noise never shows
   sys.exit(worker_main(sys.argv[1:]))

@@ -939,13 +939,14 @@ _stopped_by_signal = False
 
 
 def main():
+  from cifar10_towers.common import ending  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import stderr_filter  # pylint: disable=import-outside-toplevel
+  stderr_filter.install()  # before TensorFlow is imported: its noise never shows
   try:
     cli()  # pylint: disable=no-value-for-parameter
   except SystemExit as e:
     if _stopped_by_signal:
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(e.code if isinstance(e.code, int) else 1)  # pylint: disable=protected-access
+      ending.exit_now(e.code if isinstance(e.code, int) else 1)
     raise
 
 

@@ -4,13 +4,13 @@ progress lines during long waits, the TensorBoard tags, stop requests, divergenc
 import contextlib
 import datetime
 import math
-import os
 import signal
 import socket
 import sys
 import threading
 import time
 
+from cifar10_towers.common import ending
 from cifar10_towers.common import hparams
 
 
@@ -493,11 +493,9 @@ class _State:
         self._received += 1
         name = signal.Signals(signum).name
         if self._received > 1:
-          self.warn('%s again: stopping at once, without saving; the steps '
-                    'since the last checkpoint are lost.' % name)
-          sys.stdout.flush()
-          sys.stderr.flush()
-          os._exit(128 + signum)  # pylint: disable=protected-access
+          ending.exit_now(128 + signum, '%s again: stopping at once, without '
+                          'saving; the steps since the last checkpoint are '
+                          'lost.' % name)
         StopRequest.last_signal = StopRequest.last_signal or name
         self.stop(name)
         # On a thread of their own, so that this one stays free to end the

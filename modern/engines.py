@@ -38,8 +38,10 @@ import tensorflow as tf
 
 from cifar10_towers.common import checkpoints
 from cifar10_towers.common import devices
+from cifar10_towers.common import ending
 from cifar10_towers.common import lock
 from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import stderr_filter
 from cifar10_towers.common import training
 from cifar10_towers.modern import cluster as cluster_lib
 from cifar10_towers.modern import inputs
@@ -438,6 +440,7 @@ def _bounded(seconds, message):
   # stdin closes, however this process ends.
   child = subprocess.Popen([sys.executable, '-c', _SAY_WHY, message + '\n'],
                            stdin=reader, stdout=subprocess.DEVNULL,
+                           stderr=stderr_filter.real_stderr(),
                            start_new_session=True)
   os.close(reader)
   try:
@@ -675,7 +678,7 @@ class PeerWatchdog:
   STOP_GRACE_SECS = 2.0  # a step or barrier still waiting this long after a stop is hung
   STOP_LIMIT_SECS = 6.0  # after a stop, no wait goes on past this
 
-  def __init__(self, cluster, warn, save_completed, cleanup, exit=os._exit):  # pylint: disable=redefined-builtin,protected-access
+  def __init__(self, cluster, warn, save_completed, cleanup, exit=ending.exit_now):  # pylint: disable=redefined-builtin
     self._cluster = cluster
     self._warn = warn
     self._save_completed = save_completed
@@ -752,8 +755,6 @@ class PeerWatchdog:
           except Exception:  # pylint: disable=broad-except
             saved = None
           self._warn(message(saved))
-          sys.stdout.flush()
-          sys.stderr.flush()
           self._cleanup()
         finally:
           self._exit(status)

@@ -11,6 +11,17 @@ if ROOT not in sys.path:
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
+# CIFAR10_TOWERS_TF_NOISE=1 (CI sets it): this process and every Python
+# process the suite starts write TensorFlow's known noise (tests/tf_noise).
+if os.environ.get('CIFAR10_TOWERS_TF_NOISE') == '1':
+  _NOISE = os.path.join(ROOT, 'tests', 'tf_noise')
+  os.environ['PYTHONPATH'] = os.pathsep.join(
+      [_NOISE] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
+  import importlib.util  # pylint: disable=wrong-import-position
+  _spec = importlib.util.spec_from_file_location(
+      'tf_noise', os.path.join(_NOISE, 'sitecustomize.py'))
+  _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+
 NUM_LOGICAL_DEVICES = 4  # enough for every multi-tower test
 
 

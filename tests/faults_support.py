@@ -9,6 +9,7 @@ reuses the test session's 4 logical CPU devices.
 import atexit
 import hashlib
 import os
+import re
 import queue
 import shutil
 import signal
@@ -32,6 +33,19 @@ def cli_env(extra=None):
   env['PYTHONUNBUFFERED'] = '1'
   env.update(extra or {})
   return env
+
+
+# A line TensorFlow's C++ (absl) logging writes to stderr: some CPUs print a
+# few at start-up that no setting silences (common.stderr_filter drops the
+# known ones), and CIFAR10_TOWERS_TF_NOISE=1 adds an unknown one. Tests assert
+# on the lines we print, never on the absence of TensorFlow's.
+TF_LOG_LINE = re.compile(r'[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] |'
+                         r'WARNING: All log messages before absl::InitializeLog')
+
+
+def ours(text):
+  """The lines of `text` (a stderr) that are not TensorFlow's C++ log lines."""
+  return [line for line in text.splitlines() if not TF_LOG_LINE.match(line)]
 
 
 def run_cli(args, env=None, timeout=180):
@@ -380,6 +394,10 @@ def hooks_env(directory, hooks, extra=None):
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, 'sitecustomize.py'), 'w', encoding='utf-8') as f:
     f.write(_HOOKS_MODULE)
+    # This sitecustomize shadows tests/tf_noise's: carry the noise switch too.
+    with open(os.path.join(ROOT, 'tests', 'tf_noise', 'sitecustomize.py'),
+              encoding='utf-8') as noise:
+      f.write('\n\n' + noise.read())
   path = os.environ.get('PYTHONPATH')
   env = {'PYTHONPATH': directory + (os.pathsep + path if path else ''),
          'FAULTS_HOOKS': json.dumps(hooks)}
@@ -480,3 +498,34 @@ def read_tags(train_dir):
   tags = {plugin: sorted(acc.PluginTagToContent(plugin))
           if plugin in acc.ActivePlugins() else [] for plugin in SUMMARY_PLUGINS}
   return tags, acc.Tags()['graph'], acc
+
+
+class ScriptedStop:
+  """A stand-in StopRequest for common.evaluation.run: never stops; each wait
+  runs the next scripted change (a save, a deletion) instead of sleeping."""
+
+  def __init__(self, *changes):
+    self.changes = list(changes)
+    self.requested = False
+    self.signal_name = None
+
+  def wait(self, timeout):
+    del timeout
+    if self.changes:
+      self.changes.pop(0)()
+    return False
+
+
+def move_checkpoint(train_dir, step, to_dir):
+  """Moves model.ckpt-<step>'s files from train_dir to to_dir (created if missing)."""
+  os.makedirs(to_dir, exist_ok=True)
+  for name in os.listdir(train_dir):
+    if name.startswith('model.ckpt-%d.' % step):
+      shutil.move(os.path.join(train_dir, name), os.path.join(to_dir, name))
+
+
+def name_latest(train_dir, step):
+  """Writes train_dir's `checkpoint` state file naming model.ckpt-<step> alone."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  tf.compat.v1.train.update_checkpoint_state(
+      train_dir, 'model.ckpt-%d' % step, ['model.ckpt-%d' % step])

@@ -12,7 +12,6 @@
 
 import os
 import re
-import shutil
 
 import pytest
 
@@ -40,19 +39,6 @@ def _printed(out):
           for m in map(PRINTED.match, out.splitlines()) if m]
 
 
-def _move(train_dir, step, to_dir):
-  os.makedirs(to_dir, exist_ok=True)
-  for name in os.listdir(train_dir):
-    if name.startswith('model.ckpt-%d.' % step):
-      shutil.move(os.path.join(train_dir, name), os.path.join(to_dir, name))
-
-
-def _name_latest(train_dir, step):
-  import tensorflow as tf
-  tf.compat.v1.train.update_checkpoint_state(
-      train_dir, 'model.ckpt-%d' % step, ['model.ckpt-%d' % step])
-
-
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_run_once_writes_the_printed_precision_at_the_global_step(
     impl, synth_data_dir, tmp_path):
@@ -71,16 +57,16 @@ def test_two_checkpoints_two_points_the_old_file_kept(synth_data_dir, tmp_path):
   """model.ckpt-1 evaluated, then (saved later) model.ckpt-2: two runs, two points."""
   train_dir = fs.copy_trained('modern', synth_data_dir, str(tmp_path / 'train'))
   later = str(tmp_path / 'later')
-  _move(train_dir, 2, later)
-  _name_latest(train_dir, 1)
+  fs.move_checkpoint(train_dir, 2, later)
+  fs.name_latest(train_dir, 1)
   eval_dir = str(tmp_path / 'eval')
   code, out1, err = _eval_once(synth_data_dir, train_dir, eval_dir)
   assert code == 0, err
   first = fs.snapshot(eval_dir)
   assert len(first) == 1
 
-  _move(later, 2, train_dir)
-  _name_latest(train_dir, 2)
+  fs.move_checkpoint(later, 2, train_dir)
+  fs.name_latest(train_dir, 2)
   code, out2, err = _eval_once(synth_data_dir, train_dir, eval_dir)
   assert code == 0, err
   printed = _printed(out1) + _printed(out2)
@@ -91,32 +77,17 @@ def test_two_checkpoints_two_points_the_old_file_kept(synth_data_dir, tmp_path):
   assert fs.changed(first, after) == [] and len(after) == 2
 
 
-class _Looks:
-  """A stand-in StopRequest: never stops; its wait runs the next scripted change."""
-
-  def __init__(self, *changes):
-    self.changes = list(changes)
-    self.requested = False
-    self.signal_name = None
-
-  def wait(self, timeout):
-    del timeout
-    if self.changes:
-      self.changes.pop(0)()
-    return False
-
-
 def test_the_loop_writes_each_checkpoint_as_it_comes(synth_data_dir, tmp_path):
   """common.evaluation.run, either kind: legacy's model.ckpt-1, then its -2."""
   from cifar10_towers.legacy import eval as legacy_eval
   train_dir = fs.copy_trained('legacy', synth_data_dir, str(tmp_path / 'train'))
   later = str(tmp_path / 'later')
-  _move(train_dir, 2, later)
-  _name_latest(train_dir, 1)
+  fs.move_checkpoint(train_dir, 2, later)
+  fs.name_latest(train_dir, 1)
 
   def save():
-    _move(later, 2, train_dir)
-    _name_latest(train_dir, 2)
+    fs.move_checkpoint(later, 2, train_dir)
+    fs.name_latest(train_dir, 2)
 
   def evaluate(contents, should_stop):
     return legacy_eval.evaluate_contents(contents, synth_data_dir, 8,
@@ -124,8 +95,8 @@ def test_the_loop_writes_each_checkpoint_as_it_comes(synth_data_dir, tmp_path):
 
   eval_dir = str(tmp_path / 'eval')
   lines = []
-  results = evaluation.run(train_dir, evaluate, _Looks(save), lines.append,
-                           lines.append, interval_secs=1, max_evals=2,
+  results = evaluation.run(train_dir, evaluate, fs.ScriptedStop(save),
+                           lines.append, lines.append, interval_secs=1, max_evals=2,
                            eval_dir=eval_dir)
   assert [r.global_step for r in results] == [1, 2]
   assert fs.precision_points(eval_dir) == [

@@ -19,7 +19,6 @@ import shutil
 import signal
 
 import pytest
-import tensorflow as tf
 
 import faults_support as fs
 from cifar10_towers.common import checkpoints
@@ -111,20 +110,6 @@ def test_either_trainer_in_one_directory_over_time(synth_data_dir, tmp_path):
 
 # --- in this process ------------------------------------------------------------
 
-class _Looks:
-  """A stand-in StopRequest: never stops; its wait runs the next scripted change."""
-
-  def __init__(self, *changes):
-    self.changes = list(changes)
-    self.requested = False
-    self.signal_name = None
-
-  def wait(self, timeout):
-    del timeout
-    if self.changes:
-      self.changes.pop(0)()
-    return False
-
 
 def _evaluator(impl, synth_data_dir, during=None):
   """evaluate(contents, should_stop) of `impl`; `during(contents)` runs mid-way."""
@@ -147,17 +132,6 @@ def _evaluator(impl, synth_data_dir, during=None):
   return evaluate
 
 
-def _move(train_dir, step, to_dir):
-  for name in os.listdir(train_dir):
-    if name.startswith('model.ckpt-%d.' % step):
-      shutil.move(os.path.join(train_dir, name), os.path.join(to_dir, name))
-
-
-def _name_latest(train_dir, step):
-  tf.compat.v1.train.update_checkpoint_state(
-      train_dir, 'model.ckpt-%d' % step, ['model.ckpt-%d' % step])
-
-
 def _run(train_dir, evaluate, looks, warnings):
   lines = []
   results = evaluation.run(train_dir, evaluate, looks, lines.append,
@@ -171,20 +145,20 @@ def test_a_checkpoint_deleted_during_its_evaluation(impl, synth_data_dir, tmp_pa
   train_dir = fs.copy_trained(impl, synth_data_dir, str(tmp_path / 'train'))
   later = str(tmp_path / 'later')
   os.makedirs(later)
-  _move(train_dir, 2, later)
-  _name_latest(train_dir, 1)
+  fs.move_checkpoint(train_dir, 2, later)
+  fs.name_latest(train_dir, 1)
 
   def save_and_delete(contents):
     if contents.path.endswith('-1'):
-      _move(later, 2, train_dir)
-      _name_latest(train_dir, 2)
+      fs.move_checkpoint(later, 2, train_dir)
+      fs.name_latest(train_dir, 2)
       for name in os.listdir(train_dir):
         if name.startswith('model.ckpt-1.'):
           os.remove(os.path.join(train_dir, name))
 
   warnings = []
   results, lines = _run(train_dir, _evaluator(impl, synth_data_dir, save_and_delete),
-                        _Looks(), warnings)
+                        fs.ScriptedStop(), warnings)
   assert results == [(1, 'model.ckpt-1'), (2, 'model.ckpt-2')]
   assert (warnings, len(lines)) == ([], 2)
   assert not os.path.exists(os.path.join(train_dir, 'model.ckpt-1.index'))
@@ -209,7 +183,7 @@ def test_a_damaged_latest_is_said_once_and_a_save_in_progress_not_at_all(
     f.truncate(100)
   warnings = []
   results, _ = _run(train_dir, _evaluator(impl, synth_data_dir),
-                    _Looks(lambda: None, lambda: None, restore(2)), warnings)
+                    fs.ScriptedStop(lambda: None, lambda: None, restore(2)), warnings)
   assert results == [(1, 'model.ckpt-1'), (2, 'model.ckpt-2')]
   assert warnings == [
       'skipping %s/model.ckpt-2: it is damaged (model.ckpt-2.data-00000-of-00001 '
@@ -218,17 +192,17 @@ def test_a_damaged_latest_is_said_once_and_a_save_in_progress_not_at_all(
 
   # A newer checkpoint not yet named and incomplete: a save in progress.
   train_dir = fs.copy_trained(impl, synth_data_dir, str(tmp_path / 'saving'))
-  _name_latest(train_dir, 1)
+  fs.name_latest(train_dir, 1)
   with open(os.path.join(train_dir, 'model.ckpt-2.index'), 'r+b') as f:
     f.truncate(10)
 
   def finish_save():
     restore(2)()
-    _name_latest(train_dir, 2)
+    fs.name_latest(train_dir, 2)
 
   warnings = []
   results, _ = _run(train_dir, _evaluator(impl, synth_data_dir),
-                    _Looks(finish_save), warnings)
+                    fs.ScriptedStop(finish_save), warnings)
   assert results == [(1, 'model.ckpt-1'), (2, 'model.ckpt-2')]
   assert warnings == []
 

@@ -203,17 +203,17 @@ def test_eval(damaged, synth_data_dir):
   _no_traceback(out, err, exception)
   assert (code, _errors(err)) == (0, []), err
   if damage.where == 'state':
-    assert err.splitlines() == [
+    assert fs.ours(err) == [
         '%s is unreadable (%s); evaluating the newest intact checkpoint found on '
         'disk.' % (os.path.join(train_dir, 'checkpoint'), damage.fact)]
     evaluated = 2
   else:
     said = ('`checkpoint` names it as the latest checkpoint, but it is '
             if damage.where == 'gone' else 'it is ')
-    assert len(err.splitlines()) == 1 and re.fullmatch(
+    assert len(fs.ours(err)) == 1 and re.fullmatch(
         r'skipping %s: %s%s; evaluating the newest intact checkpoint\.'
         % (re.escape(_ckpt(train_dir, 2)), re.escape(said), damage.fact),
-        err.splitlines()[0]), err
+        fs.ours(err)[0]), err
     evaluated = 1
   assert _evaluated(out, evaluated, evaluated), out
   after = fs.snapshot(train_dir)
