@@ -255,62 +255,99 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
            summary_every, save_every, log_device_placement, seed, run_crosscheck,
            **distribution):
   optimizer = _optimizer_from(distribution)
-  from cifar10_towers.common import training
-  # Held for the whole command, and shared by the trainer's own: a signal at
-  # any phase is a request to stop. Until the first step nothing is written,
-  # so there it ends the run at once (training.Stopped).
-  with training.StopRequest() as stop:
+  stop = click.get_current_context().meta[_STOP]
+  # Until the first step nothing is written, so there a stop ends the run at
+  # once (training.Stopped, which _Group.invoke reports).
+  with stop.raising():
+    _check_train_dir(train_dir)
+    if distribution:
+      _check_distribution(run_crosscheck=run_crosscheck, **distribution)
+    if distribution.get('strategy') == 'multiworker' and num_gpus > 1:
+      _check_multiworker_gpus(num_gpus)
+    with _user_errors():
+      _ensure_train_data(data_dir)
+      _say_if_generated(data_dir, 'Training')
+      plan = devices.plan_devices(num_gpus, warn=_warn)
+      from cifar10_towers.common import memory  # refuse what cannot fit, before building
+      memory.check_training(impl, plan, batch_size, data_dir)
+      config = config_lib.TrainConfig(
+          data_dir=data_dir, train_dir=train_dir, num_gpus=num_gpus,
+          batch_size=batch_size, max_steps=max_steps, log_every=log_every,
+          summary_every=summary_every, save_every=save_every,
+          log_device_placement=log_device_placement, seed=seed,
+          optimizer=optimizer, **distribution)
+      if run_crosscheck:
+        _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
+                    data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
+                    engines=('towers', 'mirrored')
+                    if config.strategy == 'mirrored' else ('towers',),
+                    optimizer=optimizer)
+      if impl == 'legacy':
+        from cifar10_towers.legacy import train as trainer
+      else:
+        from cifar10_towers.modern import train as trainer
+  with _user_errors():
+    trainer.train(config, plan, out=click.echo, warn=_warn)
+
+
+_STOP = 'cifar10_towers.stop'  # ctx.meta key of the command's StopRequest
+_COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data synth')
+# Commands that own a loop and answer a stop at its boundaries, saying what
+# they kept; every other command ends at once (training.Stopped), its writers
+# leaving nothing half-written.
+_LOOP_COMMANDS = ('legacy', 'modern', 'eval')
+
+
+class _Group(click.Group):
+  """The one place where a command of this CLI ends on a stop signal.
+
+  A StopRequest is held around every command (common.training.STOP_SIGNALS).
+  A stop before a loop's first step, or in a command without a loop, raises
+  training.Stopped, which ends here with one line; a loop that stopped at a
+  boundary has said what it kept. Either way the exit status is 128 + the
+  signal's number, as if killed by it, so `train && eval` stops there.
+  """
+
+  def invoke(self, ctx):
+    from cifar10_towers.common import ending  # pylint: disable=import-outside-toplevel
+    from cifar10_towers.common import training  # pylint: disable=import-outside-toplevel
+    stop = ctx.meta[_STOP] = ctx.with_resource(training.StopRequest())
+    result = None
     try:
-      with stop.raising():
-        _check_train_dir(train_dir)
-        if distribution:
-          _check_distribution(run_crosscheck=run_crosscheck, **distribution)
-        if distribution.get('strategy') == 'multiworker' and num_gpus > 1:
-          _check_multiworker_gpus(num_gpus)
-        with _user_errors():
-          _ensure_train_data(data_dir)
-          _say_if_generated(data_dir, 'Training')
-          plan = devices.plan_devices(num_gpus, warn=_warn)
-          from cifar10_towers.common import memory  # refuse what cannot fit, before building
-          memory.check_training(impl, plan, batch_size, data_dir)
-          config = config_lib.TrainConfig(
-              data_dir=data_dir, train_dir=train_dir, num_gpus=num_gpus,
-              batch_size=batch_size, max_steps=max_steps, log_every=log_every,
-              summary_every=summary_every, save_every=save_every,
-              log_device_placement=log_device_placement, seed=seed,
-              optimizer=optimizer, **distribution)
-          if run_crosscheck:
-            _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
-                        data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
-                        engines=('towers', 'mirrored')
-                        if config.strategy == 'mirrored' else ('towers',),
-                        optimizer=optimizer)
-          if impl == 'legacy':
-            from cifar10_towers.legacy import train as trainer
-          else:
-            from cifar10_towers.modern import train as trainer
-      with _user_errors():
-        trainer.train(config, plan, out=click.echo, warn=_warn)
+      result = super().invoke(ctx)  # `cli` below enters stop.raising() where it applies
     except training.Stopped as stopped:
-      click.echo(str(stopped))
-  if stop.requested:
-    # Stopped by Ctrl-C or SIGTERM (the trainer, or the line above, said what
-    # was saved): exit 128 + the signal's number, as if killed by it, so
-    # `train && eval` stops here; `main` then exits at once (see
-    # _stopped_by_signal).
+      command = ctx.meta.get(_COMMAND)
+      ending.say(str(stopped) if command in ('legacy', 'modern')
+                 else 'Stopped by %s; `%s` did not finish, and left nothing '
+                 'half-written.' % (stopped.signal_name, command))
+    if not stop.requested:
+      return result
+    # Set when a signal stopped the command. By then the checkpoint is
+    # written, the input threads are joined and the summaries flushed, so
+    # `main` skips TensorFlow's interpreter teardown (1-2 s, several times
+    # that on a busy machine) and a scheduler's grace period (`docker stop`:
+    # 10 s) is met.
     global _stopped_by_signal  # pylint: disable=global-statement
     _stopped_by_signal = True
-    click.get_current_context().exit(training.exit_status(stop.signal_name))
+    return ctx.exit(training.exit_status(stop.signal_name))
 
 
-@click.group(context_settings={'help_option_names': ['-h', '--help']})
+@click.group(cls=_Group, context_settings={'help_option_names': ['-h', '--help']})
 @click.version_option(version.__version__, prog_name=prog.CONSOLE_SCRIPT)
-def cli():
+@click.pass_context
+def cli(ctx):
   """Train, evaluate and cross-check the TensorFlow CIFAR-10 multi-GPU trainers.
 
   `legacy` runs the faithful TF1 port (queue runners, prefetch_queue);
   `modern` runs the same algorithm in TF2 (tf.data, tf.function towers).
+
+  Ctrl-C and the other stop signals end any command with one line on stderr
+  and 128 + the signal's number; training saves the step it reached first.
+  Every way a run ends, and its exit status: docs/ending.md.
   """
+  ctx.meta[_COMMAND] = ctx.invoked_subcommand
+  if ctx.invoked_subcommand not in _LOOP_COMMANDS:
+    ctx.with_resource(ctx.meta[_STOP].raising())
 
 
 @cli.command()
@@ -477,10 +514,10 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
   then, without --run_once, each new one as training writes it, until Ctrl-C.
   Each precision also goes to --eval_dir for TensorBoard.
   """
-  from cifar10_towers.common import training
-  # Held for the whole command: a signal while TensorFlow loads or a batch
-  # runs is a request to stop, answered with one line and 128 + its number.
-  with training.StopRequest() as stop, _user_errors():
+  # A signal while TensorFlow loads or a batch runs is a request to stop
+  # (_Group), answered with one line and 128 + its number.
+  stop = click.get_current_context().meta[_STOP]
+  with _user_errors():
     from cifar10_towers.common import cifar10_format as fmt
     from cifar10_towers.common import evaluation
     paths = fmt.eval_files(data_dir)
@@ -502,11 +539,6 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
                      eval_dir=eval_dir)
     except evaluation.EvalDirError as e:
       raise click.ClickException(_first_line(e)) from None
-  if stop.requested:
-    # The stop line said what was evaluated; exit as if killed by the signal.
-    global _stopped_by_signal  # pylint: disable=global-statement
-    _stopped_by_signal = True
-    click.get_current_context().exit(training.exit_status(stop.signal_name))
 
 
 def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
@@ -786,8 +818,10 @@ def _bench_plot(bench_lib, report, plot_path):
 
 
 @cli.group()
-def data():
+@click.pass_context
+def data(ctx):
   """Get, generate or check CIFAR-10 data in the binary format."""
+  ctx.meta[_COMMAND] = 'data %s' % ctx.invoked_subcommand
 
 
 _data_dir_option = click.option(
@@ -931,11 +965,7 @@ def digits(data_dir, seed, force):
   _say_written(counts, 'digits', data_dir, replacing)
 
 
-# Set when a signal stopped training. By then the checkpoint is written, the
-# input threads are joined and the summaries flushed, so `main` skips
-# TensorFlow's interpreter teardown (1-2 s, several times that on a busy
-# machine) and a scheduler's grace period (`docker stop`: 10 s) is met.
-_stopped_by_signal = False
+_stopped_by_signal = False  # see _Group.invoke
 
 
 def main():

@@ -13,8 +13,8 @@ from cifar10_towers.common import stderr_filter
 
 
 def say(line):
-  """Writes one ending line to the real stderr (past the noise filter); never raises."""
-  stderr_filter.ending(line)
+  """Writes the one ending line of a run to the real stderr (past the noise filter); never raises."""
+  stderr_filter.say(line)
 
 
 def exit_now(status, line=None):
@@ -23,8 +23,7 @@ def exit_now(status, line=None):
     sys.stdout.flush()
   except (OSError, ValueError):
     pass
-  if line is None:
-    stderr_filter.restore()
-  else:
+  if line is not None:
     say(line)
+  stderr_filter.restore()
   os._exit(status)  # pylint: disable=protected-access

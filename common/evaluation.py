@@ -26,6 +26,7 @@ import tempfile
 import tensorflow as tf
 
 from cifar10_towers.common import checkpoints
+from cifar10_towers.common import ending
 from cifar10_towers.common import prog
 from cifar10_towers.common import training
 
@@ -340,7 +341,7 @@ def _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs, max_evals,
     if once:
       break
   if stop.requested:
-    out(stop_line(stop.signal_name, results, current))
+    ending.say(stop_line(stop.signal_name, results, current))  # the one ending line, on stderr
   return results
 
 

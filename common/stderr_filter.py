@@ -9,14 +9,14 @@ wrapper process: the PID the train_dir lock names and the process that
 receives signals stay the user's. TensorFlow's arithmetic is untouched
 (TF_ENABLE_ONEDNN_OPTS=0 would change speed and numerics).
 
-`restore` flushes what the pipe holds and gives fd 2 back; it runs at exit,
-and `ending` writes a run's last line straight to the real stderr, where
-nothing can hold it back.
+`restore` passes on what the pipe holds and gives fd 2 back; it runs at exit.
+`say` writes a line straight to the real stderr, after everything before it.
 """
 
 import atexit
 import os
 import re
+import sys
 import threading
 
 # Lines TensorFlow writes on some CPUs whatever TF_CPP_MIN_LOG_LEVEL says.
@@ -30,44 +30,75 @@ KNOWN = re.compile('|'.join([
     r'AVX-512\b.*',
 ]))
 
-_END = b'\x00cifar10-towers stderr filter: end\x00'  # written once, by `restore`
-_state = None  # (real stderr fd, the pipe's write end, reader thread) while installed
+# Markers written into the pipe by this module alone: everything before one
+# has been passed on when the reader reaches it.
+_SYNC = b'\x00cifar10-towers stderr filter: sync\x00'
+_END = b'\x00cifar10-towers stderr filter: end\x00'
+_state = None  # _Filter while installed
 _lock = threading.Lock()
+
+
+class _Filter:
+
+  def __init__(self):
+    self.real = os.dup(2)
+    read_end, self.write_end = os.pipe()  # both non-inheritable
+    os.dup2(self.write_end, 2)  # fd 2 itself stays inheritable: children write here
+    self.synced = threading.Event()
+    self.thread = threading.Thread(target=self._pump, args=(read_end,),
+                                   name='stderr-filter', daemon=True)
+    self.thread.start()
+
+  def _pump(self, read_end):
+    pending = b''
+    with os.fdopen(read_end, 'rb', buffering=0) as pipe:
+      while True:
+        chunk = pipe.read(65536)
+        if not chunk:
+          break
+        pending += chunk
+        while True:
+          marks = [(pending.find(m), m) for m in (_SYNC, _END) if m in pending]
+          if not marks:
+            break
+          at, mark = min(marks)
+          self._pass(pending[:at], whole=True)
+          pending = pending[at + len(mark):]
+          if mark == _END:
+            return
+          self.synced.set()
+        *lines, pending = pending.split(b'\n')
+        self._pass(b''.join(line + b'\n' for line in lines))
+    self._pass(pending, whole=True)
+
+  def _pass(self, data, whole=False):
+    """Writes data's lines but the known ones; `whole`: a last partial line too, ended."""
+    lines = data.split(b'\n')
+    if not whole or not lines[-1]:
+      lines.pop()  # b'' after the last newline
+    _write(self.real, b''.join(l + b'\n' for l in lines if not _known(l)))
+
+  def sync(self):
+    """Returns once every byte written to fd 2 before the call has been passed on."""
+    self.synced.clear()
+    _write(self.write_end, _SYNC)
+    self.synced.wait(timeout=2)
+
+  def close(self):
+    os.dup2(self.real, 2)  # from here on, fd 2 writes go straight out
+    _write(self.write_end, _END)
+    os.close(self.write_end)
+    self.thread.join(timeout=5)
+    os.close(self.real)
 
 
 def install():
   """Filters fd 2 for the rest of the process; a no-op when already installed."""
   global _state  # pylint: disable=global-statement
   with _lock:
-    if _state is not None:
-      return
-    real = os.dup(2)
-    read_end, write_end = os.pipe()  # both non-inheritable
-    os.dup2(write_end, 2)  # fd 2 itself stays inheritable: children write here
-    thread = threading.Thread(target=_pump, args=(read_end, real),
-                              name='stderr-filter', daemon=True)
-    thread.start()
-    _state = (real, write_end, thread)
-  atexit.register(restore)
-
-
-def _pump(read_end, real):
-  pending = b''
-  with os.fdopen(read_end, 'rb', buffering=0) as pipe:
-    while True:
-      chunk = pipe.read(65536)
-      if not chunk:
-        break
-      pending += chunk
-      end = pending.find(_END)
-      if end >= 0:
-        pending = pending[:end]
-      *lines, pending = pending.split(b'\n')
-      _write(real, b''.join(line + b'\n' for line in lines if not _known(line)))
-      if end >= 0:
-        break
-  if pending and not _known(pending):
-    _write(real, pending + b'\n')  # what comes after starts on a line of its own
+    if _state is None:
+      _state = _Filter()
+      atexit.register(restore)
 
 
 def _known(line):
@@ -82,6 +113,14 @@ def _write(fd, data):
       return
 
 
+def _flush_python():
+  for stream in (sys.stdout, sys.stderr):
+    try:
+      stream.flush()
+    except (OSError, ValueError, AttributeError):
+      pass
+
+
 def restore():
   """Passes on what the filter's pipe holds and gives fd 2 back to the real stderr.
 
@@ -91,30 +130,30 @@ def restore():
   """
   global _state  # pylint: disable=global-statement
   with _lock:
+    state, _state = _state, None
+  if state is not None:
+    _flush_python()
+    state.close()
+
+
+def say(line):
+  """Writes one line to the real stderr, after everything written before it; never raises.
+
+  Without the filter (a library call, a test's CliRunner), to sys.stderr.
+  """
+  with _lock:
     if _state is None:
+      try:
+        print(line, file=sys.stderr, flush=True)
+      except (OSError, ValueError):
+        pass
       return
-    real, write_end, thread = _state
-    _state = None
-  import sys  # pylint: disable=import-outside-toplevel
-  for stream in (sys.stdout, sys.stderr):
-    try:
-      stream.flush()
-    except (OSError, ValueError, AttributeError):
-      pass
-  os.dup2(real, 2)  # from here on, fd 2 writes go straight out
-  _write(write_end, _END)
-  os.close(write_end)
-  thread.join(timeout=5)
-  os.close(real)
-
-
-def ending(line):
-  """Writes a run's one ending line to the real stderr, after all before it; never raises."""
-  restore()
-  _write(2, (line.rstrip('\n') + '\n').encode('utf-8', 'replace'))
+    _flush_python()
+    _state.sync()
+    _write(_state.real, (line + '\n').encode('utf-8', 'replace'))
 
 
 def real_stderr():
   """The fd of the real stderr (2 when no filter is installed), for a child that outlives us."""
   with _lock:
-    return _state[0] if _state is not None else 2
+    return _state.real if _state is not None else 2

@@ -256,8 +256,9 @@ def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
 
 
 def stopped_line(signal_name, step, path):
-  """The progress line of a run a stop request ended after saving `path`."""
-  return 'Stopped by %s at global step %d; saved %s.' % (signal_name, step, path)
+  """The ending line of a run a stop request ended after saving `path`."""
+  return ('Stopped by %s at global step %d; saved %s. The same command resumes '
+          'from it.' % (signal_name, step, path))
 
 
 def nothing_to_train(step, max_steps, train_dir):
@@ -285,8 +286,20 @@ class Stopped(BaseException):
             % self.signal_name)
 
 
+# The signals that ask a run to stop (docs/ending.md): Ctrl-C and Ctrl-\ at a
+# terminal (INT, QUIT), the terminal closing (HUP), a scheduler's stop (TERM)
+# or its warning before a time limit (USR1, USR2: Slurm's --signal, PBS), a
+# timer (ALRM), a CPU-time limit (XCPU), a power failure (PWR). A signal that
+# was ignored when the process started (nohup, a background job) stays
+# ignored. Crash signals (SEGV, BUS, ILL, FPE, ABRT) and SIGKILL are not
+# among them: there the last periodic checkpoint is what remains.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in (
+    'SIGHUP', 'SIGINT', 'SIGQUIT', 'SIGTERM', 'SIGUSR1', 'SIGUSR2', 'SIGALRM',
+    'SIGXCPU', 'SIGPWR') if hasattr(signal, name))
+
+
 class StopRequest:
-  """SIGINT and SIGTERM as a request to stop: a flag at step boundaries, and at once where blocked.
+  """A stop signal (STOP_SIGNALS) as a request to stop: a flag at step boundaries, and at once where blocked.
 
   Use as a context manager around everything a signal should stop cleanly. The
   loop checks `requested` at each step boundary and stops there with a
@@ -314,9 +327,9 @@ class StopRequest:
   thread it installs nothing.
   """
 
-  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+  SIGNALS = STOP_SIGNALS
   # The signal that stopped the last loop in this process ('SIGINT',
-  # 'SIGTERM'), or None; the CLI turns it into the exit status 128 + number.
+  # 'SIGUSR1', ...), or None; the CLI turns it into the exit status 128 + number.
   last_signal = None
   _active = None  # the outermost entered StopRequest's _State, or None
 
@@ -352,7 +365,7 @@ class StopRequest:
 
   @property
   def signal_name(self):
-    """'SIGINT' or 'SIGTERM' once requested; None before."""
+    """The signal's name ('SIGINT', 'SIGUSR1', ...) once requested; None before."""
     return self._state.signal_name if self._state else None
 
   def wait(self, timeout):
@@ -440,6 +453,8 @@ class _State:
 
   def install(self):
     for sig in StopRequest.SIGNALS:
+      if signal.getsignal(sig) == signal.SIG_IGN:  # nohup: it stays ignored
+        continue
       self._previous_handlers[sig] = signal.signal(sig, self._handle)
     self._reader, self._writer = socket.socketpair()
     self._reader.setblocking(True)
@@ -455,7 +470,8 @@ class _State:
       return
     signal.set_wakeup_fd(self._previous_wakeup_fd)
     for sig, handler in self._previous_handlers.items():
-      signal.signal(sig, handler)
+      # None: a handler not set from Python, i.e. the default.
+      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     self._previous_handlers.clear()
     self._writer.close()  # the watcher's recv returns b'': it ends
     self._watcher.join(timeout=5)

@@ -186,7 +186,7 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
                   warn=training.stderr):
   """Evaluates each new checkpoint of checkpoint_dir once, as it appears.
 
-  Looks every `interval_secs` seconds until SIGINT or SIGTERM (or until
+  Looks every `interval_secs` seconds until a stop signal (or until
   `max_evals` checkpoints were evaluated); see `common.evaluation.run`.
 
   Args:

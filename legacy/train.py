@@ -19,6 +19,7 @@ from tf_slim.data import prefetch_queue
 from cifar10_towers.common import checkpoints
 from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import devices
+from cifar10_towers.common import ending
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lock
 from cifar10_towers.common import lrn as lrn_lib
@@ -271,7 +272,7 @@ def train(config, plan, out=print, warn=training.stderr,
 
   Returns:
     int, the final global step; `<train_dir>/model.ckpt-<step>` holds it.
-    Less than `config.max_steps` when SIGINT or SIGTERM stopped the run.
+    Less than `config.max_steps` when a stop signal stopped the run.
 
   Raises:
     common.cifar10_format.DataError: the training data is missing or bad.
@@ -280,7 +281,7 @@ def train(config, plan, out=print, warn=training.stderr,
     common.checkpoints.CheckpointError: the latest checkpoint is damaged or
       of another model, or a write into train_dir failed (e.g. disk full).
     common.lock.LockError: another run trains in train_dir.
-    common.training.Stopped: SIGINT or SIGTERM came before the first step;
+    common.training.Stopped: a stop signal came before the first step;
       nothing was written.
     ValueError: the plan does not have `config.num_gpus` towers.
   """
@@ -588,6 +589,7 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
   if stop.requested:
     if step == first_step:
       raise training.Stopped(stop.signal_name)
-    out(training.stopped_line(stop.signal_name, step,
-                              '%s-%d' % (config.checkpoint_prefix(), step)))
+    # The run's one ending line, on stderr.
+    ending.say(training.stopped_line(stop.signal_name, step,
+                                     '%s-%d' % (config.checkpoint_prefix(), step)))
   return step

@@ -150,7 +150,7 @@ class Engine:
 
   def report_stop(self, stopped_by, step, path, out, warn):  # pylint: disable=unused-argument
     """Says how the run ended after a stop request (`stopped_by`, a signal name)."""
-    out(training.stopped_line(stopped_by, step, path))
+    ending.say(training.stopped_line(stopped_by, step, path))  # on stderr
 
 
 class Towers(Engine):
@@ -644,11 +644,12 @@ class MultiWorker(Engine):
           '%s stopped at global step %d because another worker was stopped '
           '(SIGINT or SIGTERM); %s saved %s. %s'
           % (name, step, 'it' if self.is_chief else 'the chief', path, _RESTART))
+    # The run's one ending line, on stderr (common.ending).
     if self.is_chief:
-      out(training.stopped_line(stopped_by, step, path))
+      ending.say(training.stopped_line(stopped_by, step, path))
     else:
-      warn('%s: stopped by %s at global step %d; the chief saved %s.'
-           % (name, stopped_by, step, path))
+      ending.say('%s: stopped by %s at global step %d; the chief saved %s.'
+                 % (name, stopped_by, step, path))
 
 
 def _saved(saved):
@@ -708,7 +709,7 @@ class PeerWatchdog:
         self._block = None
 
   def stop_requested(self, signal_name):
-    """A stop request came (SIGINT, SIGTERM): waits for the peers end soon."""
+    """A stop request came (a stop signal): waits for the peers end soon."""
     with self._lock:
       if self._stop is None:
         self._stop = (time.monotonic(), signal_name)

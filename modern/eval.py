@@ -159,7 +159,7 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_e
                   eval_dir=None):
   """Evaluates each new checkpoint, looking every interval_secs (upstream's loop).
 
-  Runs until SIGINT or SIGTERM (or `max_evals` evaluations); waits for the
+  Runs until a stop signal (or `max_evals` evaluations); waits for the
   first checkpoint instead of failing when there is none yet. See
   `common.evaluation.run`.
 

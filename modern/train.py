@@ -126,7 +126,7 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
     common.checkpoints.CheckpointError: the latest checkpoint is damaged or
       of another model, or a write into train_dir failed (e.g. disk full).
     common.lock.LockError: another run trains in train_dir.
-    common.training.Stopped: SIGINT or SIGTERM came before the first step
+    common.training.Stopped: a stop signal came before the first step
       was done; nothing was written.
     modern.cluster.ClusterError: the multiworker cluster is missing or malformed.
     ValueError: the plan does not match config.num_gpus.

@@ -39,7 +39,7 @@ def cli_env(extra=None):
 # few at start-up that no setting silences (common.stderr_filter drops the
 # known ones), and CIFAR10_TOWERS_TF_NOISE=1 adds an unknown one. Tests assert
 # on the lines we print, never on the absence of TensorFlow's.
-TF_LOG_LINE = re.compile(r'[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] |'
+TF_LOG_LINE = re.compile(r'[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] |'
                          r'WARNING: All log messages before absl::InitializeLog')
 
 

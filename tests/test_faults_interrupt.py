@@ -96,9 +96,9 @@ def signalled_runs(synth_data_dir, tmp_path_factory):
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_signal_saves_the_step_and_exits_within_10s(signalled_runs, impl, sig):
   train_dir, seen, seconds, code, out, err = signalled_runs[impl, sig]
-  last = out.splitlines()[-1]
-  match = re.fullmatch(r'Stopped by %s at global step (\d+); saved (\S+)\.' % sig.name,
-                       last)
+  last = fs.ours(err)[-1]
+  match = re.fullmatch(r'Stopped by %s at global step (\d+); saved (\S+)\. The same '
+                       r'command resumes from it\.' % sig.name, last)
   assert match, (last, err[-2000:])
   step = int(match.group(1))
   # The step boundary: every step that started was finished and saved.
@@ -279,11 +279,11 @@ def test_a_second_sigint_ends_the_run_at_once_without_saving(second_sigint_runs,
                                                              impl):
   train_dir, seconds, code, out, err = second_sigint_runs[impl]
   assert 'Traceback' not in out + err, err[-2000:]
-  assert err.strip().splitlines()[-1] == (
+  assert fs.ours(err)[-1] == (
       'SIGINT again: stopping at once, without saving; the steps since the last '
       'checkpoint are lost.')
   assert code == 130
   # At once: not after the 30 s the save in progress would have taken.
   assert seconds < _exit_bound()
-  assert 'Stopped by' not in out
+  assert 'Stopped by' not in out + err
   assert not [n for n in os.listdir(train_dir) if n.startswith('model.ckpt')]

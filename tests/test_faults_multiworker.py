@@ -345,10 +345,8 @@ def test_fault(outcomes, name):
   context = 'stdout:\n%s\nstderr:\n%s' % (outcome.out[-2000:], outcome.err[-3000:])
   assert outcome.code == status, context
   assert 'Traceback' not in outcome.err, context
-  # The message: stdout's last line for a stop before any step (the CLI's),
-  # stderr's last line for everything else; one line with every fact.
-  stream = outcome.out if 'Stopped by' in outcome.facts[0] else outcome.err
-  lines = stream.strip().splitlines()
+  # The message: stderr's last line of ours, one line with every fact.
+  lines = fs.ours(outcome.err)
   assert lines, context
   for fact in outcome.facts:
     assert fact in lines[-1], (fact, context)
@@ -494,7 +492,7 @@ def _bounded_run(bound, block, interrupt_after=None):
 def test_a_start_up_past_its_bound_ends_with_the_message_alone():
   code, out, err, secs = _bounded_run(1, 30)
   assert code == 1, (out, err)
-  assert err.strip().splitlines()[-1] == BOUNDED_MESSAGE, err
+  assert fs.ours(err)[-1] == BOUNDED_MESSAGE, err
   assert 'Traceback' not in err and 'File ' not in err, err  # faulthandler's goes to the pipe
   assert 'left' not in out
   # Well before the 30 s block would have ended, after the 1 s bound.
@@ -506,7 +504,7 @@ def test_a_start_up_within_its_bound_says_nothing():
   code, out, err, _ = _bounded_run(5, 0.5)
   assert code == 0, (out, err)
   assert out == 'entering\nleft\n'
-  assert err == ''
+  assert fs.ours(err) == []
 
 
 @pytest.mark.slow
@@ -515,7 +513,7 @@ def test_a_ctrl_c_during_the_bounded_start_up_leaves_no_traceback():
   code, out, err, _ = _bounded_run(20, 30, interrupt_after=1)
   assert code == 130, (out, err)
   assert out.endswith('interrupted\n')
-  assert err == ''  # neither the message nor the child's KeyboardInterrupt
+  assert fs.ours(err) == []  # neither the message nor the child's KeyboardInterrupt
 
 
 # --- modern.engines.PeerWatchdog ------------------------------------------------
@@ -675,7 +673,7 @@ def test_cli_refuses_two_replicas_per_worker_on_a_cpu_only_machine(tmp_path):
   context = 'stdout:\n%s\nstderr:\n%s' % (result.stdout, result.stderr)
   assert result.returncode == 2, context
   assert 'Traceback' not in result.stderr, context
-  message = result.stderr.strip().splitlines()[-1]
+  message = fs.ours(result.stderr)[-1]
   assert message.startswith('Error: --strategy multiworker '), context
   for fact in ('one replica per GPU', '0 GPU(s) for --num_gpus 2',
                'pass --num_gpus 1 and start more workers'):

@@ -83,7 +83,7 @@ def test_train_resume_and_evaluate(synth_data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigint_saves_and_stops_at_a_step_boundary(synth_data_dir, tmp_path):
+def test_sigint_saves_and_stops_at_a_step_boundary(synth_data_dir, tmp_path, capsys):
   train_dir = str(tmp_path / 'train')
   config = config_lib.TrainConfig(
       data_dir=synth_data_dir, train_dir=train_dir, num_gpus=2, batch_size=8,
@@ -100,8 +100,9 @@ def test_sigint_saves_and_stops_at_a_step_boundary(synth_data_dir, tmp_path):
       os.kill(os.getpid(), signal.SIGINT)
 
   assert train.train(config, _plan(2), out=out, num_threads=NUM_THREADS) == 3
-  assert lines[-1] == 'Stopped by SIGINT at global step 3; saved %s-3.' % (
-      os.path.join(train_dir, 'model.ckpt'))
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      'Stopped by SIGINT at global step 3; saved %s-3. The same command resumes '
+      'from it.' % os.path.join(train_dir, 'model.ckpt'))
   assert os.path.exists(os.path.join(train_dir, 'model.ckpt-3.index'))
   assert _new_threads(before) == []
   # The handler from before training is back.

@@ -89,7 +89,8 @@ def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data_dir, tmp_path):
+def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data_dir, tmp_path,
+                                                                     capsys):
   lines, handler_before = [], signal.getsignal(signal.SIGINT)
 
   def out(line):
@@ -101,7 +102,9 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data
                    log_every=5)
   step = train.train(config, _plan(1), out=out)
   assert step == 5  # the signal came after step 5; no further step started
-  assert lines[-1] == 'Stopped by SIGINT at global step 5; saved %s.' % (tmp_path / 'model.ckpt-5')
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      'Stopped by SIGINT at global step 5; saved %s. The same command resumes from '
+      'it.' % (tmp_path / 'model.ckpt-5'))
   assert tf.train.latest_checkpoint(str(tmp_path)) == str(tmp_path / 'model.ckpt-5')
   assert signal.getsignal(signal.SIGINT) is handler_before  # restored
 
