@@ -50,6 +50,9 @@ def _user_errors():
   except DeviceError as e:
     raise click.UsageError(_first_line(e)) from None
   except OSError as e:
+    from cifar10_towers.common import ending  # pylint: disable=import-outside-toplevel
+    if ending.stream_closed(e):  # not a path problem: _Group.invoke says what it is
+      raise
     raise click.ClickException('%s. Check the path and its permissions.'
                                % _first_line(e)) from None
   except Exception as e:  # pylint: disable=broad-except
@@ -315,6 +318,11 @@ class _Group(click.Group):
     result = None
     try:
       result = super().invoke(ctx)  # `cli` below enters stop.raising() where it applies
+    except OSError as e:
+      if not ending.stream_closed(e):
+        raise
+      ending.silence_stdout()  # stdout's reader is gone (`| head`, a closed terminal)
+      raise click.ClickException(ending.cause(e) + '.') from None
     except training.Stopped as stopped:
       command = ctx.meta.get(_COMMAND)
       ending.say(str(stopped) if command in ('legacy', 'modern')

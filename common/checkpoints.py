@@ -606,27 +606,18 @@ def write_failed(directory, what, error):
     error: the exception the writer raised.
 
   Returns:
-    CheckpointError, for the caller to raise; it names the checkpoint the
-    next run resumes from (what the state file names now).
+    CheckpointError, for the caller to raise: the cause and what to do about
+    it. What the run kept is said by the one ending path (common.ending).
   """
-  try:
-    named = _named_latest(directory)
-  except CheckpointError:
-    named = None
-  if named is None:
-    kept = 'No earlier checkpoint exists'
-  else:
-    kept = '%s is intact and the next run resumes from it' % os.path.basename(named)
   cause = reason(error).rsplit('; ', 1)[-1]
   if any(text in cause for text in _NOT_WRITABLE):
     advice = 'Make it writable'
   elif any(text in cause for text in _NO_SPACE):
     advice = 'Free space on that disk'
   else:
-    advice = 'Fix the cause above'
-  return CheckpointError(
-      'could not write %s in %s (%s); training stopped. %s. %s (or pass another '
-      '--train_dir) and run again.' % (what, directory, cause, kept, advice))
+    advice = 'Fix that'
+  return CheckpointError('could not write %s in %s (%s). %s, or pass another '
+                         '--train_dir.' % (what, directory, cause, advice))
 
 
 # How the operating system words the causes `write_failed` gives advice for.

@@ -7,6 +7,7 @@ caller of os._exit.
 """
 
 import os
+import re
 import sys
 
 from cifar10_towers.common import stderr_filter
@@ -27,3 +28,124 @@ def exit_now(status, line=None):
     say(line)
   stderr_filter.restore()
   os._exit(status)  # pylint: disable=protected-access
+
+
+# --- a training run that failed: keep what can be kept, say it in one line ----
+
+def stream_closed(error):
+  import errno  # pylint: disable=import-outside-toplevel
+  return isinstance(error, OSError) and not getattr(error, 'filename', None) and (
+      error.errno in (errno.EPIPE, errno.EIO, errno.EBADF)
+      or isinstance(error, BrokenPipeError))
+
+
+def silence_stdout():
+  """Points stdout at /dev/null: a stdout whose reader is gone fails every later write."""
+  try:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+  except (OSError, ValueError, AttributeError):
+    pass
+
+
+def cause(error):
+  """What went wrong, in a user's words: one line, no op names, node blocks or traceback.
+
+  Our own errors carry their line already. A failed write to a stream (stdout
+  closed by `| head`, a terminal gone) is said as such, not as a path
+  problem; an OSError with a file names it; a TensorFlow error loses its
+  decorations ([[{{node ...}}]], [Op:...]) and is named by its kind.
+  """
+  if stream_closed(error):
+    return ('the output stream closed under the run (%s: a pipe\'s reader ended '
+            'or the terminal is gone)' % (os.strerror(error.errno) if error.errno
+                                           else type(error).__name__))
+  if isinstance(error, OSError) and getattr(error, 'filename', None):
+    return '%s: %s' % (error.filename, error.strerror or error)
+  module = type(error).__module__ or ''
+  if module.startswith('tensorflow'):
+    from cifar10_towers.common import checkpoints  # pylint: disable=import-outside-toplevel
+    text = re.sub(r'\s*(\[\[|\[Op:).*', '', checkpoints.reason(error)).strip()
+    kind = re.sub(r'(?<!^)(?=[A-Z])', ' ', type(error).__name__.replace('Error', ''))
+    return 'TensorFlow failed (%s): %s' % (kind.lower() or 'error', text)
+  if module.startswith('cifar10_towers'):
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  text = str(error).strip().splitlines()
+  return '%s: %s' % (type(error).__name__, text[0]) if text else type(error).__name__
+
+
+def _newest(train_dir):
+  """(path, global step) of the checkpoint train_dir's state file names, or None."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  try:
+    path = tf.train.latest_checkpoint(train_dir)
+  except (tf.errors.OpError, OSError, ValueError):
+    return None
+  if path is None:
+    return None
+  match = re.search(r'-(\d+)$', path)
+  return path, int(match.group(1)) if match else None
+
+
+def failed(error, first_step, step, held, saved, save, train_dir):
+  """The error a training run ends with after `error` crossed its loop, its work kept.
+
+  Where the variables still hold the last completed step (`held() == step`:
+  the failure came before the step's update, which is where input and output
+  failures happen), that step is saved unless it already is. Where they may
+  not (a NaN, a failure during the update) or the save fails too (disk
+  full), the newest intact checkpoint stays as it was.
+
+  A failure before this run completed a step has nothing to keep: it ends
+  with its own line (ours), or its cause.
+
+  Args:
+    error: the exception that crossed the loop.
+    first_step: int, the global step this run started from.
+    step: int, the last global step this run completed and checked.
+    held: callable() -> int, the global step the variables hold now.
+    saved: int or None, the step of the checkpoint this run last wrote or
+      resumed from.
+    save: callable() -> str, saves the variables; the checkpoint's path.
+    train_dir: str, where the checkpoints are.
+
+  Returns:
+    training.TrainingError whose one line says the cause, what was saved or
+    stays, and what to do.
+  """
+  from cifar10_towers.common import training  # pylint: disable=import-outside-toplevel
+  if stream_closed(error):
+    silence_stdout()  # the lines to come (a flush at exit) would fail again
+  if step == first_step:
+    ours = (type(error).__module__ or '').startswith('cifar10_towers')
+    return error if ours else training.TrainingError(cause(error))
+  line = cause(error).rstrip('.') + '.'
+  if not os.path.isdir(train_dir):
+    return training.TrainingError(
+        '%s %s is gone: no checkpoint remains; the same command starts again at '
+        'step 0.' % (line, train_dir))
+  try:
+    intact = held() == step
+  except Exception:  # pylint: disable=broad-except
+    intact = False
+  problem = ''
+  if intact and step != saved:
+    try:
+      return training.TrainingError(
+          '%s Saved global step %d to %s; the same command resumes from it.'
+          % (line, step, save()))
+    except Exception as e:  # pylint: disable=broad-except
+      if not os.path.isdir(train_dir):
+        return failed(error, first_step, step, held, saved, save, train_dir)
+      again = cause(e).rstrip('.')  # said already if it is what ended the run
+      if again not in line:
+        problem = ' Saving global step %d failed too: %s.' % (step, again)
+  newest = _newest(train_dir)
+  if newest is None:
+    return training.TrainingError(
+        '%s%s No checkpoint was written; the same command starts again at step 0.'
+        % (line, problem))
+  return training.TrainingError(
+      '%s%s The newest intact checkpoint stays: %s (global step %s); the same '
+      'command resumes from it.' % (line, problem, newest[0], newest[1]))

@@ -123,5 +123,5 @@ def check(directory):
   raise LockError(
       '%s was removed, or its lock file %s, while this run trained in it; '
       'stopped without writing there again, as another run may have started in '
-      'it since. Train again to start anew, or pass another --train_dir.'
+      'it since.'
       % (directory, LOCK_FILE))

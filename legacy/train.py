@@ -450,7 +450,7 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,
 
 
 def _save(saver, sess, config, step):
-  """Writes `model.ckpt-<step>`; a failed write (e.g. disk full) stops training.
+  """Writes `model.ckpt-<step>`, returns its path; a failed write (e.g. disk full) stops training.
 
   The Saver names a checkpoint latest only after writing it whole, so a
   failure leaves the previous one in place; its partial files are removed.
@@ -458,7 +458,7 @@ def _save(saver, sess, config, step):
   """
   lock.check(config.train_dir)
   try:
-    saver.save(sess, config.checkpoint_prefix(), global_step=step)
+    return saver.save(sess, config.checkpoint_prefix(), global_step=step)
   except (tf.errors.OpError, OSError) as e:
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
@@ -538,12 +538,11 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
             raise
           break  # the stop closed the queues under this step: it did not run
         duration = time.time() - start_time
+        loss_value, tower_loss_values = results[1], results[2]
+        # Before `step` counts it: a diverged step is never saved.
+        training.check_divergence(step + 1, tower_loss_values)
         # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
         step += 1  # this process is the only one moving global_step
-        loss_value, tower_loss_values = results[1], results[2]
-
-        # Raise before anything of this step is saved.
-        training.check_divergence(step, tower_loss_values)
 
         if summary_writer is None:
           summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
@@ -568,24 +567,28 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
         _save(saver, sess, config, step)
         last_saved = step
   except Exception as e:  # pylint: disable=broad-except
+    coord.request_stop(e)
+    error = e
+  try:
     # The first recorded error wins: if an input thread failed first (and so
     # closed the queues under this loop), join re-raises the thread's error.
-    coord.request_stop(e)
+    inputs.stop_queue_threads(sess, coord, threads, graph_parts.close_queues)
+  except Exception as e:  # pylint: disable=broad-except
     error = e
   finally:
     try:
-      inputs.stop_queue_threads(sess, coord, threads, graph_parts.close_queues)
-    finally:
-      try:
-        if summary_writer is not None:
-          summary_writer.close()
-      except (RuntimeError, OSError) as e:  # e.g. disk full; checkpoints decide
-        warn('could not write the last TensorBoard summaries to %s (%s).'
-             % (config.train_dir, str(e).strip().splitlines()[0]))
+      if summary_writer is not None:
+        summary_writer.close()
+    except (RuntimeError, OSError) as e:  # e.g. disk full; checkpoints decide
+      warn('could not write the last TensorBoard summaries to %s (%s).'
+           % (config.train_dir, str(e).strip().splitlines()[0]))
   if error is not None:
-    # Only reached when the coordinator did not record it (it ignores
-    # OutOfRangeError and CancelledError).
-    raise error
+    # The one ending path of a failure, whatever it was: keep the last
+    # completed step if the variables still hold it, and say so in one line.
+    raise ending.failed(error, first_step, step,
+                        lambda: int(sess.run(towers.global_step)), last_saved,
+                        lambda: _save(saver, sess, config, step),
+                        config.train_dir) from error
   if stop.requested:
     if step == first_step:
       raise training.Stopped(stop.signal_name)

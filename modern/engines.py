@@ -642,7 +642,7 @@ class MultiWorker(Engine):
       # end, and every worker must be started again.
       raise training.TrainingError(
           '%s stopped at global step %d because another worker was stopped '
-          '(SIGINT or SIGTERM); %s saved %s. %s'
+          '(by a stop signal); %s saved %s. %s'
           % (name, step, 'it' if self.is_chief else 'the chief', path, _RESTART))
     # The run's one ending line, on stderr (common.ending).
     if self.is_chief:

@@ -16,6 +16,7 @@ import tensorflow as tf
 from cifar10_towers.common import checkpoints
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import ending
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lock
 from cifar10_towers.common import model_spec
@@ -235,8 +236,9 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
       duration = end_time - start_time
       # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
       # Upstream logged and saved its 0-based loop index.
+      # Before `step` counts it: a diverged step is never saved.
+      training.check_divergence(int(state.global_step.numpy()), tower_losses)
       step = int(state.global_step.numpy())
-      training.check_divergence(step, tower_losses)
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); the first and the summary steps only when
       # nothing else (training.LogWindow).
@@ -276,6 +278,13 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
       engine.barrier()
   except engine.peer_errors as e:
     return engine.lost_peers(e, step, first_step, save, stop, warn)
+  except Exception as e:  # pylint: disable=broad-except
+    if step is None:  # before the first broadcast: nothing to keep
+      raise
+    # The one ending path of a failure, whatever it was: keep the last
+    # completed step if the variables still hold it, and say so in one line.
+    raise ending.failed(e, first_step, step, lambda: int(state.global_step.numpy()),
+                        save.last_saved, save, config.train_dir) from e
   if not stopped_by and engine.stops_here(stop, None):
     stopped_by = stop.signal_name  # the stop came during the last save
   if stopped_by:

@@ -8,10 +8,14 @@ signals from outside, a second signal and the timing are tested in
 tests/test_faults_interrupt.py and tests/test_faults_runs.py.
 """
 
+import errno
 import os
 import random
 import re
+import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -84,3 +88,236 @@ def test_a_stop_signal_saves_the_step_says_one_line_and_resumes(
   assert 'Resuming from %s at global step %d.' % (path, step) in out.splitlines()
   assert checkpoints.resume_point(train_dir) == os.path.join(
       train_dir, 'model.ckpt-%d' % (step + 1))
+
+
+# --- a failure crossing the loop: one table over the exception boundaries -------
+
+def _nth_call(monkeypatch, owner, name, n, error):
+  """From the nth call on, `owner.name` raises `error` instead of running."""
+  real = getattr(owner, name)
+  calls = [0]
+
+  def wrapper(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] >= n:
+      raise error
+    return real(*args, **kwargs)
+  monkeypatch.setattr(owner, name, wrapper)
+
+
+def _inject_input(monkeypatch, impl, step, ctx):
+  """The data files are deleted after `step` steps: the pipeline fails to read."""
+  del impl
+  add, done = training.LogWindow.add, [0]
+
+  def add_then_delete(self, *args, **kwargs):
+    add(self, *args, **kwargs)
+    done[0] += 1
+    if done[0] == step:
+      for name in os.listdir(ctx['batches']):
+        if name.startswith('data_batch_'):
+          os.remove(os.path.join(ctx['batches'], name))
+  monkeypatch.setattr(training.LogWindow, 'add', add_then_delete)
+
+
+def _inject_stdout(monkeypatch, impl, step, ctx):
+  """stdout's reader goes away (`| head`): the log line of step+1 cannot be written."""
+  del impl, ctx
+  import click  # pylint: disable=import-outside-toplevel
+  echo = click.echo
+
+  def failing_echo(message=None, *args, **kwargs):
+    if kwargs.get('err') or ': step %d, loss' % (step + 1) not in str(message):
+      return echo(message, *args, **kwargs)
+    raise BrokenPipeError(errno.EPIPE, 'Broken pipe')
+  monkeypatch.setattr(click, 'echo', failing_echo)
+
+
+def _inject_summaries(monkeypatch, impl, step, ctx):
+  """The summary writer fails at step+1 (--summary_every 1 from step+1 on)."""
+  del ctx
+  error = OSError(errno.ENOSPC, 'No space left on device')
+  if impl == 'legacy':
+    import tensorflow.compat.v1 as tf1  # pylint: disable=import-outside-toplevel
+    _nth_call(monkeypatch, tf1.summary.FileWriter, 'add_summary', step + 1, error)
+  else:
+    from cifar10_towers.modern import train  # pylint: disable=import-outside-toplevel
+    _nth_call(monkeypatch, train, '_write_summaries', step + 1, error)
+
+
+def _inject_step(monkeypatch, impl, step, ctx):
+  """The device fails in step+1, before its update."""
+  del ctx
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  error = tf.errors.InternalError(None, None, 'the device failed (injected)')
+  if impl == 'legacy':
+    import tensorflow.compat.v1 as tf1  # pylint: disable=import-outside-toplevel
+    real, calls = tf1.Session.run, [0]
+
+    def run(self, fetches, *args, **kwargs):
+      if isinstance(fetches, list) and len(fetches) >= 3:  # the loop's step
+        calls[0] += 1
+        if calls[0] == step + 1:
+          raise error
+      return real(self, fetches, *args, **kwargs)
+    monkeypatch.setattr(tf1.Session, 'run', run)
+  else:
+    from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
+    _nth_call(monkeypatch, engines.Engine, 'step', step + 1, error)
+
+
+def _inject_saver(monkeypatch, impl, step, ctx):
+  """The disk is full from step+1 on: the periodic save of step+1 fails, and so does a retry."""
+  del ctx
+  error = OSError(errno.ENOSPC, 'No space left on device')
+  if impl == 'legacy':
+    import tensorflow.compat.v1 as tf1  # pylint: disable=import-outside-toplevel
+    _nth_call(monkeypatch, tf1.train.Saver, 'save', 1, error)
+  else:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    _nth_call(monkeypatch, tf.train.CheckpointManager, 'save', 1, error)
+
+
+# boundary -> (inject, --save_every (None: far beyond; 'next': the fault's
+# step), the ending line's cause, and what is kept: 'saved' the step the
+# fault came after, 'next' the step after it (the fault came after its
+# update: its log line, its summaries), 'none' no checkpoint).
+BOUNDARIES = {
+    'input files': (_inject_input, None,
+                    r'TensorFlow failed \(not found\): \S+data_batch_\d\.bin; No such '
+                    r'file or directory\.', 'saved'),
+    'stdout closed': (_inject_stdout, None,
+                      r'the output stream closed under the run \(Broken pipe: a '
+                      r'pipe\'s reader ended or the terminal is gone\)\.', 'next'),
+    'summary writer': (_inject_summaries, None,
+                       r'could not write TensorBoard summaries in \S+ \(\[Errno 28\] No '
+                       r'space left on device\)\. Free space on that disk, or pass '
+                       r'another --train_dir\.', 'next'),
+    'device in the step': (_inject_step, None,
+                           r'TensorFlow failed \(internal\): the device failed '
+                           r'\(injected\)\.', 'saved'),
+    'checkpoint saver': (_inject_saver, 'next', r'could not write checkpoint '
+                         r'model\.ckpt-\d+ in \S+ \(\[Errno 28\] No space left on '
+                         r'device\)\. Free space on that disk, or pass another '
+                         r'--train_dir\.', 'none'),
+}
+FAULTS = [(impl, b) for b in BOUNDARIES for impl in fs.TRAINERS]
+FAULT_STEPS = {case: _SEEDED.randint(2, 4) for case in FAULTS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('impl,boundary', FAULTS, ids=[
+    '%s-%s-after-step-%d' % (c + (FAULT_STEPS[c],)) for c in FAULTS])
+def test_a_failure_crossing_the_loop_keeps_the_last_step_in_one_line(
+    impl, boundary, synth_data_dir, tmp_path, monkeypatch):
+  inject, save_every, said, kept = BOUNDARIES[boundary]
+  step = FAULT_STEPS[impl, boundary]
+  data_dir = str(tmp_path / 'data')
+  shutil.copytree(synth_data_dir, data_dir)
+  train_dir = str(tmp_path / 'train')
+  args = [impl, '--data_dir', data_dir, '--train_dir', train_dir, '--max_steps', 1000,
+          '--save_every', step + 1 if save_every else 1000, '--batch_size', 8,
+          '--log_every', 1, '--summary_every', 1 if boundary == 'summary writer' else 1000]
+  inject(monkeypatch, impl, step, {'batches': os.path.join(data_dir, 'cifar-10-batches-bin')})
+  code, out, err, exception = fs.invoke_cli(args)
+  assert exception is None, exception
+  assert code == 1, err
+  ending = fs.ours(err)[-1]
+  logged = [int(s) for s in re.findall(r': step (\d+), loss', out)]
+  if boundary == 'input files':
+    # The queue or buffer holds records read before the deletion: the read
+    # fails a few steps later, at the last step logged.
+    assert logged and logged[-1] >= step, out
+    step = logged[-1]
+  if kept == 'next':
+    step += 1
+  path = os.path.join(train_dir, 'model.ckpt-%d' % step)
+  if kept in ('saved', 'next'):
+    assert re.fullmatch(r'Error: %s Saved global step %d to %s; the same command resumes '
+                        r'from it\.' % (said, step, re.escape(path)), ending), ending
+    assert checkpoints.resume_point(train_dir) == path
+    resumed = step
+  else:
+    assert re.fullmatch(r'Error: %s No checkpoint was written; the same command starts '
+                        r'again at step 0\.' % said, ending), ending
+    assert checkpoints.resume_point(train_dir) is None
+    resumed = 0
+  assert 'Traceback' not in out + err and '{{node' not in err
+
+  monkeypatch.undo()
+  if boundary == 'input files':
+    shutil.rmtree(data_dir)
+    shutil.copytree(synth_data_dir, data_dir)
+  args[args.index('--max_steps') + 1] = resumed + 1
+  code, out, err, exception = fs.invoke_cli(args)
+  assert (code, exception) == (0, None), err
+  if resumed:
+    assert 'Resuming from %s at global step %d.' % (path, step) in out.splitlines()
+  assert checkpoints.resume_point(train_dir) == os.path.join(
+      train_dir, 'model.ckpt-%d' % (resumed + 1))
+
+
+# --- real faults through real processes -------------------------------------------
+
+@pytest.mark.slow
+def test_a_data_file_deleted_under_a_legacy_run(synth_data_dir, tmp_path):
+  """The input files vanish at a seeded step; the run saves the step it reached."""
+  step = FAULT_STEPS['legacy', 'input files']
+  data_dir, train_dir = str(tmp_path / 'data'), str(tmp_path / 'train')
+  shutil.copytree(synth_data_dir, data_dir)
+  batches = os.path.join(data_dir, 'cifar-10-batches-bin')
+  args = ['legacy', '--data_dir', data_dir, '--train_dir', train_dir,
+          '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS)
+  run = fs.Running(args)
+  try:
+    assert run.wait_for(lambda l: ': step %d, loss' % step in l), run.stderr[-20:]
+    for name in os.listdir(batches):
+      if name.startswith('data_batch_'):
+        os.remove(os.path.join(batches, name))
+    code, out, err = run.finish(timeout=120)
+  finally:
+    if run.proc.poll() is None:
+      run.kill()
+  assert code == 1, err
+  reached = [int(s) for s in re.findall(r': step (\d+), loss', out)][-1]
+  path = os.path.join(train_dir, 'model.ckpt-%d' % reached)
+  assert re.fullmatch(
+      r'Error: TensorFlow failed \(not found\): %s/data_batch_\d\.bin; No such file or '
+      r'directory\. Saved global step %d to %s; the same command resumes from it\.'
+      % (re.escape(batches), reached, re.escape(path)), fs.ours(err)[-1]), err[-2000:]
+  assert reached >= step and checkpoints.resume_point(train_dir) == path
+  shutil.rmtree(data_dir)
+  shutil.copytree(synth_data_dir, data_dir)
+  args[args.index('--max_steps') + 1] = reached + 1
+  code, out, err, exception = fs.invoke_cli(args)
+  assert (code, exception) == (0, None), err
+  assert 'Resuming from %s at global step %d.' % (path, reached) in out.splitlines()
+
+
+@pytest.mark.slow
+def test_stdout_closed_by_head_under_a_modern_run(synth_data_dir, tmp_path):
+  """`modern ... | head -N`: the first write after head left ends the run, saved, said on stderr."""
+  lines = FAULT_STEPS['modern', 'stdout closed']  # head keeps this many lines
+  train_dir = str(tmp_path / 'train')
+  args = ['modern', '--data_dir', synth_data_dir, '--train_dir', train_dir,
+          '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS)
+  command = '%s %s %s | head -%d; exit ${PIPESTATUS[0]}' % (
+      sys.executable, fs.CLI, ' '.join(str(a) for a in args), lines)
+  result = subprocess.run(['bash', '-c', command], cwd=fs.ROOT, env=fs.cli_env(),
+                          capture_output=True, text=True, timeout=180, check=False)
+  assert result.returncode == 1, result.stderr[-2000:]
+  kept = result.stdout.splitlines()
+  assert len(kept) == lines
+  match = re.fullmatch(
+      r'Error: the output stream closed under the run \(Broken pipe: a pipe\'s reader '
+      r'ended or the terminal is gone\)\. Saved global step (\d+) to %s/model\.ckpt-(\d+); '
+      r'the same command resumes from it\.' % re.escape(train_dir), fs.ours(result.stderr)[-1])
+  assert match and match.group(1) == match.group(2), result.stderr[-2000:]
+  saved = int(match.group(1))
+  assert checkpoints.resume_point(train_dir) == os.path.join(train_dir, 'model.ckpt-%d' % saved)
+  assert 'Traceback' not in result.stderr and 'Exception ignored' not in result.stderr
+  args[args.index('--max_steps') + 1] = saved + 1
+  code, out, err, exception = fs.invoke_cli(args)
+  assert (code, exception) == (0, None), err
+  assert 'Resuming from %s/model.ckpt-%d at global step %d.' % (
+      train_dir, saved, saved) in out.splitlines()

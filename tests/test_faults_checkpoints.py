@@ -155,10 +155,10 @@ def _one_checkpoint_dir(impl, synth_data_dir, train_dir):
 
 
 def _full_disk_message(train_dir):
-  return ('Error: could not write checkpoint model.ckpt-3 in %s (%s); training '
-          'stopped. model.ckpt-2 is intact and the next run resumes from it. '
-          'Free space on that disk (or pass another --train_dir) and run again.'
-          % (train_dir, NO_SPACE))
+  return ('Error: could not write checkpoint model.ckpt-3 in %s (%s). Free space on '
+          'that disk, or pass another --train_dir. The newest intact checkpoint '
+          'stays: %s (global step 2); the same command resumes from it.'
+          % (train_dir, NO_SPACE, os.path.join(train_dir, 'model.ckpt-2')))
 
 
 @pytest.fixture(scope='module')
@@ -252,12 +252,10 @@ def test_full_disk_simulated_in_process(impl, synth_data_dir, tmp_path,
     (OSError(errno.EACCES, 'Permission denied'), 'Make it writable'),
     (OSError(errno.EPERM, 'Operation not permitted'), 'Make it writable'),
     (OSError(errno.EROFS, 'Read-only file system'), 'Make it writable'),
-    (OSError(errno.EIO, 'Input/output error'), 'Fix the cause above'),
+    (OSError(errno.EIO, 'Input/output error'), 'Fix that'),
 ], ids=lambda v: v if isinstance(v, str) else errno.errorcode[v.errno])
 def test_a_failed_write_advises_what_fits_its_cause(error, advice, tmp_path):
   message = str(checkpoints.write_failed(str(tmp_path), 'checkpoint model.ckpt-5',
                                          error))
-  assert message == (
-      'could not write checkpoint model.ckpt-5 in %s (%s); training stopped. No '
-      'earlier checkpoint exists. %s (or pass another --train_dir) and run again.'
-      % (tmp_path, str(error), advice))
+  assert message == ('could not write checkpoint model.ckpt-5 in %s (%s). %s, or pass '
+                     'another --train_dir.' % (tmp_path, str(error), advice))

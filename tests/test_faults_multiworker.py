@@ -244,29 +244,34 @@ def _sigterm_while_peer_hangs(train_dir, data_dir):
   return [result]
 
 
-def _sigterm_to_a_training_non_chief(train_dir, data_dir):
-  """Two workers train; SIGTERM to worker 1: both stop after the same step, the
-  chief saving it; worker 1 exits 143, the chief 1 (its run did not end)."""
-  hosts = _loopback(fs.free_ports(2))
-  workers = [_Worker(hosts, i, train_dir, data_dir, '--save_every', '1000')
-             for i in range(2)]
-  try:
-    assert workers[0].wait_for(': step 2, '), workers[0].kill()
-    since = time.monotonic()
-    workers[1].proc.send_signal(signal.SIGTERM)
-    saved = os.path.join(str(train_dir), 'model.ckpt-')
-    stopped = _outcome(workers[1], since, train_dir, [
-        'worker 1 of 2 (%s): stopped by SIGTERM at global step' % hosts[1],
-        'the chief saved %s' % saved], None)
-    chief = _outcome(workers[0], since, train_dir, [
-        'worker 0 of 2 (%s) stopped at global step' % hosts[0],
-        'because another worker was stopped', 'it saved %s' % saved,
-        'Restart every worker'], None)
-  finally:
-    for worker in workers:
-      worker.kill()
-  return [stopped, chief]
+def _signal_to_a_training_non_chief(sig):
+  """Two workers train; `sig` to worker 1: both stop after the same step, the
+  chief saving it; worker 1 exits 128 + sig, the chief 1 (its run did not end)."""
+  def run(train_dir, data_dir):
+    hosts = _loopback(fs.free_ports(2))
+    workers = [_Worker(hosts, i, train_dir, data_dir, '--save_every', '1000')
+               for i in range(2)]
+    try:
+      assert workers[0].wait_for(': step 2, '), workers[0].kill()
+      since = time.monotonic()
+      workers[1].proc.send_signal(sig)
+      saved = os.path.join(str(train_dir), 'model.ckpt-')
+      stopped = _outcome(workers[1], since, train_dir, [
+          'worker 1 of 2 (%s): stopped by %s at global step' % (hosts[1], sig.name),
+          'the chief saved %s' % saved], None)
+      chief = _outcome(workers[0], since, train_dir, [
+          'worker 0 of 2 (%s) stopped at global step' % hosts[0],
+          'because another worker was stopped', 'it saved %s' % saved,
+          'Restart every worker'], None)
+    finally:
+      for worker in workers:
+        worker.kill()
+    return [stopped, chief]
+  return run
 
+
+_SIGTERM_TO_NON_CHIEF = _signal_to_a_training_non_chief(signal.SIGTERM)
+_SIGUSR1_TO_NON_CHIEF = _signal_to_a_training_non_chief(signal.SIGUSR1)
 
 # name: (case, index of its Outcome, exit status)
 CASES = {
@@ -283,8 +288,10 @@ CASES = {
     'different clusters, worker 0': (_different_clusters, 0, 1),
     'different clusters, worker 1': (_different_clusters, 1, 1),
     'SIGTERM while a peer hangs': (_sigterm_while_peer_hangs, 0, 143),
-    'SIGTERM to a training non-chief': (_sigterm_to_a_training_non_chief, 0, 143),
-    'the chief of a stopped non-chief': (_sigterm_to_a_training_non_chief, 1, 1),
+    'SIGTERM to a training non-chief': (_SIGTERM_TO_NON_CHIEF, 0, 143),
+    'the chief of a stopped non-chief': (_SIGTERM_TO_NON_CHIEF, 1, 1),
+    # The third stop signal of the multiworker pair (docs/ending.md).
+    'SIGUSR1 to a training non-chief': (_SIGUSR1_TO_NON_CHIEF, 0, 138),
 }
 # How long each may take, from its `since` (None: not timed).
 MAX_SECS = {
@@ -298,10 +305,11 @@ MAX_SECS = {
     'SIGTERM while a peer hangs': SIGNAL_EXIT_SECS,
     'SIGTERM to a training non-chief': SIGNAL_EXIT_SECS,
     'the chief of a stopped non-chief': SIGNAL_EXIT_SECS,
+    'SIGUSR1 to a training non-chief': SIGNAL_EXIT_SECS,
 }
 # Cases where the chief saves the step reached, named in the message.
 WRITES_CHECKPOINT = {'SIGTERM while a peer hangs', 'SIGTERM to a training non-chief',
-                     'the chief of a stopped non-chief'}
+                     'the chief of a stopped non-chief', 'SIGUSR1 to a training non-chief'}
 
 
 @pytest.fixture(scope='module')
@@ -311,7 +319,8 @@ def outcomes(synth_data_dir, tmp_path_factory):
   for case, _, _ in CASES.values():
     if case not in runs:
       train_dir = str(tmp_path_factory.mktemp('mw') / 'train')
-      if case not in (_sigterm_while_peer_hangs, _sigterm_to_a_training_non_chief):
+      if case not in (_sigterm_while_peer_hangs, _SIGTERM_TO_NON_CHIEF,
+                      _SIGUSR1_TO_NON_CHIEF):
         # A checkpoint that must survive untouched.
         fs.copy_trained('modern', synth_data_dir, train_dir)
       runs[case] = train_dir
