@@ -57,6 +57,8 @@ import threading
 import time
 import traceback
 
+from cifar10_towers.common import errors
+
 # The directory that holds the cifar10_towers package (a checkout or site-packages).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ('legacy', 'modern')
@@ -74,7 +76,7 @@ MATPLOTLIB_HINT = ('matplotlib is not installed, and --plot needs it: pip instal
                    'matplotlib (or the [profile] extra: pip install -e .[profile])')
 
 
-class BenchError(Exception):
+class BenchError(errors.Failure):
   """A measurement failed; the message names it and shows the worker's last error line."""
 
 

@@ -4,7 +4,6 @@ TensorFlow is imported inside the commands, so `python cli.py --help` is instant
 Progress and metrics go to stdout, diagnostics to stderr.
 """
 
-import contextlib
 import logging
 import os
 import sys
@@ -19,6 +18,7 @@ if os.environ['TF_CPP_MIN_LOG_LEVEL'] != '0':
 
 from cifar10_towers.common import config as config_lib  # pylint: disable=wrong-import-position
 from cifar10_towers.common import devices  # pylint: disable=wrong-import-position
+from cifar10_towers.common import errors  # pylint: disable=wrong-import-position
 from cifar10_towers.common import hparams  # pylint: disable=wrong-import-position
 from cifar10_towers.common import prog  # pylint: disable=wrong-import-position
 from cifar10_towers.common import version  # pylint: disable=wrong-import-position
@@ -33,35 +33,6 @@ def _warn(message):
 def _first_line(error):
   text = str(error).strip() or type(error).__name__
   return text.splitlines()[0]
-
-
-@contextlib.contextmanager
-def _user_errors():
-  """Turns the errors a user can cause into one-line messages (exit 1), no traceback."""
-  from cifar10_towers.common.cifar10_format import DataError
-  from cifar10_towers.common.devices import DeviceError
-  from cifar10_towers.common.download import DownloadError
-  from cifar10_towers.common.lock import LockError
-  from cifar10_towers.common.training import TrainingError
-  try:
-    yield
-  except (DataError, DownloadError, LockError, TrainingError) as e:
-    raise click.ClickException(_first_line(e)) from None
-  except DeviceError as e:
-    raise click.UsageError(_first_line(e)) from None
-  except OSError as e:
-    from cifar10_towers.common import ending  # pylint: disable=import-outside-toplevel
-    if ending.stream_closed(e):  # not a path problem: _Group.invoke says what it is
-      raise
-    raise click.ClickException('%s. Check the path and its permissions.'
-                               % _first_line(e)) from None
-  except Exception as e:  # pylint: disable=broad-except
-    # common.checkpoints imports TensorFlow; its error can only have been
-    # raised if a command imported it, so look it up instead of importing it.
-    checkpoints = sys.modules.get('cifar10_towers.common.checkpoints')
-    if checkpoints is not None and isinstance(e, checkpoints.CheckpointError):
-      raise click.ClickException(_first_line(e)) from None
-    raise
 
 
 def _check_train_dir(train_dir):
@@ -267,30 +238,28 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
       _check_distribution(run_crosscheck=run_crosscheck, **distribution)
     if distribution.get('strategy') == 'multiworker' and num_gpus > 1:
       _check_multiworker_gpus(num_gpus)
-    with _user_errors():
-      _ensure_train_data(data_dir)
-      _say_if_generated(data_dir, 'Training')
-      plan = devices.plan_devices(num_gpus, warn=_warn)
-      from cifar10_towers.common import memory  # refuse what cannot fit, before building
-      memory.check_training(impl, plan, batch_size, data_dir)
-      config = config_lib.TrainConfig(
-          data_dir=data_dir, train_dir=train_dir, num_gpus=num_gpus,
-          batch_size=batch_size, max_steps=max_steps, log_every=log_every,
-          summary_every=summary_every, save_every=save_every,
-          log_device_placement=log_device_placement, seed=seed,
-          optimizer=optimizer, **distribution)
-      if run_crosscheck:
-        _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
-                    data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
-                    engines=('towers', 'mirrored')
-                    if config.strategy == 'mirrored' else ('towers',),
-                    optimizer=optimizer)
-      if impl == 'legacy':
-        from cifar10_towers.legacy import train as trainer
-      else:
-        from cifar10_towers.modern import train as trainer
-  with _user_errors():
-    trainer.train(config, plan, out=click.echo, warn=_warn)
+    _ensure_train_data(data_dir)
+    _say_if_generated(data_dir, 'Training')
+    plan = devices.plan_devices(num_gpus, warn=_warn)
+    from cifar10_towers.common import memory  # refuse what cannot fit, before building
+    memory.check_training(impl, plan, batch_size, data_dir)
+    config = config_lib.TrainConfig(
+        data_dir=data_dir, train_dir=train_dir, num_gpus=num_gpus,
+        batch_size=batch_size, max_steps=max_steps, log_every=log_every,
+        summary_every=summary_every, save_every=save_every,
+        log_device_placement=log_device_placement, seed=seed,
+        optimizer=optimizer, **distribution)
+    if run_crosscheck:
+      _crosscheck(plan, batch_size=batch_size, steps=5, seed=seed or 0,
+                  data_dir=data_dir, decay_steps=2, dump=None, rtol=None,
+                  engines=('towers', 'mirrored')
+                  if config.strategy == 'mirrored' else ('towers',),
+                  optimizer=optimizer)
+    if impl == 'legacy':
+      from cifar10_towers.legacy import train as trainer
+    else:
+      from cifar10_towers.modern import train as trainer
+  trainer.train(config, plan, out=click.echo, warn=_warn)
 
 
 _STOP = 'cifar10_towers.stop'  # ctx.meta key of the command's StopRequest
@@ -302,7 +271,12 @@ _LOOP_COMMANDS = ('legacy', 'modern', 'eval')
 
 
 class _Group(click.Group):
-  """The one place where a command of this CLI ends on a stop signal.
+  """The one place where a command of this CLI ends: a failure, a stop signal.
+
+  A common.errors.Failure (what a user did wrong or the world did to a
+  run) is said in its one line, with its exit code; an OSError as the path
+  problem or the closed stream it is. Anything else is a bug: its traceback
+  shows.
 
   A StopRequest is held around every command (common.training.STOP_SIGNALS).
   A stop before a loop's first step, or in a command without a loop, raises
@@ -318,11 +292,16 @@ class _Group(click.Group):
     result = None
     try:
       result = super().invoke(ctx)  # `cli` below enters stop.raising() where it applies
+    except errors.Failure as e:  # the one place a user's or the world's error is said
+      if e.exit_code == 2:
+        raise click.UsageError(e.line()) from None
+      raise click.ClickException(e.line()) from None
     except OSError as e:
-      if not ending.stream_closed(e):
-        raise
-      ending.silence_stdout()  # stdout's reader is gone (`| head`, a closed terminal)
-      raise click.ClickException(ending.cause(e) + '.') from None
+      if ending.stream_closed(e):  # stdout's reader is gone (`| head`, a closed terminal)
+        ending.silence_stdout()
+        raise click.ClickException(ending.cause(e) + '.') from None
+      raise click.ClickException('%s. Check the path and its permissions.'
+                                 % _first_line(e)) from None
     except training.Stopped as stopped:
       command = ctx.meta.get(_COMMAND)
       ending.say(str(stopped) if command in ('legacy', 'modern')
@@ -482,12 +461,9 @@ def _evaluate_by_kind(data_dir, batch_size, num_examples, num_records):
         from cifar10_towers.legacy import eval as evaluator
       else:
         from cifar10_towers.modern import eval as evaluator
-      try:
-        return evaluator.evaluate_contents(contents, data_dir, batch_size,
-                                           num_examples, should_stop,
-                                           progress=progress.update)
-      except evaluator.EvalError as e:
-        raise click.ClickException(_first_line(e)) from None
+      return evaluator.evaluate_contents(contents, data_dir, batch_size,
+                                         num_examples, should_stop,
+                                         progress=progress.update)
 
   return evaluate
 
@@ -525,28 +501,27 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
   # A signal while TensorFlow loads or a batch runs is a request to stop
   # (_Group), answered with one line and 128 + its number.
   stop = click.get_current_context().meta[_STOP]
-  with _user_errors():
-    from cifar10_towers.common import cifar10_format as fmt
-    from cifar10_towers.common import evaluation
-    paths = fmt.eval_files(data_dir)
-    for line in fmt.judge_files(paths):  # reads and validates every record
-      _warn('Warning: %s; a precision measured on it means nothing.' % line)
-    _say_if_generated(data_dir, 'Evaluating')
-    available = fmt.num_examples(paths)
-    if num_examples is not None and num_examples > available:
-      _warn('--num_examples %d is more than the %d records of the test set in '
-            '%s; evaluating all %d.' % (num_examples, available, data_dir,
-                                        available))
-    try:
-      evaluation.run(checkpoint_dir,
-                     _evaluate_by_kind(data_dir, batch_size, num_examples,
-                                       min(num_examples or available,
-                                           available)),
-                     stop, out=click.echo, warn=_warn,
-                     interval_secs=None if run_once else eval_interval_secs,
-                     eval_dir=eval_dir)
-    except evaluation.EvalDirError as e:
-      raise click.ClickException(_first_line(e)) from None
+  from cifar10_towers.common import cifar10_format as fmt
+  from cifar10_towers.common import evaluation
+  paths = fmt.eval_files(data_dir)
+  for line in fmt.judge_files(paths):  # reads and validates every record
+    _warn('Warning: %s; a precision measured on it means nothing.' % line)
+  _say_if_generated(data_dir, 'Evaluating')
+  available = fmt.num_examples(paths)
+  if num_examples is not None and num_examples > available:
+    _warn('--num_examples %d is more than the %d records of the test set in '
+          '%s; evaluating all %d.' % (num_examples, available, data_dir,
+                                      available))
+  try:
+    evaluation.run(checkpoint_dir,
+                   _evaluate_by_kind(data_dir, batch_size, num_examples,
+                                     min(num_examples or available,
+                                         available)),
+                   stop, out=click.echo, warn=_warn,
+                   interval_secs=None if run_once else eval_interval_secs,
+                   eval_dir=eval_dir)
+  except evaluation.EvalDirError as e:
+    raise click.ClickException(_first_line(e)) from None
 
 
 def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
@@ -610,13 +585,12 @@ def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, r
   with --clip_norm the clipped averaged gradient.
   """
   optimizer = _optimizer_from(optimizer_options)
-  with _user_errors():
-    if data_dir is not None:
-      _ensure_train_data(data_dir)
-    plan = devices.plan_devices(num_gpus, warn=_warn)
-    engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
-    _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
-                engines, optimizer)
+  if data_dir is not None:
+    _ensure_train_data(data_dir)
+  plan = devices.plan_devices(num_gpus, warn=_warn)
+  engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
+  _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
+              engines, optimizer)
 
 
 @cli.command()
@@ -651,16 +625,15 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
     raise click.BadParameter('must be below --num_gpus (%d), got %d'
                              % (num_gpus, misplace_tower),
                              param_hint='--misplace_tower')
-  with _user_errors():
-    if data_dir is not None:
-      _ensure_train_data(data_dir)
-    from cifar10_towers.common import devices
-    from cifar10_towers.towerprofile import render
-    from cifar10_towers.towerprofile import run as profile_lib
-    plan = devices.plan_devices(num_gpus, warn=_warn)
-    report, written = profile_lib.profile(
-        impl, plan, batch_size, steps, data_dir=data_dir, out_dir=out_dir,
-        misplace_tower=misplace_tower, warn=_warn)
+  if data_dir is not None:
+    _ensure_train_data(data_dir)
+  from cifar10_towers.common import devices
+  from cifar10_towers.towerprofile import render
+  from cifar10_towers.towerprofile import run as profile_lib
+  plan = devices.plan_devices(num_gpus, warn=_warn)
+  report, written = profile_lib.profile(
+      impl, plan, batch_size, steps, data_dir=data_dir, out_dir=out_dir,
+      misplace_tower=misplace_tower, warn=_warn)
   for line in render.format_report(report):
     click.echo(line)
   for name, path in sorted(written.items()):
@@ -680,14 +653,13 @@ def convert(from_dir, to_dir):
   checkpoint and eval gives the same precision.
   """
   from cifar10_towers import convert as convert_lib
-  with _user_errors():
-    from cifar10_towers.common import checkpoints
-    try:
-      from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir,
-                                                           warn=_warn)
-      optimizer = convert_lib.read_state(path)[4]
-    except (convert_lib.ConvertError, checkpoints.CheckpointError) as e:
-      raise click.ClickException(_first_line(e)) from None
+  from cifar10_towers.common import checkpoints
+  try:
+    from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir,
+                                                         warn=_warn)
+    optimizer = convert_lib.read_state(path)[4]
+  except (convert_lib.ConvertError, checkpoints.CheckpointError) as e:
+    raise click.ClickException(_first_line(e)) from None
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
              'checkpoint (optimizer %s, its slots included): %s'
              % (from_kind, from_dir, step, to_kind, optimizer, path))
@@ -778,33 +750,26 @@ def bench(ctx, impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds,
     if given:
       raise click.UsageError('--from_json draws results measured earlier; it takes '
                              'only --plot, not %s.' % ', '.join(given))
-    try:
-      report = bench_lib.read_json(from_json)
-    except bench_lib.BenchError as e:
-      raise click.ClickException(_first_line(e)) from None
+    report = bench_lib.read_json(from_json)
     click.echo(bench_lib.format_table(report))
     _bench_plot(bench_lib, report, plot_path)
     return
   if plot_path is not None:
-    try:  # before minutes of measuring, not after
-      bench_lib.check_plotting()
-    except bench_lib.BenchError as e:
-      raise click.ClickException(_first_line(e)) from None
-  with _user_errors():
-    if data_dir is not None:
-      from cifar10_towers.common import cifar10_format as fmt
-      for path in fmt.train_files(data_dir):
-        fmt.read_records(path)
-    config = bench_lib.BenchConfig(
-        impls=impl, num_gpus=num_gpus, batch_size=batch_size, data_dir=data_dir,
-        rounds=rounds, warmup_rounds=warmup_rounds, window_steps=window_steps,
-        matmul_size=matmul_size, jit=jit)
-    try:
-      report = bench_lib.run(config, progress=_warn)
-    except bench_lib.BenchError as e:
-      raise click.ClickException('%s. Run the measurement again; if it keeps '
-                                 'failing, train once with the same flags to '
-                                 'see the error.' % _first_line(e)) from None
+    bench_lib.check_plotting()  # before minutes of measuring, not after
+  if data_dir is not None:
+    from cifar10_towers.common import cifar10_format as fmt
+    for path in fmt.train_files(data_dir):
+      fmt.read_records(path)
+  config = bench_lib.BenchConfig(
+      impls=impl, num_gpus=num_gpus, batch_size=batch_size, data_dir=data_dir,
+      rounds=rounds, warmup_rounds=warmup_rounds, window_steps=window_steps,
+      matmul_size=matmul_size, jit=jit)
+  try:
+    report = bench_lib.run(config, progress=_warn)
+  except bench_lib.BenchError as e:
+    raise click.ClickException('%s. Run the measurement again; if it keeps '
+                               'failing, train once with the same flags to '
+                               'see the error.' % _first_line(e)) from None
   click.echo(bench_lib.format_table(report))
   if json_path:
     bench_lib.write_json(report, json_path)
@@ -818,8 +783,8 @@ def _bench_plot(bench_lib, report, plot_path):
     return
   try:
     bench_lib.plot(report, plot_path)
-  except bench_lib.BenchError as e:
-    raise click.ClickException(_first_line(e)) from None
+  except errors.Failure:
+    raise
   except (OSError, KeyError, TypeError, ValueError) as e:
     raise click.ClickException('cannot draw %s: %s' % (plot_path, _first_line(e))) from None
   click.echo('Wrote %s.' % plot_path)
@@ -901,19 +866,18 @@ def _say_if_generated(data_dir, doing):
 def synth(data_dir, train_per_file, num_test, seed, force):
   """Generate learnable CIFAR-format data (works offline)."""
   replacing = _replacing(data_dir, 'synth', force)
-  with _user_errors():
-    from cifar10_towers.common import cifar10_format as fmt
-    from cifar10_towers.common import progress as progress_lib
-    from cifar10_towers.common import synth as synth_lib
-    # CIFAR-10's size takes ~10 s: a bar over the files, or a line for each.
-    with progress_lib.Progress(len(fmt.TRAIN_FILES + fmt.EVAL_FILES),
-                               'Generating', 'files') as progress:
-      counts = synth_lib.generate(
-          data_dir, train_per_file=train_per_file, num_test=num_test, seed=seed,
-          progress=lambda name, number, count: progress.stage(
-              number - 1, 'Generating %s (%d of %d)...' % (name, number, count),
-              name))
-      progress.update(progress.total)
+  from cifar10_towers.common import cifar10_format as fmt
+  from cifar10_towers.common import progress as progress_lib
+  from cifar10_towers.common import synth as synth_lib
+  # CIFAR-10's size takes ~10 s: a bar over the files, or a line for each.
+  with progress_lib.Progress(len(fmt.TRAIN_FILES + fmt.EVAL_FILES),
+                             'Generating', 'files') as progress:
+    counts = synth_lib.generate(
+        data_dir, train_per_file=train_per_file, num_test=num_test, seed=seed,
+        progress=lambda name, number, count: progress.stage(
+            number - 1, 'Generating %s (%d of %d)...' % (name, number, count),
+            name))
+    progress.update(progress.total)
   _say_written(counts, 'synth', data_dir, replacing)
 
 
@@ -921,8 +885,7 @@ def synth(data_dir, train_per_file, num_test, seed, force):
 @_data_dir_option
 def download(data_dir):
   """Download and unpack CIFAR-10 (sha256-verified); skipped when present."""
-  with _user_errors():
-    result = _download(data_dir)
+  result = _download(data_dir)
   click.echo('CIFAR-10 in %s: %s.' % (data_dir, result.replace('_', ' ')))
 
 
@@ -965,11 +928,10 @@ def digits(data_dir, seed, force):
   """Convert scikit-learn's bundled handwritten digits (a real image set) to CIFAR format."""
   replacing = _replacing(data_dir, 'digits', force)
   from cifar10_towers.common import digits as digits_lib
-  with _user_errors():
-    try:
-      counts = digits_lib.convert_digits(data_dir, seed=seed)
-    except ImportError as e:
-      raise click.ClickException(_first_line(e)) from None
+  try:
+    counts = digits_lib.convert_digits(data_dir, seed=seed)
+  except ImportError as e:
+    raise click.ClickException(_first_line(e)) from None
   _say_written(counts, 'digits', data_dir, replacing)
 
 

@@ -18,10 +18,11 @@ import numpy as np
 from cifar10_towers.common import checkpoints
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
+from cifar10_towers.common import errors
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 
-class ConvertError(Exception):
+class ConvertError(errors.Failure):
   """A conversion cannot be done; the message says why and what to do."""
 
 

@@ -41,13 +41,14 @@ import re
 import tensorflow as tf
 
 from cifar10_towers.common import config as config_lib
+from cifar10_towers.common import errors
 
 LEGACY = 'legacy'  # tf.compat.v1 Saver: keys are variable names, e.g. 'conv1/weights'
 MODERN = 'modern'  # tf.train.Checkpoint: keys like 'model/conv1/weights/.ATTRIBUTES/...'
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'  # only object-based checkpoints have it
 
 
-class CheckpointError(Exception):
+class CheckpointError(errors.Failure):
   """A checkpoint is missing or unreadable; the message says which and what to do."""
 
 

@@ -28,6 +28,7 @@ import socket
 
 import numpy as np
 
+from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 from cifar10_towers.common import prog
 
@@ -58,7 +59,7 @@ _WRITE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _WRITE_DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-class DataError(Exception):
+class DataError(errors.Failure):
   """A data file or directory is missing or malformed; the message says which and how."""
 
 

@@ -10,12 +10,16 @@ except the variables' host, `/cpu:0`.
 import dataclasses
 import sys
 
+from cifar10_towers.common import errors
+
 VARIABLE_DEVICE = '/cpu:0'  # upstream keeps all variables on the CPU
 MAX_TOWERS = 64  # more logical devices than this is a typo, not a plan
 
 
-class DeviceError(Exception):
+class DeviceError(errors.Failure):
   """The towers asked for cannot be provided; the message says what to do."""
+
+  exit_code = 2  # a usage error: --num_gpus asks for what this machine cannot give
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 
 from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import errors
 from cifar10_towers.common import generated
 from cifar10_towers.common import prog
 
@@ -42,7 +43,7 @@ LOCAL_ARCHIVE = 'local_archive'  # unpacked <data_dir>/cifar-10-binary.tar.gz
 _CHUNK_BYTES = 1 << 20
 
 
-class DownloadError(Exception):
+class DownloadError(errors.Failure):
   """The archive could not be fetched, verified or safely unpacked; says what to do."""
 
 

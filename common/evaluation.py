@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from cifar10_towers.common import checkpoints
 from cifar10_towers.common import ending
+from cifar10_towers.common import errors
 from cifar10_towers.common import prog
 from cifar10_towers.common import training
 
@@ -45,7 +46,12 @@ Evaluation = collections.namedtuple('Evaluation', [
 ])
 
 
-class EvalDirError(Exception):
+class EvalError(errors.Failure):
+  """Evaluation cannot run (no checkpoint, one without moving averages, the
+  other trainer's); the message says why and what to do. Both evaluators."""
+
+
+class EvalDirError(errors.Failure):
   """The precision cannot be written to eval_dir; the message names --eval_dir."""
 
 

@@ -16,11 +16,13 @@ import os
 import socket
 import sys
 
+from cifar10_towers.common import errors
+
 LOCK_FILE = '.train.lock'
 _held = {}  # lock file path -> the open handle holding it, in this process
 
 
-class LockError(Exception):
+class LockError(errors.Failure):
   """Another process holds the lock; the message names it and what to do."""
 
 

@@ -11,10 +11,11 @@ import threading
 import time
 
 from cifar10_towers.common import ending
+from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 
 
-class TrainingError(Exception):
+class TrainingError(errors.Failure):
   """Training cannot go on; the message names the step and what to do."""
 
 

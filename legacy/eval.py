@@ -20,8 +20,7 @@ from cifar10_towers.legacy import model
 EvalCounts = evaluation.EvalCounts  # (true_count, total_count, global_step)
 
 
-class EvalError(Exception):
-  """Evaluation cannot run; the message says why and what to do."""
+EvalError = evaluation.EvalError  # one class, common to both evaluators
 
 
 

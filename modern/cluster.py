@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 
+from cifar10_towers.common import errors
 from cifar10_towers.common import training
 
 TF_CONFIG = 'TF_CONFIG'  # the environment variable naming the cluster
@@ -36,7 +37,7 @@ CONNECT_SECS = 1.0  # one attempt to reach a peer's port
 RETRY_SECS = 0.5  # between attempts to reach a peer
 
 
-class ClusterError(Exception):
+class ClusterError(errors.Failure):
   """The cluster description is missing or malformed; the message says what to do."""
 
 

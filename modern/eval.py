@@ -18,8 +18,7 @@ from cifar10_towers.modern import model as model_lib
 from cifar10_towers.modern import checkpoints as ckpt_lib
 
 
-class EvalError(Exception):
-  """Evaluation cannot run; the message says what to do."""
+EvalError = evaluation.EvalError  # one class, common to both evaluators
 
 
 
