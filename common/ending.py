@@ -10,6 +10,7 @@ import os
 import re
 import sys
 
+from cifar10_towers.common import errors
 from cifar10_towers.common import stderr_filter
 
 
@@ -31,6 +32,11 @@ def exit_now(status, line=None):
 
 
 # --- a training run that failed: keep what can be kept, say it in one line ----
+
+class RunFailed(errors.Failure):
+  """A training run ended by a failure after its first step; the message is its
+  one ending line: the cause, what was saved or stays, and what to do."""
+
 
 def stream_closed(error):
   import errno  # pylint: disable=import-outside-toplevel
@@ -111,18 +117,18 @@ def failed(error, first_step, step, held, saved, save, train_dir):
     train_dir: str, where the checkpoints are.
 
   Returns:
-    training.TrainingError whose one line says the cause, what was saved or
-    stays, and what to do.
+    RunFailed whose one line says the cause, what was saved or stays, and
+    what to do; `error` itself (or RunFailed with its cause) if the run had
+    completed no step.
   """
-  from cifar10_towers.common import training  # pylint: disable=import-outside-toplevel
   if stream_closed(error):
     silence_stdout()  # the lines to come (a flush at exit) would fail again
   if step == first_step:
     ours = (type(error).__module__ or '').startswith('cifar10_towers')
-    return error if ours else training.TrainingError(cause(error))
+    return error if ours else RunFailed(cause(error))
   line = cause(error).rstrip('.') + '.'
   if not os.path.isdir(train_dir):
-    return training.TrainingError(
+    return RunFailed(
         '%s %s is gone: no checkpoint remains; the same command starts again at '
         'step 0.' % (line, train_dir))
   try:
@@ -132,7 +138,7 @@ def failed(error, first_step, step, held, saved, save, train_dir):
   problem = ''
   if intact and step != saved:
     try:
-      return training.TrainingError(
+      return RunFailed(
           '%s Saved global step %d to %s; the same command resumes from it.'
           % (line, step, save()))
     except Exception as e:  # pylint: disable=broad-except
@@ -143,9 +149,9 @@ def failed(error, first_step, step, held, saved, save, train_dir):
         problem = ' Saving global step %d failed too: %s.' % (step, again)
   newest = _newest(train_dir)
   if newest is None:
-    return training.TrainingError(
+    return RunFailed(
         '%s%s No checkpoint was written; the same command starts again at step 0.'
         % (line, problem))
-  return training.TrainingError(
+  return RunFailed(
       '%s%s The newest intact checkpoint stays: %s (global step %s); the same '
       'command resumes from it.' % (line, problem, newest[0], newest[1]))
