@@ -485,11 +485,14 @@ def _evaluate_by_kind(data_dir, batch_size, num_examples, num_records):
                    'for new ones.')
 @click.option('--eval_interval_secs', type=click.IntRange(min=1), default=300,
               show_default=True, help='How often to look for a new checkpoint.')
-@click.option('--eval_dir', type=click.Path(), default=config_lib.DEFAULT_EVAL_DIR,
-              show_default=True, envvar='CIFAR10_EVAL_DIR',
+@click.option('--eval_dir', type=click.Path(), default=None, envvar='CIFAR10_EVAL_DIR',
               help='Where precision @ 1 goes for TensorBoard (tag "Precision @ '
                    '1", at each checkpoint\'s global step); created if missing, '
-                   'its event files kept (env CIFAR10_EVAL_DIR).')
+                   'its event files kept (env CIFAR10_EVAL_DIR). Default: '
+                   '<checkpoint_dir>/eval, so `tensorboard --logdir '
+                   '<checkpoint_dir>` shows training and precision together; '
+                   '%s if the checkpoint_dir cannot be written.'
+                   % config_lib.DEFAULT_EVAL_DIR)
 def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
                  eval_interval_secs, eval_dir):
   """Print precision @ 1 on the test set with the moving-average weights.
@@ -512,16 +515,28 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
     _warn('--num_examples %d is more than the %d records of the test set in '
           '%s; evaluating all %d.' % (num_examples, available, data_dir,
                                       available))
-  try:
-    evaluation.run(checkpoint_dir,
-                   _evaluate_by_kind(data_dir, batch_size, num_examples,
-                                     min(num_examples or available,
-                                         available)),
-                   stop, out=click.echo, warn=_warn,
-                   interval_secs=None if run_once else eval_interval_secs,
-                   eval_dir=eval_dir)
-  except evaluation.EvalDirError as e:
-    raise click.ClickException(_first_line(e)) from None
+  evaluation.run(checkpoint_dir,
+                 _evaluate_by_kind(data_dir, batch_size, num_examples,
+                                   min(num_examples or available, available)),
+                 stop, out=click.echo, warn=_warn,
+                 interval_secs=None if run_once else eval_interval_secs,
+                 eval_dir=eval_dir or _default_eval_dir(checkpoint_dir))
+
+
+def _default_eval_dir(checkpoint_dir):
+  """<checkpoint_dir>/eval, so `tensorboard --logdir TRAIN_DIR` shows a run's
+  training and precision together; upstream's /tmp/cifar10_eval where the
+  train_dir cannot be written (a read-only copy), said in one line."""
+  # Deviation from upstream: eval's summaries go under the train_dir it evaluates.
+  eval_dir = os.path.join(checkpoint_dir, config_lib.EVAL_SUBDIR)
+  probe = eval_dir
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe) or '.'
+  if os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK):
+    return eval_dir
+  _warn('%s cannot be written; precision @ 1 goes to %s for TensorBoard (pass '
+        '--eval_dir to choose).' % (checkpoint_dir, config_lib.DEFAULT_EVAL_DIR))
+  return config_lib.DEFAULT_EVAL_DIR
 
 
 def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,

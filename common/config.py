@@ -8,7 +8,8 @@ from cifar10_towers.common import optimizer as optimizer_lib
 
 DEFAULT_DATA_DIR = '/tmp/cifar10_data'  # upstream's default
 DEFAULT_TRAIN_DIR = '/tmp/cifar10_train'  # upstream's default
-DEFAULT_EVAL_DIR = '/tmp/cifar10_eval'  # upstream's default
+DEFAULT_EVAL_DIR = '/tmp/cifar10_eval'  # upstream's default; ours where train_dir is read-only
+EVAL_SUBDIR = 'eval'  # eval's default: <train_dir>/eval (docs/deviations.md)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,17 +19,24 @@ class TrainingError(errors.Failure):
   """Training cannot go on; the message names the step and what to do."""
 
 
-def log_line(step, loss, examples_per_sec, sec_per_batch):
-  """Upstream's progress line.
+def log_line(step, loss, examples_per_sec, sec_per_batch, max_steps=None):
+  """Upstream's progress line, and how far the run is.
 
   Args:
     step: int, global step just finished.
     loss: float, mean of the towers' total losses at that step.
     examples_per_sec: float, images of all towers per second.
     sec_per_batch: float, seconds per step.
+    max_steps: optional int, where the run ends: adds `step/max_steps` and
+      the time left at sec_per_batch.
   """
-  return ('%s: step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)'
+  line = ('%s: step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)'
           % (datetime.datetime.now(), step, loss, examples_per_sec, sec_per_batch))
+  if max_steps:
+    # Deviation from upstream: the line also says how far the run is.
+    left = datetime.timedelta(seconds=round(max(0, max_steps - step) * sec_per_batch))
+    line += ' %d/%d, %s left' % (step, max_steps, left)
+  return line
 
 
 class LogWindow:
@@ -63,11 +70,11 @@ class LogWindow:
       return 0.0, 0.0
     return images / seconds, seconds / steps
 
-  def line(self, step, loss):
+  def line(self, step, loss, max_steps=None):
     """`log_line` with the window's means; starts the next window."""
     examples_per_sec, sec_per_batch = self.rates()
     self.__init__()
-    return log_line(step, loss, examples_per_sec, sec_per_batch)
+    return log_line(step, loss, examples_per_sec, sec_per_batch, max_steps)
 
 
 # Long waits (the first step: the shuffle queue or buffer filling, the step
@@ -260,6 +267,14 @@ def stopped_line(signal_name, step, path):
   """The ending line of a run a stop request ended after saving `path`."""
   return ('Stopped by %s at global step %d; saved %s. The same command resumes '
           'from it.' % (signal_name, step, path))
+
+
+def finished_line(train_dir, path, data_dir):
+  """The last line of a run that reached max_steps: its checkpoint, and how to evaluate it."""
+  from cifar10_towers.common import prog  # pylint: disable=import-outside-toplevel
+  return ('Done: the newest checkpoint is %s. Evaluate it: %s'
+          % (path, prog.command('eval --run_once --checkpoint_dir %s --data_dir %s'
+                                % (train_dir, data_dir))))
 
 
 def nothing_to_train(step, max_steps, train_dir):

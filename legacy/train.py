@@ -551,7 +551,7 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
         if step % config.log_every == 0:
           # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
           # Steps writing summaries or checkpoints count only their step (training.LogWindow).
-          out(window.line(step, loss_value))
+          out(window.line(step, loss_value, config.max_steps))
         if on_step is not None:
           on_step(step, duration, images_per_step)
         if write_summary:
@@ -595,4 +595,7 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
     # The run's one ending line, on stderr.
     ending.say(training.stopped_line(stop.signal_name, step,
                                      '%s-%d' % (config.checkpoint_prefix(), step)))
+  else:
+    out(training.finished_line(config.train_dir, '%s-%d' % (config.checkpoint_prefix(),
+                                                             step), config.data_dir))
   return step

@@ -250,7 +250,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
       if step % config.log_every == 0:
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
         # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
-        out(window.line(step, float(tower_losses.mean())))
+        out(window.line(step, float(tower_losses.mean()), config.max_steps))
       if on_step is not None:
         on_step(step, duration, engine.global_batch_size)
       if step % config.summary_every == 0:
@@ -289,4 +289,6 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
     stopped_by = stop.signal_name  # the stop came during the last save
   if stopped_by:
     engine.report_stop(stopped_by, step, path, out, warn)
+  else:
+    out(training.finished_line(config.train_dir, path, config.data_dir))
   return step

@@ -161,3 +161,45 @@ def test_read_only_and_full(small_disk, synth_data_dir, tmp_path):
   out = _refused(synth_data_dir, train_dir, eval_dir, 'Read-only file system',
                  'Make it writable', [small_disk])
   assert _printed(out) == []
+
+
+def test_by_default_precision_goes_under_the_train_dir(synth_data_dir, tmp_path,
+                                                       monkeypatch):
+  """No --eval_dir, CIFAR10_EVAL_DIR unset: <checkpoint_dir>/eval, beside the training run."""
+  monkeypatch.delenv('CIFAR10_EVAL_DIR', raising=False)
+  train_dir = fs.copy_trained('legacy', synth_data_dir, str(tmp_path / 'train'))
+  code, out, err, exception = fs.invoke_cli(
+      ['eval', '--run_once', '--data_dir', synth_data_dir, '--checkpoint_dir',
+       train_dir, '--batch_size', 8, '--num_examples', NUM_EXAMPLES])
+  assert (code, exception) == (0, None), err
+  printed = _printed(out)
+  assert fs.precision_points(os.path.join(train_dir, 'eval')) == [
+      (2, pytest.approx(printed[0][1]))]
+  assert fs.ours(err) == []
+
+
+def test_a_train_dir_that_cannot_be_written_falls_back_with_a_notice(
+    synth_data_dir, tmp_path, monkeypatch):
+  """The old default, /tmp/cifar10_eval (here a temp dir), and one line saying so."""
+  from cifar10_towers import cli
+  from cifar10_towers.common import config as config_lib
+  monkeypatch.delenv('CIFAR10_EVAL_DIR', raising=False)
+  fallback = str(tmp_path / 'cifar10_eval')
+  monkeypatch.setattr(config_lib, 'DEFAULT_EVAL_DIR', fallback)
+  train_dir = fs.copy_trained('modern', synth_data_dir, str(tmp_path / 'train'))
+  access = os.access
+  # As a read-only copy would be (root, who runs the tests here, may write anywhere).
+  monkeypatch.setattr(cli.os, 'access', lambda path, mode: (
+      False if os.path.abspath(path) == train_dir and mode & os.W_OK
+      else access(path, mode)))
+  before = fs.snapshot(train_dir)
+  code, out, err, exception = fs.invoke_cli(
+      ['eval', '--run_once', '--data_dir', synth_data_dir, '--checkpoint_dir',
+       train_dir, '--batch_size', 8, '--num_examples', NUM_EXAMPLES])
+  assert (code, exception) == (0, None), err
+  assert fs.ours(err) == [
+      '%s cannot be written; precision @ 1 goes to %s for TensorBoard (pass '
+      '--eval_dir to choose).' % (train_dir, fallback)]
+  assert fs.precision_points(fallback) == [(2, pytest.approx(_printed(out)[0][1]))]
+  assert fs.changed(before, fs.snapshot(train_dir)) == []
+  assert sorted(set(fs.snapshot(train_dir)) - set(before)) == []

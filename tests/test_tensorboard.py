@@ -193,3 +193,11 @@ def test_heartbeat_during_a_slow_first_step_subprocess(tmp_path, synth_data_dir)
   assert beats and beats[0] > hook, lines
   steps = [i for i, l in enumerate(lines) if ': step ' in l]
   assert len(steps) == 2 and beats[-1] < steps[0], lines
+
+
+def test_the_log_line_says_how_far_the_run_is_and_the_time_left():
+  line = training.log_line(100, 2.0, 50.0, 0.25, max_steps=3700)
+  assert line.endswith(': step 100, loss = 2.00 (50.0 examples/sec; 0.250 sec/batch) '
+                       '100/3700, 0:15:00 left')
+  assert training.log_line(3700, 2.0, 50.0, 0.25, max_steps=3700).endswith(
+      '3700/3700, 0:00:00 left')
