@@ -644,7 +644,8 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 @click.option('--from_dir', type=click.Path(file_okay=False), required=True,
               help='A train_dir of either trainer; its newest checkpoint is converted.')
 @click.option('--to_dir', type=click.Path(), required=True,
-              help='A new or empty directory for the other trainer\'s checkpoint.')
+              help='A new or empty directory, outside --from_dir, for the other '
+                   'trainer\'s checkpoint.')
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
 

@@ -161,6 +161,27 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
                         global_step=step)
 
 
+def _check_directories(from_dir, to_dir):
+  """Refuses a --to_dir that is --from_dir or inside it, however either is spelled.
+
+  A trailing slash, a relative path or a symlink can name one directory
+  twice: the real paths are compared.
+
+  Raises:
+    ConvertError: naming both as given, and the directory they reach.
+  """
+  source, target = os.path.realpath(from_dir), os.path.realpath(to_dir)
+  advice = ('Pass a new or empty directory outside it as --to_dir, e.g. %s_converted; '
+            'nothing was converted.' % source)
+  if target == source:
+    raise ConvertError('--from_dir %s and --to_dir %s are the same directory, %s: '
+                       'the converted checkpoint goes to a directory of its own. %s'
+                       % (from_dir, to_dir, source, advice))
+  if os.path.commonpath([source, target]) == source:
+    raise ConvertError('--to_dir %s is %s, inside --from_dir %s: convert leaves '
+                       '--from_dir as it is. %s' % (to_dir, target, from_dir, advice))
+
+
 def convert(from_dir, to_dir, warn=None):
   """Converts the newest checkpoint of `from_dir` into the other trainer's format.
 
@@ -168,7 +189,8 @@ def convert(from_dir, to_dir, warn=None):
   readable (`common.checkpoints.for_conversion`): a damaged one is refused,
   not passed over. `to_dir` must not hold a checkpoint yet; it is written in
   a temporary directory beside it first, so a failure leaves nothing
-  half-written. Nothing in `from_dir` is changed.
+  half-written. Nothing in `from_dir` is changed: `to_dir` must be neither
+  `from_dir` nor inside it (`_check_directories`).
 
   Args:
     from_dir: str, a train_dir of either trainer (or upstream's).
@@ -182,6 +204,10 @@ def convert(from_dir, to_dir, warn=None):
   Raises:
     ConvertError, common.checkpoints.CheckpointError: as the message says.
   """
+  _check_directories(from_dir, to_dir)
+  if not os.path.exists(from_dir):
+    raise ConvertError('--from_dir %s does not exist; pass the train_dir you trained into.'
+                       % from_dir)
   contents = checkpoints.for_conversion(from_dir, warn)
   if contents is None:
     raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
