@@ -26,6 +26,11 @@ class ConvertError(errors.Failure):
   """A conversion cannot be done; the message says why and what to do."""
 
 
+# What to do about a --from_dir whose checkpoint cannot be converted.
+_PASS_A_TRAIN_DIR = ('nothing was converted. Pass as --from_dir a train_dir that '
+                     'the legacy or the modern trainer (or upstream\'s) trained.')
+
+
 def _host_plan():
   """One tower on the variables' device: conversion builds, never trains."""
   return devices.DevicePlan((devices.VARIABLE_DEVICE,), 'cpu', 1)
@@ -77,26 +82,32 @@ def state_of(contents):
     for target, legacy_name in ((values, name), (shadows, '%s/%s' % (name, model_spec.EMA_SUFFIX))):
       key = _key(kind, legacy_name)
       if key not in tensors:
-        raise ConvertError('%s (%s checkpoint) has no %s; it is not a '
-                           'checkpoint of this model.' % (path, kind, key))
+        raise ConvertError('%s is a checkpoint of another model: it lacks %s; %s'
+                           % (path, legacy_name, _PASS_A_TRAIN_DIR))
       value = tensors[key]
       if value.shape != model_spec.variable_shape(name):
-        raise ConvertError('%s: %s has shape %s, this model needs %s.'
-                           % (path, key, value.shape, model_spec.variable_shape(name)))
+        raise ConvertError('%s is a checkpoint of another model: it holds %s with '
+                           'shape %s, this model has %s; %s'
+                           % (path, legacy_name, list(value.shape),
+                              list(model_spec.variable_shape(name)), _PASS_A_TRAIN_DIR))
       target[name] = value
   if _key(kind, 'global_step') not in tensors:
-    raise ConvertError('%s has no global step (%s).' % (path, _key(kind, 'global_step')))
+    raise ConvertError('%s has no global step (%s): it is not a checkpoint of a '
+                       'training run; %s' % (path, _key(kind, 'global_step'),
+                                              _PASS_A_TRAIN_DIR))
   optimizer = optimizer_lib.of_names(tensors, lambda name: _key(kind, name))
   slots = {}
   for name in optimizer_lib.slot_names(optimizer):
     key = _key(kind, name)
     if key not in tensors:
-      raise ConvertError('%s (%s checkpoint of optimizer %s) has no %s; its '
-                         'optimizer state is incomplete.' % (path, kind, optimizer, key))
+      raise ConvertError('%s holds the state of optimizer %s without its %s: '
+                         'that state is incomplete; %s' % (path, optimizer, name,
+                                                           _PASS_A_TRAIN_DIR))
     if tensors[key].shape != optimizer_lib.slot_shape(name):
-      raise ConvertError('%s: %s has shape %s, this model needs %s.'
-                         % (path, key, tensors[key].shape,
-                            optimizer_lib.slot_shape(name)))
+      raise ConvertError('%s is a checkpoint of another model: it holds %s with '
+                         'shape %s, this model has %s; %s'
+                         % (path, name, list(tensors[key].shape),
+                            list(optimizer_lib.slot_shape(name)), _PASS_A_TRAIN_DIR))
     slots[name] = tensors[key]
   return (kind, values, shadows, checkpoints.global_step(contents), optimizer,
           slots)

@@ -223,3 +223,34 @@ def test_cli_convert_refuses_a_missing_from_dir(tmp_path):
                   str(tmp_path)) == [
       'Error: --from_dir %s does not exist; pass the train_dir you trained into.'
       % missing]
+
+
+def _saver_checkpoint(directory, shapes):
+  """A TF1 Saver checkpoint at step 5 of these variables and a global step."""
+  os.makedirs(directory)
+  with tf.Graph().as_default():
+    for name, shape in shapes.items():
+      tf1.get_variable(name, shape=shape)
+    tf1.train.get_or_create_global_step()
+    saver = tf1.train.Saver(save_relative_paths=True)
+    with tf1.Session() as sess:
+      sess.run(tf1.global_variables_initializer())
+      saver.save(sess, os.path.join(directory, 'model.ckpt'), global_step=5)
+
+
+_PASS_A_TRAIN_DIR = ('nothing was converted. Pass as --from_dir a train_dir that the '
+                     'legacy or the modern trainer (or upstream\'s) trained.')
+
+
+@pytest.mark.parametrize('shapes,problem', [
+    ({'conv1/weights': [3, 3, 3, 64]},
+     'it holds conv1/weights with shape [3, 3, 3, 64], this model has [5, 5, 3, 64]'),
+    ({'fc/weights': [10, 10]}, 'it lacks conv1/weights'),
+], ids=['another shape', 'another variable'])
+def test_cli_convert_refuses_a_checkpoint_of_another_model(tmp_path, shapes, problem):
+  train = str(tmp_path / 'train')
+  _saver_checkpoint(train, shapes)
+  assert _refused(['--from_dir', train, '--to_dir', str(tmp_path / 'out')],
+                  str(tmp_path)) == [
+      'Error: %s/model.ckpt-5 is a checkpoint of another model: %s; %s'
+      % (train, problem, _PASS_A_TRAIN_DIR)]
