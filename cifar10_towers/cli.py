@@ -654,13 +654,8 @@ def convert(from_dir, to_dir):
   checkpoint and eval gives the same precision.
   """
   from cifar10_towers import convert as convert_lib
-  from cifar10_towers.common import checkpoints
-  try:
-    from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir,
-                                                         warn=_warn)
-    optimizer = convert_lib.read_state(path)[4]
-  except (convert_lib.ConvertError, checkpoints.CheckpointError) as e:
-    raise click.ClickException(_first_line(e)) from None
+  from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir, warn=_warn)
+  optimizer = convert_lib.read_state(path)[4]
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
              'checkpoint (optimizer %s, its slots included): %s'
              % (from_kind, from_dir, step, to_kind, optimizer, path))
