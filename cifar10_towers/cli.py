@@ -659,7 +659,8 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 @click.option('--from_dir', type=click.Path(file_okay=False), required=True,
               help='A train_dir of either trainer; its newest checkpoint is converted.')
 @click.option('--to_dir', type=click.Path(), required=True,
-              help='A new or empty directory for the other trainer\'s checkpoint.')
+              help='A new or empty directory, outside --from_dir, for the other '
+                   'trainer\'s checkpoint.')
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
 
@@ -668,13 +669,8 @@ def convert(from_dir, to_dir):
   checkpoint and eval gives the same precision.
   """
   from cifar10_towers import convert as convert_lib
-  from cifar10_towers.common import checkpoints
-  try:
-    from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir,
-                                                         warn=_warn)
-    optimizer = convert_lib.read_state(path)[4]
-  except (convert_lib.ConvertError, checkpoints.CheckpointError) as e:
-    raise click.ClickException(_first_line(e)) from None
+  from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir, warn=_warn)
+  optimizer = convert_lib.read_state(path)[4]
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
              'checkpoint (optimizer %s, its slots included): %s'
              % (from_kind, from_dir, step, to_kind, optimizer, path))

@@ -26,6 +26,11 @@ class ConvertError(errors.Failure):
   """A conversion cannot be done; the message says why and what to do."""
 
 
+# What to do about a --from_dir whose checkpoint cannot be converted.
+_PASS_A_TRAIN_DIR = ('nothing was converted. Pass as --from_dir a train_dir that '
+                     'the legacy or the modern trainer (or upstream\'s) trained.')
+
+
 def _host_plan():
   """One tower on the variables' device: conversion builds, never trains."""
   return devices.DevicePlan((devices.VARIABLE_DEVICE,), 'cpu', 1)
@@ -77,26 +82,32 @@ def state_of(contents):
     for target, legacy_name in ((values, name), (shadows, '%s/%s' % (name, model_spec.EMA_SUFFIX))):
       key = _key(kind, legacy_name)
       if key not in tensors:
-        raise ConvertError('%s (%s checkpoint) has no %s; it is not a '
-                           'checkpoint of this model.' % (path, kind, key))
+        raise ConvertError('%s is a checkpoint of another model: it lacks %s; %s'
+                           % (path, legacy_name, _PASS_A_TRAIN_DIR))
       value = tensors[key]
       if value.shape != model_spec.variable_shape(name):
-        raise ConvertError('%s: %s has shape %s, this model needs %s.'
-                           % (path, key, value.shape, model_spec.variable_shape(name)))
+        raise ConvertError('%s is a checkpoint of another model: it holds %s with '
+                           'shape %s, this model has %s; %s'
+                           % (path, legacy_name, list(value.shape),
+                              list(model_spec.variable_shape(name)), _PASS_A_TRAIN_DIR))
       target[name] = value
   if _key(kind, 'global_step') not in tensors:
-    raise ConvertError('%s has no global step (%s).' % (path, _key(kind, 'global_step')))
+    raise ConvertError('%s has no global step (%s): it is not a checkpoint of a '
+                       'training run; %s' % (path, _key(kind, 'global_step'),
+                                              _PASS_A_TRAIN_DIR))
   optimizer = optimizer_lib.of_names(tensors, lambda name: _key(kind, name))
   slots = {}
   for name in optimizer_lib.slot_names(optimizer):
     key = _key(kind, name)
     if key not in tensors:
-      raise ConvertError('%s (%s checkpoint of optimizer %s) has no %s; its '
-                         'optimizer state is incomplete.' % (path, kind, optimizer, key))
+      raise ConvertError('%s holds the state of optimizer %s without its %s: '
+                         'that state is incomplete; %s' % (path, optimizer, name,
+                                                           _PASS_A_TRAIN_DIR))
     if tensors[key].shape != optimizer_lib.slot_shape(name):
-      raise ConvertError('%s: %s has shape %s, this model needs %s.'
-                         % (path, key, tensors[key].shape,
-                            optimizer_lib.slot_shape(name)))
+      raise ConvertError('%s is a checkpoint of another model: it holds %s with '
+                         'shape %s, this model has %s; %s'
+                         % (path, name, list(tensors[key].shape),
+                            list(optimizer_lib.slot_shape(name)), _PASS_A_TRAIN_DIR))
     slots[name] = tensors[key]
   return (kind, values, shadows, checkpoints.global_step(contents), optimizer,
           slots)
@@ -161,6 +172,27 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
                         global_step=step)
 
 
+def _check_directories(from_dir, to_dir):
+  """Refuses a --to_dir that is --from_dir or inside it, however either is spelled.
+
+  A trailing slash, a relative path or a symlink can name one directory
+  twice: the real paths are compared.
+
+  Raises:
+    ConvertError: naming both as given, and the directory they reach.
+  """
+  source, target = os.path.realpath(from_dir), os.path.realpath(to_dir)
+  advice = ('Pass a new or empty directory outside it as --to_dir, e.g. %s_converted; '
+            'nothing was converted.' % source)
+  if target == source:
+    raise ConvertError('--from_dir %s and --to_dir %s are the same directory, %s: '
+                       'the converted checkpoint goes to a directory of its own. %s'
+                       % (from_dir, to_dir, source, advice))
+  if os.path.commonpath([source, target]) == source:
+    raise ConvertError('--to_dir %s is %s, inside --from_dir %s: convert leaves '
+                       '--from_dir as it is. %s' % (to_dir, target, from_dir, advice))
+
+
 def convert(from_dir, to_dir, warn=None):
   """Converts the newest checkpoint of `from_dir` into the other trainer's format.
 
@@ -168,7 +200,8 @@ def convert(from_dir, to_dir, warn=None):
   readable (`common.checkpoints.for_conversion`): a damaged one is refused,
   not passed over. `to_dir` must not hold a checkpoint yet; it is written in
   a temporary directory beside it first, so a failure leaves nothing
-  half-written. Nothing in `from_dir` is changed.
+  half-written. Nothing in `from_dir` is changed: `to_dir` must be neither
+  `from_dir` nor inside it (`_check_directories`).
 
   Args:
     from_dir: str, a train_dir of either trainer (or upstream's).
@@ -182,6 +215,10 @@ def convert(from_dir, to_dir, warn=None):
   Raises:
     ConvertError, common.checkpoints.CheckpointError: as the message says.
   """
+  _check_directories(from_dir, to_dir)
+  if not os.path.exists(from_dir):
+    raise ConvertError('--from_dir %s does not exist; pass the train_dir you trained into.'
+                       % from_dir)
   contents = checkpoints.for_conversion(from_dir, warn)
   if contents is None:
     raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'

@@ -5,6 +5,7 @@ Tolerance: the converted checkpoint's logits equal the original's to 1e-6
 """
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import preprocess
+
+import faults_support as fs
 
 
 def _plan(device_plan, n):
@@ -155,3 +158,99 @@ def test_cli_convert(legacy_dir, tmp_path):
   assert 'legacy checkpoint' in result.output
   assert 'global step 6' in result.output
   assert 'python cli.py modern --train_dir' in result.output
+
+
+# --- what convert refuses, in one line, changing nothing ----------------------
+
+def _refused(args, *roots):
+  """Runs `convert ARGS`; returns its one `Error:` line after checking that
+  it exited 1 without a traceback and changed nothing under the roots."""
+  before = fs.snapshot(*roots)
+  listed = {root: sorted(os.listdir(root)) for root in roots}
+  code, _, err, exception = fs.invoke_cli(['convert'] + list(args))
+  assert exception is None and code == 1, (code, err, exception)
+  assert fs.changed(before, fs.snapshot(*roots)) == []
+  assert set(fs.snapshot(*roots)) == set(before)  # nothing new either
+  assert {root: sorted(os.listdir(root)) for root in roots} == listed
+  return [line for line in fs.ours(err) if line.startswith('Error:')]
+
+
+@pytest.fixture
+def trained(legacy_dir, tmp_path):
+  """A copy of the legacy train_dir: tmp_path/runs/train."""
+  train = tmp_path / 'runs' / 'train'
+  shutil.copytree(legacy_dir, train)
+  return train
+
+
+@pytest.mark.parametrize('spelling', [
+    'as given', 'with a trailing slash', 'through a symlink', 'relative'])
+def test_cli_convert_refuses_the_same_directory(trained, tmp_path, monkeypatch,
+                                                spelling):
+  from_dir = str(trained)
+  if spelling == 'as given':
+    to_dir = from_dir
+  elif spelling == 'with a trailing slash':
+    to_dir = from_dir + '/'
+  elif spelling == 'through a symlink':
+    os.symlink(trained, tmp_path / 'link')
+    to_dir = str(tmp_path / 'link')
+  else:
+    monkeypatch.chdir(tmp_path / 'runs')
+    to_dir = os.path.join('..', 'runs', 'train')
+  real = os.path.realpath(trained)
+  assert _refused(['--from_dir', from_dir, '--to_dir', to_dir], str(tmp_path)) == [
+      'Error: --from_dir %s and --to_dir %s are the same directory, %s: the '
+      'converted checkpoint goes to a directory of its own. Pass a new or empty '
+      'directory outside it as --to_dir, e.g. %s_converted; nothing was converted.'
+      % (from_dir, to_dir, real, real)]
+
+
+@pytest.mark.parametrize('inside', ['modern', 'a/b'])
+def test_cli_convert_refuses_a_to_dir_inside_from_dir(trained, tmp_path, inside):
+  to_dir = os.path.join(str(trained), inside)
+  real = os.path.realpath(trained)
+  assert _refused(['--from_dir', str(trained), '--to_dir', to_dir], str(tmp_path)) == [
+      'Error: --to_dir %s is %s, inside --from_dir %s: convert leaves --from_dir '
+      'as it is. Pass a new or empty directory outside it as --to_dir, e.g. '
+      '%s_converted; nothing was converted.'
+      % (to_dir, os.path.join(real, inside), trained, real)]
+
+
+def test_cli_convert_refuses_a_missing_from_dir(tmp_path):
+  missing = str(tmp_path / 'never_trained')
+  assert _refused(['--from_dir', missing, '--to_dir', str(tmp_path / 'out')],
+                  str(tmp_path)) == [
+      'Error: --from_dir %s does not exist; pass the train_dir you trained into.'
+      % missing]
+
+
+def _saver_checkpoint(directory, shapes):
+  """A TF1 Saver checkpoint at step 5 of these variables and a global step."""
+  os.makedirs(directory)
+  with tf.Graph().as_default():
+    for name, shape in shapes.items():
+      tf1.get_variable(name, shape=shape)
+    tf1.train.get_or_create_global_step()
+    saver = tf1.train.Saver(save_relative_paths=True)
+    with tf1.Session() as sess:
+      sess.run(tf1.global_variables_initializer())
+      saver.save(sess, os.path.join(directory, 'model.ckpt'), global_step=5)
+
+
+_PASS_A_TRAIN_DIR = ('nothing was converted. Pass as --from_dir a train_dir that the '
+                     'legacy or the modern trainer (or upstream\'s) trained.')
+
+
+@pytest.mark.parametrize('shapes,problem', [
+    ({'conv1/weights': [3, 3, 3, 64]},
+     'it holds conv1/weights with shape [3, 3, 3, 64], this model has [5, 5, 3, 64]'),
+    ({'fc/weights': [10, 10]}, 'it lacks conv1/weights'),
+], ids=['another shape', 'another variable'])
+def test_cli_convert_refuses_a_checkpoint_of_another_model(tmp_path, shapes, problem):
+  train = str(tmp_path / 'train')
+  _saver_checkpoint(train, shapes)
+  assert _refused(['--from_dir', train, '--to_dir', str(tmp_path / 'out')],
+                  str(tmp_path)) == [
+      'Error: %s/model.ckpt-5 is a checkpoint of another model: %s; %s'
+      % (train, problem, _PASS_A_TRAIN_DIR)]

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from cifar10_towers import cli
 from cifar10_towers.common import devices
 from cifar10_towers.towerprofile import analysis
+from cifar10_towers.towerprofile import render
 from cifar10_towers.towerprofile import run as profile_lib
 
 BATCH = 24  # small, yet the ops outweigh the runtime's per-step overhead
@@ -73,6 +74,26 @@ def test_categories_add_up_to_the_measured_step(profiled):
     assert step['split_us'][analysis.EMA] > 0, step
     # Most of the step is attributed to something other than idle.
     assert step['split_us'][analysis.IDLE] < 0.5 * total, step
+
+
+@pytest.mark.slow
+def test_the_gradient_averaging_is_measured(profiled):
+  """With 2 towers the towers meet to average: its ops are attributed to it,
+  and its time is more than the 0.00 ms an unattributed averaging prints."""
+  report, written = profiled
+  with open(written['trace']) as f:
+    ops = [e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']
+  averaging = {e['name']: e['cat'] for e in ops
+               if e['name'].startswith('average_gradients/')}
+  assert any('Mean' in name for name in averaging), sorted(averaging)
+  assert set(averaging.values()) == {analysis.AVERAGE}, averaging
+  for step in report['steps']:
+    # Conv1's gradients are the towers' last: their mean runs after both
+    # towers have finished, so some averaging is never hidden by compute.
+    assert step['split_us'][analysis.AVERAGE] > 0, step
+  printed = [line.split() for line in render.format_report(report)]
+  average = [words for words in printed if words[0] == analysis.AVERAGE]
+  assert len(average) == 1 and float(average[0][1]) > 0, average
 
 
 @pytest.mark.slow

@@ -155,3 +155,23 @@ def test_modern_moving_average_ops_follow_the_decay():
   assert modern_trace.moving_average_ops(step) == {
       'n', 'Minimum', 'one_minus', 'shadow', 'sub', 'mul',
       'AssignSubVariableOp_1'}
+
+
+@pytest.mark.parametrize('name,op_type,category', [
+    # The step's name scopes (modern/step.py) are read as legacy's.
+    ('average_gradients/stack_4', 'Pack', analysis.AVERAGE),
+    ('average_gradients/Mean_4', 'Mean', analysis.AVERAGE),
+    ('update/AssignSubVariableOp_4', 'AssignSubVariableOp', analysis.UPDATE),
+    ('moving_average/Sub_3', 'Sub', analysis.EMA),
+    # Each tower's batch split off the one batch: input, as legacy's dequeue_i.
+    ('unstack_1', 'Unpack', analysis.INPUT),
+    ('average_gradients/stack_4/_12', '_Send', analysis.COPY),
+    ('gradient_tape/tower_1/conv1/Conv2DBackpropFilter', 'Conv2DBackpropFilter',
+     analysis.BACKWARD),
+    ('tower_0/conv1/Conv2D', 'Conv2D', analysis.FORWARD),
+])
+def test_modern_categories(name, op_type, category):
+  from cifar10_towers.towerprofile import modern_trace
+  event = analysis.Event(name, op_type, CPU0, 0, 1, 0,
+                         modern_trace._modern_category(name, op_type))
+  assert analysis.category_of(event) == category

@@ -30,10 +30,15 @@ from cifar10_towers.modern import step as modern_step
 from cifar10_towers.towerprofile import analysis
 
 STEP_EVENT = 'towerprofile_step'  # the tf.profiler.experimental.Trace of one step
+# The name scopes of modern's step (modern/step.py) that analysis.categorize
+# reads as legacy's: the averaging, the update, the moving averages.
+STEP_SCOPES = ('average_gradients', 'update', 'moving_average')
 
 
 def _modern_category(name, op_type, ema_ops=frozenset()):
-  """Categories of modern's unscoped ops (its step has no name scopes there).
+  """Categories of the modern ops that `analysis.categorize` cannot tell by name.
+
+  Ops under the step's STEP_SCOPES are analysis.categorize's, as legacy's are.
 
   Returns:
     a category, or None to let analysis.categorize decide.
@@ -47,19 +52,21 @@ def _modern_category(name, op_type, ema_ops=frozenset()):
     return None
   if op_type in ('_Send', '_Recv'):
     return analysis.COPY
+  if first in STEP_SCOPES:
+    return None
   if op_type in ('IteratorGetNext', 'IteratorGetNextSync'):
     return analysis.INPUT
-  if first.startswith(('stack', 'Mean', 'unstack')) and op_type in (
-      'Pack', 'Mean', 'Unpack'):
-    return analysis.AVERAGE
-  # The learning rate and the variables' assign_sub.
+  if first.startswith('unstack') and op_type == 'Unpack':
+    return analysis.INPUT  # each tower's batch out of the one batch (legacy: dequeue_i)
+  # The rest on the variable device: the variables' reads for the towers,
+  # the clipping ('clip_gradients').
   return analysis.UPDATE
 
 
 def moving_average_ops(function_def):
   """Names of the ops of the step function that serve only the moving averages.
 
-  Modern's step has no name scope for them; `common.model_spec.ema_decay`
+  Besides their name scope ('moving_average'), by data flow: `model_spec.ema_decay`
   (the one `Minimum` of the step) starts them: what depends on it, and what
   feeds only those (the shadows' reads, `shadow - variable`), is theirs.
 
