@@ -27,6 +27,8 @@ MAX_TOWERS = devices.MAX_TOWERS
 
 
 def _warn(message):
+  from cifar10_towers.common import progress  # pylint: disable=import-outside-toplevel
+  progress.end_line()  # after a log line left open on a terminal
   click.echo(message, err=True)
 
 
@@ -259,7 +261,12 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
       from cifar10_towers.legacy import train as trainer
     else:
       from cifar10_towers.modern import train as trainer
-  trainer.train(config, plan, out=click.echo, warn=_warn)
+  from cifar10_towers.common import progress
+  from cifar10_towers.common import training
+  try:
+    trainer.train(config, plan, out=progress.StepLines(training.is_log_line), warn=_warn)
+  finally:
+    progress.end_line()
 
 
 _STOP = 'cifar10_towers.stop'  # ctx.meta key of the command's StopRequest

@@ -11,11 +11,13 @@ import re
 import sys
 
 from cifar10_towers.common import errors
+from cifar10_towers.common import progress
 from cifar10_towers.common import stderr_filter
 
 
 def say(line):
   """Writes the one ending line of a run to the real stderr (past the noise filter); never raises."""
+  progress.end_line()  # on a fresh line, after a log line left open on a terminal
   stderr_filter.say(line)
 
 

@@ -108,3 +108,46 @@ def _isatty(stream):
     return stream.isatty()
   except (AttributeError, ValueError):  # no such method, or closed
     return False
+
+
+# --- training's log lines: one line rewritten in place on a terminal ---------
+
+_open_line = None  # the stream whose line a StepLines left open, or None
+
+
+def end_line():
+  """Ends the line a StepLines left open on a terminal, so what follows starts on its own."""
+  global _open_line  # pylint: disable=global-statement
+  stream, _open_line = _open_line, None
+  if stream is not None:
+    try:
+      stream.write('\n')
+      stream.flush()
+    except (OSError, ValueError):
+      pass
+
+
+class StepLines:
+  """The `out` of a training run: its lines, with the log lines shown as progress.
+
+  On a terminal each log line (common.training.log_line: step, loss, speed,
+  step/max_steps, time left) replaces the one before, as Keras' fit draws
+  its bar line; any other line (a heartbeat, the last line) ends it first,
+  and so does anything said on stderr through common.ending or the CLI.
+  Elsewhere (a log, a pipe) every line is printed as it is, so the log keeps
+  upstream's lines for the scripts that parse them.
+  """
+
+  def __init__(self, is_log_line, file=None):
+    self._is_log_line = is_log_line
+    self.file = sys.stdout if file is None else file
+    self.terminal = _isatty(self.file)
+
+  def __call__(self, line):
+    global _open_line  # pylint: disable=global-statement
+    if self.terminal and self._is_log_line(line):
+      click.echo('\r' + line + '\x1b[K', file=self.file, nl=False)  # \x1b[K: clear the rest
+      _open_line = self.file
+      return
+    end_line()
+    click.echo(line, file=self.file)

@@ -4,6 +4,7 @@ progress lines during long waits, the TensorBoard tags, stop requests, divergenc
 import contextlib
 import datetime
 import math
+import re
 import signal
 import socket
 import sys
@@ -17,6 +18,14 @@ from cifar10_towers.common import hparams
 
 class TrainingError(errors.Failure):
   """Training cannot go on; the message names the step and what to do."""
+
+
+_LOG_LINE = re.compile(r'^\S+ \S+: step \d+, loss = ')
+
+
+def is_log_line(line):
+  """True for a line of `log_line`."""
+  return _LOG_LINE.match(line) is not None
 
 
 def log_line(step, loss, examples_per_sec, sec_per_batch, max_steps=None):

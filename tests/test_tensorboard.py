@@ -201,3 +201,41 @@ def test_the_log_line_says_how_far_the_run_is_and_the_time_left():
                        '100/3700, 0:15:00 left')
   assert training.log_line(3700, 2.0, 50.0, 0.25, max_steps=3700).endswith(
       '3700/3700, 0:00:00 left')
+
+
+@pytest.mark.slow
+def test_on_a_terminal_the_log_line_updates_in_place(synth_data_dir, tmp_path):
+  """Through a pty: one line rewritten per log step, then the last line on a fresh line."""
+  import pty  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  train_dir = str(tmp_path / 'train')
+  leader, follower = pty.openpty()
+  proc = subprocess.Popen(
+      [sys.executable, fs.CLI, 'legacy', '--data_dir', synth_data_dir, '--train_dir',
+       train_dir, '--max_steps', '4'] + list(fs.FAST_FLAGS),
+      cwd=fs.ROOT, env=fs.cli_env(), stdin=subprocess.DEVNULL, stdout=follower,
+      stderr=subprocess.PIPE)
+  os.close(follower)
+  screen = b''
+  while True:
+    try:
+      chunk = os.read(leader, 65536)
+    except OSError:  # EIO: the process closed the pty
+      break
+    if not chunk:
+      break
+    screen += chunk
+  err = proc.stderr.read().decode()
+  assert proc.wait(timeout=60) == 0, err
+  os.close(leader)
+  text = screen.decode().replace('\r\n', '\n')  # the pty's own newline translation
+  lines = text.split('\n')
+  updating = [l for l in lines if ': step ' in l]
+  assert len(updating) == 1, lines  # every log line on the same row
+  steps = updating[0].split('\r')[1:]
+  assert [re.search(r': step (\d+), loss = [\d.]+ \(.*sec/batch\) (\d+)/4, \S+ left', s)
+          .group(1, 2) for s in steps] == [(str(i), str(i)) for i in range(1, 5)], steps
+  assert lines[lines.index(updating[0]) + 1] == (
+      'Done: the newest checkpoint is %s/model.ckpt-4. Evaluate it: python cli.py eval '
+      '--run_once --checkpoint_dir %s --data_dir %s' % (train_dir, train_dir, synth_data_dir))
