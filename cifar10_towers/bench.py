@@ -14,7 +14,7 @@ For every (implementation, towers) combination the benchmark measures
   devices, fed pre-batched in-memory data, timed over epochs of
   `window_steps` steps;
 - the machine ceiling: the best fp32 FLOP/s of large matmuls divided by the
-  FLOPs one training image costs (forward x 3);
+  FLOPs one training image costs (forward x 3 less conv1's input gradient);
 - peak memory: the RSS high-water mark of each contender's process;
 - images per CPU-second: images over the CPU time the process used in the
   window, an efficiency that other load on the machine disturbs far less
@@ -68,7 +68,6 @@ RESULT_PREFIX = 'BENCH_RESULT '  # a worker's last stdout line: prefix + JSON
 READY = 'BENCH_READY'  # a contender is built and waits for its first window
 WINDOW_PREFIX = 'BENCH_WINDOW '  # a contender's window times: prefix + JSON
 GO = 'go'  # the parent's line: run one more window
-TRAINING_MULTIPLIER = 3  # forward + backward (two products per layer) ~ 3x forward
 BASELINE_DISTINCT_BATCHES = 8  # in-memory global batches the baseline cycles over
 INPUT_WARMUP_WINDOWS = 2  # input-alone windows discarded (the shuffle buffer fills first)
 INPUT_WINDOWS = 5  # input-alone timed windows
@@ -115,31 +114,48 @@ class BenchConfig:
     return self.warmup_rounds + self.rounds
 
 
-def forward_flops_per_image():
-  """FLOPs (2 per multiply-add) of one image's forward pass, from model_spec.LAYERS.
+def layer_flops_per_image():
+  """(layer name, FLOPs of its forward product) of one image, from model_spec.LAYERS.
 
-  Convolutions and matmuls only (pooling, LRN and ReLU are a rounding error):
-  conv1 at 24x24, conv2 at 12x12 (after the first stride-2 pool), then the
-  three fully connected layers; about 36.9 MFLOP (docs/equivalence.md §1: ~18.5M multiply-adds).
+  FLOPs count 2 per multiply-add. Convolutions and matmuls only (pooling, LRN
+  and ReLU are a rounding error): conv1 at 24x24, conv2 at 12x12 (after the
+  first stride-2 pool), then the three fully connected layers.
   """
   from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
   from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   size = hparams.IMAGE_SIZE
-  flops = 0
+  flops = []
   for layer in model_spec.LAYERS:
     if len(layer.weight_shape) == 4:
       kh, kw, cin, cout = layer.weight_shape
-      flops += 2 * size * size * kh * kw * cin * cout
+      flops.append((layer.name, 2 * size * size * kh * kw * cin * cout))
       size //= hparams.POOL_STRIDE  # the SAME, stride-2 max pool of the block
     else:
       fan_in, fan_out = layer.weight_shape
-      flops += 2 * fan_in * fan_out
+      flops.append((layer.name, 2 * fan_in * fan_out))
   return flops
 
 
+def forward_flops_per_image():
+  """FLOPs of one image's forward pass: about 36.9 MFLOP.
+
+  docs/equivalence.md §1: ~18.5M multiply-adds.
+  """
+  return sum(flops for _, flops in layer_flops_per_image())
+
+
 def training_flops_per_image():
-  """FLOPs of one training image: forward x 3 (~111 MFLOP)."""
-  return TRAINING_MULTIPLIER * forward_flops_per_image()
+  """FLOPs of one training image: about 105.3 MFLOP.
+
+  The forward product of every layer, then backward the same again for its
+  weight gradient, and again for its input gradient except for the first
+  layer: conv1's input is the images, which no variable depends on, so
+  neither trainer (nor Keras) runs that product (a traced step of
+  `cli.py profile` shows Conv2DBackpropInput for conv2 only). So 3 x forward
+  less conv1's forward, not 3 x forward (which counted 5.5 MFLOP too many).
+  """
+  layers = layer_flops_per_image()
+  return 3 * sum(flops for _, flops in layers) - layers[0][1]
 
 
 # --- inside a worker process -------------------------------------------------
@@ -805,10 +821,11 @@ def format_table(report):
   towers_key = 'ratio_to_%d_tower' % fewest
   lines = [
       'ceiling: best of %d rounds of fp32 %dx%d matmuls = %.1f GFLOP/s / %.1f '
-      'MFLOP per training image (forward x %d) = %.0f images/sec'
+      'MFLOP per training image (forward x 3 less conv1\'s input gradient) = '
+      '%.0f images/sec'
       % (len(machine['matmul_runs_flops_per_sec']), machine['matmul_size'],
          machine['matmul_size'], machine['matmul_flops_per_sec'] / 1e9,
-         machine['training_flops_per_image'] / 1e6, TRAINING_MULTIPLIER,
+         machine['training_flops_per_image'] / 1e6,
          machine['ceiling_images_per_sec']),
       'training: median of %d rounds, one window of %d steps per contender each '
       '(the order rotating; %d warm-up rounds first); ratios: median of the '
