@@ -731,7 +731,7 @@ def _comma_list(convert, allowed=None, bound=None):
               show_default=True, help='Training steps per window.')
 @click.option('--matmul_size', type=click.IntRange(min=1), default=4096,
               show_default=True,
-              help='Size n of the n x n fp32 matmuls measuring the machine ceiling.')
+              help='Size n of the n x n fp32 matmuls measuring the matmul rate.')
 @click.option('--json', 'json_path', type=click.Path(dir_okay=False), default=None,
               help='Also write the results to this JSON file.')
 @click.option('--jit', is_flag=True,
@@ -747,13 +747,14 @@ def _comma_list(convert, allowed=None, bound=None):
 @click.pass_context
 def bench(ctx, impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds,
           window_steps, matmul_size, json_path, jit, plot_path, from_json):
-  """Measure training images/sec against Keras model.fit and the machine ceiling.
+  """Measure training images/sec against Keras model.fit and the matmul rate.
 
   For each trainer and tower count: steady-state training images/sec of the
   trainer's real loop and input pipeline, and of the same net in Keras
   `model.fit` under MirroredStrategy with in-memory data, window by window in
-  turn for several rounds; then each input pipeline alone. The machine
-  ceiling is the best fp32 matmul rate over the FLOPs of one training image.
+  turn for several rounds; then each input pipeline alone. The matmul
+  estimate is the best fp32 matmul rate measured over the FLOPs of one
+  training image: a sample under the same load, not a bound.
   Each contender runs in its own process. Prints a table (stdout) and
   progress (stderr); --json keeps the results, --plot draws them as a PNG,
   and --from_json reads a --json file back instead of measuring.

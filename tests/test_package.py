@@ -1,12 +1,15 @@
 """The built package: one name in site-packages, a console script that runs, an sdist that stands alone.
 
 Builds the sdist and the wheel once (`python -m build --no-isolation`, with
-the setuptools of the test extra, offline), installs the wheel into a fresh
-venv, and runs it from outside the checkout.
+the setuptools of the test extra, offline) from a copy of the checkout in a
+temp dir, so that nothing the build writes (its *.egg-info, build/, dist/)
+lands in the checkout; installs the wheel into a fresh venv, and runs it
+from outside the checkout.
 """
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -31,12 +34,22 @@ def _run(argv, cwd, env=None, timeout=300):
                         check=False)
 
 
+def _leftovers(directory, names):
+  """What builds, runs and virtualenvs leave in a checkout: not copied to build from."""
+  return {name for name in names
+          if name in ('.git', '__pycache__', '.pytest_cache', 'build', 'dist',
+                      'profile_out') or name.endswith('.egg-info')
+          or os.path.isfile(os.path.join(directory, name, 'pyvenv.cfg'))}
+
+
 @pytest.fixture(scope='module')
 def dist(tmp_path_factory):
-  """(sdist path, wheel path), built from this checkout."""
+  """(sdist path, wheel path), built from a copy of this checkout."""
+  source = tmp_path_factory.mktemp('source') / 'cifar10-towers'
+  shutil.copytree(fs.ROOT, source, ignore=_leftovers)
   out = tmp_path_factory.mktemp('dist')
   result = _run([sys.executable, '-m', 'build', '--no-isolation', '--outdir',
-                 str(out), fs.ROOT], fs.ROOT)
+                 str(out), str(source)], str(source))
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
   sdists = [p for p in os.listdir(out) if p.endswith('.tar.gz')]
   wheels = [p for p in os.listdir(out) if p.endswith('.whl')]

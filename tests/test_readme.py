@@ -1,7 +1,9 @@
-"""The README's Commands section runs top to bottom, in order, each exiting 0.
+"""The README's commands: the Commands section runs top to bottom, and none dirties a clone.
 
-Each shell line of the section's code block is run as written, in a scratch
-working directory, with these substitutions (and nothing else):
+Each shell line of the Commands section's code block is run as written, in
+a copy of this checkout's tracked files (a fresh clone's working directory,
+committed to a git repository of its own), with these substitutions (and
+nothing else):
 
 - `python cli.py` is this checkout's command line, run in this process
   (click's CliRunner, as tests/faults_support.invoke_cli): a process per
@@ -12,8 +14,8 @@ working directory, with these substitutions (and nothing else):
   the defaults the section relies on are redirected there too, through the
   options' own environment variables: CIFAR10_DATA_DIR (default data dir),
   CIFAR10_TRAIN_DIR (default train dir), CIFAR10_EVAL_DIR (default eval
-  dir); profile's `profile_out/` lands in
-  the scratch working directory;
+  dir); profile's `profile_out/` lands in the copy, where .gitignore
+  covers it;
 - flags in SMALLER are appended (click keeps an option's last value), so a
   trainer takes 2 steps of batch 8 instead of 1,000,000 of 128 and the whole
   section runs in about a minute; the commands' meaning is unchanged;
@@ -23,12 +25,23 @@ working directory, with these substitutions (and nothing else):
 skipped (tests/test_download.py covers it with a local server). Everything
 else - including `data digits`, which needs the [digits] extra
 (scikit-learn), as the README's test command installs - must exit 0.
+
+Afterwards `git status --porcelain` must be empty in the copy and unchanged
+in this checkout (whose commands' subprocesses run there). An unpacked
+sdist is no git checkout and has no list of tracked files: there that test
+is skipped, saying so. Every output path a README command names is outside
+the checkout (an absolute path or a placeholder such as FILE), which the
+Commands run cannot see for the commands outside that section.
 """
 
 import os
 import re
 import shlex
+import shutil
+import subprocess
 import time
+
+import pytest
 
 import faults_support as fs
 
@@ -80,27 +93,118 @@ def test_commands_section_parses():
   assert names.index(('data', 'synth')) < names.index(('legacy',))
 
 
-def test_commands_section_runs_in_order(tmp_path, monkeypatch):
-  root = str(tmp_path / 'tmp')  # stands for /tmp
-  work = str(tmp_path / 'work')
+# Options whose value is a path a command writes to.
+OUTPUT_OPTIONS = ('--json', '--plot', '--out', '--dump', '--to_dir', '--train_dir',
+                  '--eval_dir', '--data_dir')
+# A placeholder in a usage line: DIR, FILE.png, `D]`.
+PLACEHOLDER = re.compile(r'^[A-Z]+(\.[a-z]+)?\]?$')
+
+
+def _git(args, cwd):
+  env = {k: v for k, v in os.environ.items() if not k.startswith('GIT_')}
+  return subprocess.run(['git'] + args, cwd=cwd, env=env, capture_output=True,
+                        text=True, check=False)
+
+
+def _is_git_checkout():
+  """Whether fs.ROOT is the top of a git work tree (an unpacked sdist is not)."""
+  if shutil.which('git') is None:
+    return False
+  top = _git(['rev-parse', '--show-toplevel'], fs.ROOT)
+  return (top.returncode == 0
+          and os.path.realpath(top.stdout.strip()) == os.path.realpath(fs.ROOT))
+
+
+def _status(cwd):
+  """`git status --porcelain` (every untracked file listed) of the work tree at cwd."""
+  result = _git(['status', '--porcelain', '--untracked-files=all'], cwd)
+  assert result.returncode == 0, result.stderr
+  return result.stdout.splitlines()
+
+
+def _fresh_clone(work):
+  """Copies this checkout's tracked files, as they are now, to work and commits them."""
+  listed = _git(['ls-files', '-z'], fs.ROOT)
+  assert listed.returncode == 0, listed.stderr
+  for name in filter(None, listed.stdout.split('\0')):
+    source = os.path.join(fs.ROOT, name)
+    if os.path.isfile(source):  # not a file deleted in the working tree
+      os.makedirs(os.path.dirname(os.path.join(work, name)), exist_ok=True)
+      shutil.copy2(source, os.path.join(work, name))
+  for args in (['init', '-q'], ['add', '-A'],
+               ['-c', 'user.name=test_readme', '-c', 'user.email=test@localhost',
+                '-c', 'commit.gpgsign=false', 'commit', '-q', '--no-verify',
+                '-m', 'the checkout\'s tracked files']):
+    result = _git(args, work)
+    assert result.returncode == 0, (args, result.stderr)
+  assert _status(work) == []
+
+
+@pytest.fixture(scope='module')
+def commands_run(tmp_path_factory):
+  """Runs the Commands section in a fresh clone; stops at the first failure."""
+  base = tmp_path_factory.mktemp('readme')
+  root = str(base / 'tmp')  # stands for /tmp
+  work = str(base / 'work')
   os.makedirs(root)
   os.makedirs(work)
+  checkout = _is_git_checkout()
+  if checkout:
+    _fresh_clone(work)
+  status_before = _status(fs.ROOT) if checkout else None
   data_dir = os.path.join(root, 'cifar10_data')
   env = {'CIFAR10_DATA_DIR': data_dir,
          'CIFAR10_TRAIN_DIR': os.path.join(root, 'cifar10_train'),
          'CIFAR10_EVAL_DIR': os.path.join(root, 'cifar10_eval'),
          'CIFAR10_DATA_URL': fs.closed_port_url()}
   commands = commands_section(open(README, encoding='utf-8').read())
-  monkeypatch.chdir(work)
-  ran = []
-  for words in commands:
-    if tuple(words[2:4]) in NEEDS_NETWORK:
-      continue
-    args = _prepared(words, root, data_dir)
-    start = time.time()
-    code, out, err, exception = fs.invoke_cli(args, env=env)
-    ran.append('%5.1f s  %s' % (time.time() - start, ' '.join(args)))
-    print(ran[-1])
-    assert exception is None, (' '.join(words), repr(exception), err[-2000:])
-    assert code == 0, (' '.join(words), out[-2000:], err[-2000:])
-  assert len(ran) == len(commands) - 1, ran  # all but `data download`
+  ran, failure = [], None
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.chdir(work)
+    for words in commands:
+      if tuple(words[2:4]) in NEEDS_NETWORK:
+        continue
+      args = _prepared(words, root, data_dir)
+      start = time.time()
+      code, out, err, exception = fs.invoke_cli(args, env=env)
+      ran.append('%5.1f s  %s' % (time.time() - start, ' '.join(args)))
+      print(ran[-1])
+      if exception is not None or code != 0:
+        failure = (' '.join(words), code, repr(exception), out[-2000:], err[-2000:])
+        break
+  return {'commands': commands, 'ran': ran, 'failure': failure, 'work': work,
+          'checkout': checkout, 'status_before': status_before}
+
+
+def test_commands_section_runs_in_order(commands_run):
+  assert commands_run['failure'] is None, commands_run['failure']
+  # All but `data download`.
+  assert len(commands_run['ran']) == len(commands_run['commands']) - 1, commands_run['ran']
+
+
+def test_the_commands_leave_a_clone_clean(commands_run):
+  """What they write goes where the README says, or where .gitignore covers it."""
+  if not commands_run['checkout']:
+    pytest.skip('%s is not a git checkout (an unpacked sdist?): no tracked files '
+                'to copy, no git status to read' % fs.ROOT)
+  assert commands_run['ran']
+  assert _status(commands_run['work']) == []
+  # Their subprocesses (bench's contenders) run in this checkout.
+  assert _status(fs.ROOT) == commands_run['status_before']
+
+
+def test_every_output_path_in_the_readme_is_outside_the_checkout():
+  """A command run as written, from a clone, writes nothing into it (docs/ included)."""
+  text = open(README, encoding='utf-8').read()
+  blocks = re.findall(r'^```[a-z]*\n(.*?)^```$', text, re.M | re.S)
+  checked = []
+  for block in blocks:
+    for line in block.replace('\\\n', ' ').splitlines():
+      if 'cli.py' not in line and 'cifar10-towers ' not in line:
+        continue
+      words = shlex.split(line, comments=True)
+      for option, value in zip([w.lstrip('[') for w in words], words[1:]):
+        if option in OUTPUT_OPTIONS:
+          checked.append(value)
+          assert os.path.isabs(value) or PLACEHOLDER.match(value), (option, value, line)
+  assert '/tmp/bench.json' in checked and '/tmp/performance.png' in checked
