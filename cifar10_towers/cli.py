@@ -7,6 +7,7 @@ Progress and metrics go to stdout, diagnostics to stderr.
 import logging
 import os
 import sys
+import traceback
 
 import click
 
@@ -269,6 +270,9 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
     progress.end_line()
 
 
+# Set to 1, a failure also prints its traceback (its causes included) before
+# its one line; otherwise no TensorFlow op, node block or traceback is shown.
+DEBUG_ENV = 'CIFAR10_TOWERS_DEBUG'
 _STOP = 'cifar10_towers.stop'  # ctx.meta key of the command's StopRequest
 _COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data synth')
 # Commands that own a loop and answer a stop at its boundaries, saying what
@@ -292,6 +296,20 @@ class _Group(click.Group):
   signal's number, as if killed by it, so `train && eval` stops there.
   """
 
+  @staticmethod
+  def _fail(e):
+    """The one place a user's or the world's error is said: its line, its exit code."""
+    from cifar10_towers.common import ending  # pylint: disable=import-outside-toplevel
+    if isinstance(e, errors.Failure):
+      if e.exit_code == 2:
+        raise click.UsageError(e.line()) from None
+      raise click.ClickException(e.line()) from None
+    if ending.stream_closed(e):  # stdout's reader is gone (`| head`, a closed terminal)
+      ending.silence_stdout()
+      raise click.ClickException(ending.cause(e) + '.') from None
+    raise click.ClickException('%s. Check the path and its permissions.'
+                               % _first_line(e)) from None
+
   def invoke(self, ctx):
     from cifar10_towers.common import ending  # pylint: disable=import-outside-toplevel
     from cifar10_towers.common import training  # pylint: disable=import-outside-toplevel
@@ -299,16 +317,10 @@ class _Group(click.Group):
     result = None
     try:
       result = super().invoke(ctx)  # `cli` below enters stop.raising() where it applies
-    except errors.Failure as e:  # the one place a user's or the world's error is said
-      if e.exit_code == 2:
-        raise click.UsageError(e.line()) from None
-      raise click.ClickException(e.line()) from None
-    except OSError as e:
-      if ending.stream_closed(e):  # stdout's reader is gone (`| head`, a closed terminal)
-        ending.silence_stdout()
-        raise click.ClickException(ending.cause(e) + '.') from None
-      raise click.ClickException('%s. Check the path and its permissions.'
-                                 % _first_line(e)) from None
+    except (errors.Failure, OSError) as e:
+      if os.environ.get(DEBUG_ENV) == '1':  # the whole story, before the one line
+        traceback.print_exception(e)
+      self._fail(e)
     except training.Stopped as stopped:
       command = ctx.meta.get(_COMMAND)
       ending.say(str(stopped) if command in ('legacy', 'modern')

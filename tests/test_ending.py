@@ -321,3 +321,14 @@ def test_stdout_closed_by_head_under_a_modern_run(synth_data_dir, tmp_path):
   assert (code, exception) == (0, None), err
   assert 'Resuming from %s/model.ckpt-%d at global step %d.' % (
       train_dir, saved, saved) in out.splitlines()
+
+
+@pytest.mark.parametrize('debug', ['1', None], ids=['CIFAR10_TOWERS_DEBUG=1', 'plain'])
+def test_a_failure_shows_its_traceback_only_when_asked(debug, synth_data_dir, tmp_path):
+  missing = str(tmp_path / 'none')
+  code, _, err, exception = fs.invoke_cli(
+      ['eval', '--run_once', '--checkpoint_dir', missing, '--data_dir', synth_data_dir],
+      env={'CIFAR10_TOWERS_DEBUG': debug})
+  assert (code, exception) == (1, None), err
+  assert fs.ours(err)[-1].startswith('Error: no checkpoint in %s.' % missing), err
+  assert ('Traceback (most recent call last):' in err) == (debug == '1'), err
