@@ -2,29 +2,24 @@
 
 Each shell line of the Commands section's code block is run as written, in
 a copy of this checkout's tracked files (a fresh clone's working directory,
-committed to a git repository of its own), with these substitutions (and
-nothing else):
+committed to a git repository of its own), with the substitutions of
+tests/readme_commands.py (its /tmp in a temp dir, smaller flags, no
+network, `data download` skipped), and one more:
 
 - `python cli.py` is this checkout's command line, run in this process
   (click's CliRunner, as tests/faults_support.invoke_cli): a process per
   command would import TensorFlow 8 times, ~5 s of CPU each, and the test
   must stay near a minute on 2 cores (`bench` still starts its contenders'
-  own processes). tests/test_prog.py runs real `python cli.py` processes;
-- every `/tmp/...` path becomes the same path under the test's temp dir, and
-  the defaults the section relies on are redirected there too, through the
-  options' own environment variables: CIFAR10_DATA_DIR (default data dir),
-  CIFAR10_TRAIN_DIR (default train dir), CIFAR10_EVAL_DIR (default eval
-  dir); profile's `profile_out/` lands in the copy, where .gitignore
-  covers it;
-- flags in SMALLER are appended (click keeps an option's last value), so a
-  trainer takes 2 steps of batch 8 instead of 1,000,000 of 128 and the whole
-  section runs in about a minute; the commands' meaning is unchanged;
-- CIFAR10_DATA_URL points at a closed port, so nothing touches the network.
+  own processes). .ci/run runs the same commands as real `python cli.py`
+  processes (`python tests/readme_commands.py`) in the quick start's venv,
+  with only the quick start's install; tests/test_prog.py runs real
+  processes too. profile's `profile_out/` lands in the copy, where
+  .gitignore covers it.
 
-`data download` fetches 170 MB from the network, so it is the one command
-skipped (tests/test_download.py covers it with a local server). Everything
-else - including `data digits`, which needs the [digits] extra
-(scikit-learn), as the README's test command installs - must exit 0.
+Each command must exit 0 and leave its main output
+(readme_commands.main_outputs): `data digits` its files (scikit-learn, the
+[digits] extra), `profile` its timeline.png (matplotlib, the [profile]
+extra), which the quick start and the test command both install.
 
 Afterwards `git status --porcelain` must be empty in the copy and unchanged
 in this checkout (whose commands' subprocesses run there). An unpacked
@@ -44,45 +39,13 @@ import time
 import pytest
 
 import faults_support as fs
+import readme_commands as rc
 
-README = os.path.join(fs.ROOT, 'README.md')
-NEEDS_NETWORK = {('data', 'download')}
-SMALL_DATA = ['--train_per_file', '100', '--num_test', '100']
-SMALL_TRAIN = ['--max_steps', '2', '--batch_size', '8', '--log_every', '1']
-# Appended to a command whose words start with the key.
-SMALLER = {
-    ('data', 'synth'): SMALL_DATA,
-    ('legacy',): SMALL_TRAIN,
-    ('modern',): SMALL_TRAIN,
-    ('eval',): ['--batch_size', '50'],
-    ('crosscheck',): ['--batch_size', '4', '--steps', '1'],
-    # One trainer: each more one is two more processes importing TensorFlow.
-    ('bench',): ['--impl', 'modern', '--num_gpus', '1', '--batch_size', '8',
-                 '--rounds', '1', '--warmup_rounds', '0', '--window_steps', '1',
-                 '--matmul_size', '64', '--data_dir', '{data_dir}'],
-    ('profile',): ['--batch_size', '8', '--steps', '1'],
-}
-
-
-def commands_section(text):
-  """The shell lines of the first code block under '## Commands'."""
-  section = text.split('\n## Commands\n', 1)[1].split('\n## ', 1)[0]
-  block = re.search(r'^```\n(.*?)^```$', section, re.M | re.S).group(1)
-  return [shlex.split(line, comments=True) for line in block.splitlines()
-          if line.strip()]
-
-
-def _prepared(words, root, data_dir):
-  assert words[:2] == ['python', 'cli.py'], words
-  args = [root + w[len('/tmp'):] if w.startswith('/tmp/') else w for w in words[2:]]
-  for prefix, extra in SMALLER.items():
-    if tuple(args[:len(prefix)]) == prefix:
-      args += [e.format(data_dir=data_dir) for e in extra]
-  return args
+README = rc.README
 
 
 def test_commands_section_parses():
-  commands = commands_section(open(README, encoding='utf-8').read())
+  commands = rc.read_commands()
   assert len(commands) >= 10
   names = [tuple(c[2:4]) if c[2] == 'data' else (c[2],) for c in commands]
   # Every command of the CLI is shown, data first: the trainers need it.
@@ -91,6 +54,43 @@ def test_commands_section_parses():
                ('data', 'check'), ('data', 'digits'), ('data', 'download')]:
     assert name in names, name
   assert names.index(('data', 'synth')) < names.index(('legacy',))
+
+
+def test_every_command_has_a_main_output():
+  """A command the section gains without one fails here, before anything runs."""
+  env = rc.environment('/r')
+  for words in rc.read_commands():
+    if not rc.needs_network(words):
+      args = rc.prepared(words, '/r', env['CIFAR10_DATA_DIR'])
+      assert rc.main_outputs(args, env, '/w') is not None, words
+  assert rc.missing_outputs(['frobnicate'], env, '/w', '', 0) == [
+      'no main output is known for `frobnicate`: give it one in '
+      'tests/readme_commands.py main_outputs']
+
+
+def test_a_skipped_or_leftover_output_is_a_failure(tmp_path):
+  """`profile` without matplotlib exits 0 and writes no timeline.png: not run."""
+  env = rc.environment(str(tmp_path))
+  args = ['profile', 'legacy', '--num_gpus', '2']
+  out = tmp_path / 'profile_out'
+  out.mkdir()
+  start = time.time()
+  for name in ('trace.json', 'report.json'):
+    (out / name).write_text('{}')
+  stdout = 'Wrote profile_out/report.json (report).\nWrote profile_out/trace.json (trace).\n'
+  png = out / 'timeline.png'
+  missing = rc.missing_outputs(args, env, str(tmp_path), stdout, start)
+  assert missing[0] == '%s was not written' % png
+  assert missing[1].startswith("its stdout has no line matching '^Wrote "), missing
+  assert len(missing) == 2, missing
+  # One an earlier run left is no output of this one.
+  png.write_bytes(b'\x89PNG')
+  os.utime(png, (start - 60, start - 60))
+  stdout += 'Wrote profile_out/timeline.png (png).\n'
+  assert rc.missing_outputs(args, env, str(tmp_path), stdout, start) == [
+      '%s is older than the command (a leftover)' % png]
+  os.utime(png)
+  assert rc.missing_outputs(args, env, str(tmp_path), stdout, start) == []
 
 
 # Options whose value is a path a command writes to.
@@ -152,25 +152,25 @@ def commands_run(tmp_path_factory):
   if checkout:
     _fresh_clone(work)
   status_before = _status(fs.ROOT) if checkout else None
-  data_dir = os.path.join(root, 'cifar10_data')
-  env = {'CIFAR10_DATA_DIR': data_dir,
-         'CIFAR10_TRAIN_DIR': os.path.join(root, 'cifar10_train'),
-         'CIFAR10_EVAL_DIR': os.path.join(root, 'cifar10_eval'),
-         'CIFAR10_DATA_URL': fs.closed_port_url()}
-  commands = commands_section(open(README, encoding='utf-8').read())
+  env = rc.environment(root)
+  commands = rc.read_commands()
   ran, failure = [], None
   with pytest.MonkeyPatch.context() as monkeypatch:
     monkeypatch.chdir(work)
     for words in commands:
-      if tuple(words[2:4]) in NEEDS_NETWORK:
+      if rc.needs_network(words):
         continue
-      args = _prepared(words, root, data_dir)
+      args = rc.prepared(words, root, env['CIFAR10_DATA_DIR'])
       start = time.time()
       code, out, err, exception = fs.invoke_cli(args, env=env)
       ran.append('%5.1f s  %s' % (time.time() - start, ' '.join(args)))
       print(ran[-1])
       if exception is not None or code != 0:
         failure = (' '.join(words), code, repr(exception), out[-2000:], err[-2000:])
+        break
+      missing = rc.missing_outputs(args, env, work, out, start)
+      if missing:
+        failure = (' '.join(words), missing, out[-2000:], err[-2000:])
         break
   return {'commands': commands, 'ran': ran, 'failure': failure, 'work': work,
           'checkout': checkout, 'status_before': status_before}
