@@ -41,6 +41,7 @@ class RunFailed(errors.Failure):
 
 
 def stream_closed(error):
+  """True for a failed write to a stream whose reader is gone (a pipe, a terminal)."""
   import errno  # pylint: disable=import-outside-toplevel
   return isinstance(error, OSError) and not getattr(error, 'filename', None) and (
       error.errno in (errno.EPIPE, errno.EIO, errno.EBADF)
@@ -60,11 +61,13 @@ def silence_stdout():
 def cause(error):
   """What went wrong, in a user's words: one line, no op names, node blocks or traceback.
 
-  Our own errors carry their line already. A failed write to a stream (stdout
+  Our own errors (errors.Failure) carry their line already. A failed write to a stream (stdout
   closed by `| head`, a terminal gone) is said as such, not as a path
   problem; an OSError with a file names it; a TensorFlow error loses its
   decorations ([[{{node ...}}]], [Op:...]) and is named by its kind.
   """
+  if isinstance(error, errors.Failure):
+    return error.line()
   if stream_closed(error):
     return ('the output stream closed under the run (%s: a pipe\'s reader ended '
             'or the terminal is gone)' % (os.strerror(error.errno) if error.errno
@@ -77,8 +80,6 @@ def cause(error):
     text = re.sub(r'\s*(\[\[|\[Op:).*', '', checkpoints.reason(error)).strip()
     kind = re.sub(r'(?<!^)(?=[A-Z])', ' ', type(error).__name__.replace('Error', ''))
     return 'TensorFlow failed (%s): %s' % (kind.lower() or 'error', text)
-  if module.startswith('cifar10_towers'):
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   text = str(error).strip().splitlines()
   return '%s: %s' % (type(error).__name__, text[0]) if text else type(error).__name__
 
@@ -126,8 +127,7 @@ def failed(error, first_step, step, held, saved, save, train_dir):
   if stream_closed(error):
     silence_stdout()  # the lines to come (a flush at exit) would fail again
   if step == first_step:
-    ours = (type(error).__module__ or '').startswith('cifar10_towers')
-    return error if ours else RunFailed(cause(error))
+    return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
   line = cause(error).rstrip('.') + '.'
   if not os.path.isdir(train_dir):
     return RunFailed(
