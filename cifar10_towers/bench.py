@@ -785,8 +785,10 @@ def run(config, progress=None, launch=Contender, runner=run_worker):
     try:
       for spec in specs:
         contenders.append(launch(spec, config.timeout_secs))
-      for contender in contenders:
-        contender.wait_ready()
+      for i, contender in enumerate(contenders):
+        contender.wait_ready()  # its TensorFlow import, graph or trace: seconds each
+        progress('Ready: %s (%d of %d)' % (describe(contender.spec), i + 1,
+                                             len(contenders)))
       windows = {_key(c.spec): [] for c in contenders}
       for r in range(config.total_rounds):
         timed_round = r - config.warmup_rounds

@@ -566,7 +566,7 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
   reports, images, labels, init = crosscheck_lib.run(
       plan, batch_size=batch_size, steps=steps, seed=seed, data_dir=data_dir,
       decay_steps=decay_steps, engines=engines, tolerances=tolerances,
-      progress=_warn, **({} if optimizer is None else {'optimizer': optimizer}))
+      progress=click.echo, **({} if optimizer is None else {'optimizer': optimizer}))
   for engine, report in reports.items():
     click.echo('legacy vs modern (%s):' % engine)
     click.echo(crosscheck_lib.format_report(report))
@@ -796,7 +796,7 @@ def bench(ctx, impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds,
       rounds=rounds, warmup_rounds=warmup_rounds, window_steps=window_steps,
       matmul_size=matmul_size, jit=jit)
   try:
-    report = bench_lib.run(config, progress=_warn)
+    report = bench_lib.run(config, progress=click.echo)  # progress: stdout
   except bench_lib.BenchError as e:
     raise click.ClickException('%s. Run the measurement again; if it keeps '
                                'failing, train once with the same flags to '

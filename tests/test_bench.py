@@ -105,7 +105,11 @@ def test_contenders_take_turns_window_by_window(fake_report):
     assert windows[7 * r:7 * (r + 1)] == [c + (r - 2,) for c in order]
   assert all(c.killed for c in launched)  # none outlives the run
   assert messages[0].startswith('Starting 7 contenders, one process each')
-  assert '[warm-up 1/2] measuring keras, 1 tower(s) x batch 8' in messages[1]
+  # While they start (seconds each), a line as each is ready.
+  assert [(m.startswith('Ready: '), m.rsplit(' (', 1)[-1]) for m in messages[1:8]] == [
+      (True, '%d of 7)' % i) for i in range(1, 8)]
+  assert 'Ready: keras, 1 tower(s) x batch 8' in messages[1]
+  assert '[warm-up 1/2] measuring keras, 1 tower(s) x batch 8' in messages[8]
   assert '[round 3/3] measuring' in messages[-5]
   assert messages[-4:] == ['[inputs] measuring %s, %d tower(s) x batch 8: input '
                            'pipeline alone' % (impl, n)
