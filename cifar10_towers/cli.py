@@ -665,6 +665,8 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
   from cifar10_towers.towerprofile import render
   from cifar10_towers.towerprofile import run as profile_lib
   plan = devices.plan_devices(num_gpus, warn=_warn)
+  click.echo('Profiling %d step(s) of %s on %d tower(s) under TensorFlow\'s tracing...'
+             % (steps, impl, num_gpus))
   report, written = profile_lib.profile(
       impl, plan, batch_size, steps, data_dir=data_dir, out_dir=out_dir,
       misplace_tower=misplace_tower, warn=_warn)
@@ -687,6 +689,7 @@ def convert(from_dir, to_dir):
   (momentum, Adam) move bit for bit; training continues from the converted
   checkpoint and eval gives the same precision.
   """
+  click.echo('Converting the newest checkpoint of %s into %s...' % (from_dir, to_dir))
   from cifar10_towers import convert as convert_lib
   from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir, warn=_warn)
   optimizer = convert_lib.read_state(path)[4]
@@ -958,6 +961,7 @@ def check(data_dir):
 def digits(data_dir, seed, force):
   """Convert scikit-learn's bundled handwritten digits (a real image set) to CIFAR format."""
   replacing = _replacing(data_dir, 'digits', force)
+  click.echo('Converting scikit-learn\'s digits to CIFAR format in %s...' % data_dir)
   from cifar10_towers.common import digits as digits_lib
   try:
     counts = digits_lib.convert_digits(data_dir, seed=seed)
