@@ -94,8 +94,9 @@ def test_digits_writes_the_marker_with_its_data(tmp_path):
   data_dir = str(tmp_path / 'data')
   code, out, err = _cli(['data', 'digits', '--data_dir', data_dir, '--seed', '3'])
   assert (code, err) == (0, ''), err
-  assert out == ('Wrote 1498 training and 299 test records of generated data '
-                 '(digits) to %s.\n' % data_dir)
+  assert out == ('Converting scikit-learn\'s digits to CIFAR format in %s...\n'
+                 'Wrote 1498 training and 299 test records of generated data '
+                 '(digits) to %s.\n' % (data_dir, data_dir))
   info = generated.read(data_dir)
   assert info['generator'] == 'digits'
   assert info['command'] == 'python cli.py data digits --data_dir %s --seed 3' % data_dir
