@@ -1,7 +1,5 @@
 """towerprofile.analysis on synthetic events: interval math, categories, placement."""
 
-import types
-
 import pytest
 
 from cifar10_towers.towerprofile import analysis
@@ -132,33 +130,6 @@ def test_analyze_flags_a_tower_on_another_device():
   assert 'tower 1 ran on /device:CPU:0, planned /device:CPU:1' in report['verdict']
 
 
-def _node(name, op, *inputs):
-  return types.SimpleNamespace(name=name, op=op, input=list(inputs))
-
-
-def test_modern_moving_average_ops_follow_the_decay():
-  from cifar10_towers.towerprofile import modern_trace
-  step = types.SimpleNamespace(node_def=[
-      _node('step', 'ReadVariableOp', 'global_step'),
-      _node('lr', 'Pow', 'step'),  # the update's: shared input stays update
-      _node('n', 'Cast', 'step'),
-      _node('Minimum', 'Minimum', 'n'),
-      _node('one_minus', 'Sub', 'Minimum'),
-      _node('shadow', 'ReadVariableOp', 'shadow_handle'),
-      _node('sub', 'Sub', 'shadow', 'weights'),
-      _node('mul', 'Mul', 'sub', 'one_minus'),
-      _node('AssignSubVariableOp_1', 'AssignSubVariableOp', 'shadow_handle',
-            'mul'),
-      _node('lr_grad', 'Mul', 'lr', 'grad'),
-      _node('AssignSubVariableOp', 'AssignSubVariableOp', 'weights_handle',
-            'lr_grad', '^AssignSubVariableOp_1'),
-      _node('tower_0/Minimum', 'Minimum', 'x'),  # a tower's is not the decay
-  ])
-  assert modern_trace.moving_average_ops(step) == {
-      'n', 'Minimum', 'one_minus', 'shadow', 'sub', 'mul',
-      'AssignSubVariableOp_1'}
-
-
 @pytest.mark.parametrize('name,op_type,category', [
     # The step's name scopes (modern/step.py) are read as legacy's.
     ('average_gradients/stack_4', 'Pack', analysis.AVERAGE),
@@ -175,7 +146,5 @@ def test_modern_moving_average_ops_follow_the_decay():
     ('clip_gradients/mul', 'Mul', analysis.UPDATE),
 ])
 def test_modern_categories(name, op_type, category):
-  from cifar10_towers.towerprofile import modern_trace
-  assert modern_trace.category(name, op_type) == category
-  # What the data flow says is the moving averages' wins.
-  assert modern_trace.category(name, op_type, {name}) == analysis.EMA
+  # Modern's adapter: what no rule knows (on the variable device) is the update.
+  assert analysis.categorize(name, op_type, analysis.UPDATE) == category

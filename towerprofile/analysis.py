@@ -57,8 +57,11 @@ def tower_of(name):
   return int(match[1]) if match else None
 
 
-def categorize(name, op_type=''):
-  """The category (one of CATEGORIES) of an op from its full name and its type if known."""
+def categorize(name, op_type='', rest=OTHER):
+  """The category (one of CATEGORIES) of an op from its full name and its type if known.
+
+  `rest` is the category of an op no rule knows.
+  """
   if op_type in COPY_OPS or 'memcpy' in name.lower():
     return COPY
   if tower_of(name) is not None:
@@ -72,7 +75,7 @@ def categorize(name, op_type=''):
   if op_type in INPUT_OPS:
     return INPUT
   first = name.split('/')[0]
-  return next((category for category, scopes in SCOPES if first.startswith(scopes)), OTHER)
+  return next((category for category, scopes in SCOPES if first.startswith(scopes)), rest)
 
 
 @dataclasses.dataclass

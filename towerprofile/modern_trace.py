@@ -14,7 +14,6 @@ op really ran); the device the traced function asks for (on logical CPU
 devices every op has a kernel, so the placer keeps it).
 """
 
-import collections
 import glob
 import os
 import tempfile
@@ -32,64 +31,16 @@ STEP_EVENT = 'towerprofile_step'  # the tf.profiler.experimental.Trace of one st
 VARIABLE_DEVICE = analysis.canonical_device(devices.VARIABLE_DEVICE)
 
 
-def category(name, op_type, ema_ops=frozenset()):
-  """`analysis.categorize`, but the moving averages by data flow (`ema_ops`), and the
-  rest on the variable device is the update (the variables' reads for the towers,
-  the clipping)."""
-  found = analysis.EMA if name in ema_ops else analysis.categorize(name, op_type)
-  return analysis.UPDATE if found == analysis.OTHER else found
-
-
-def moving_average_ops(function_def):
-  """Names of the ops of the step function that serve only the moving averages.
-
-  Besides their name scope ('moving_average'), by data flow: `model_spec.ema_decay`
-  (the one `Minimum` of the step) starts them: what depends on it, and what
-  feeds only those (the shadows' reads, `shadow - variable`), is theirs.
-
-  Args:
-    function_def: the step's FunctionDef.
-
-  Returns:
-    set of op names.
-  """
-  consumers = collections.defaultdict(set)
-  for node in function_def.node_def:
-    for source in node.input:
-      if not source.startswith('^'):
-        consumers[source.split(':')[0]].add(node.name)
-  ema, todo = set(), [n.name for n in function_def.node_def
-                      if n.op == 'Minimum' and analysis.tower_of(n.name) is None]
-  while todo:  # what depends on the decay
-    name = todo.pop()
-    if name not in ema:
-      ema.add(name)
-      todo.extend(consumers[name])
-  while True:  # what feeds only the moving averages
-    feeders = {n.name for n in function_def.node_def if n.name not in ema
-               and consumers[n.name] and consumers[n.name] <= ema
-               and analysis.tower_of(n.name) is None}
-    if not feeders:
-      return ema
-    ema |= feeders
-
-
 def graph_facts(trainer, batch):
-  """What the traced step says: op name -> requested device, and the EMA ops.
-
-  Returns:
-    (dict op name -> canonical device, set of moving-average op names).
-  """
+  """Op name -> the canonical device the traced step asks for (none: the default device)."""
   graph_def = tf.function(trainer.train_step).get_concrete_function(
       batch).graph.as_graph_def()
-  functions = sorted(graph_def.library.function,  # the step's own function first
-                     key=lambda f: '_train_step' not in f.signature.name)
   found = {}
-  for function in functions:
-    for node in function.node_def:  # no device: the default device
+  for function in sorted(graph_def.library.function,  # the step's own function first
+                         key=lambda f: '_train_step' not in f.signature.name):
+    for node in function.node_def:
       found.setdefault(node.name, analysis.canonical_device(node.device or VARIABLE_DEVICE))
-  step = [f for f in functions if '_train_step' in f.signature.name]
-  return found, moving_average_ops(step[0]) if step else set()
+  return found
 
 
 def _stats(plane, holder):
@@ -99,13 +50,12 @@ def _stats(plane, holder):
           for stat in holder.stats}
 
 
-def events_from_xspace(space, device_of, ema_ops=frozenset()):
+def events_from_xspace(space, device_of):
   """Normalized events and step windows of an XSpace.
 
   Args:
     space: xplane_pb2.XSpace.
     device_of: dict op name -> canonical device (see `graph_facts`).
-    ema_ops: set of the moving averages' op names (see `graph_facts`).
 
   Returns:
     (events, windows, sources): list of analysis.Event; per step (start_us,
@@ -150,8 +100,10 @@ def events_from_xspace(space, device_of, ema_ops=frozenset()):
       if device is None:
         device, sources[op_name] = actual.get(op_name) or (
             device_of.get(op_name, VARIABLE_DEVICE), 'graph')
+      # What no name tells is on the variable device: the update (the variables'
+      # reads for the towers, the clipping).
       events.append(analysis.Event(op_name, op_type, device, start, end, step,
-                                   category(op_name, op_type, ema_ops)))
+                                   analysis.categorize(op_name, op_type, analysis.UPDATE)))
   return events, spans, sources
 
 
@@ -172,7 +124,7 @@ def trace(config, plan, decay_steps, steps, warmup):
   trainer = modern_step.Trainer(plan, decay_steps, jit=config.jit)
   iterator = iter(inputs.distorted_inputs(config.data_dir, config.batch_size,
                                           config.num_gpus, seed=config.seed))
-  device_of, ema_ops = graph_facts(trainer, next(iterator))
+  device_of = graph_facts(trainer, next(iterator))
   for _ in range(warmup):
     trainer.train_step(next(iterator))
   wall_us = []
@@ -190,5 +142,5 @@ def trace(config, plan, decay_steps, steps, warmup):
     with open(sorted(glob.glob(os.path.join(logdir, 'plugins/profile/*/*.xplane.pb')))[-1],
               'rb') as f:
       space.ParseFromString(f.read())
-  events, windows, sources = events_from_xspace(space, device_of, ema_ops)
+  events, windows, sources = events_from_xspace(space, device_of)
   return events, windows, wall_us, sources

@@ -150,22 +150,21 @@ def write_all(events, windows, report, out_dir):
 def format_report(report):
   """The report as lines for the terminal."""
   median = report['median']
-  step = median['step_us'] or 1.0
-  return [
-      '%d tower(s); variables on %s; input on %s'
-      % (report['num_towers'], report['variable_device'], report['input_device']),
-      'step %.1f ms (traced), %.1f ms (wall); step / slowest tower %s'
-      % (step / 1e3, (median['wall_us'] or 0) / 1e3,
-         '%.2f' % median['step_over_slowest_tower']
-         if median['step_over_slowest_tower'] else '-'),
-      'median split of the step (idle: no op ran, e.g. the runtime dispatching):',
-  ] + ['  %-15s %8.2f ms %5.1f%%' % (category, value / 1e3, 100.0 * value / step)
-       for category, value in median['split_us'].items()
-       ] + ['busy fraction per device:'] + [
-           '  %-15s %.2f' % item for item in median['busy_fraction'].items()
-       ] + ['placement:'] + ['  tower %d planned %s ran on %s%s' % (
-           p['tower'], p['planned'],
-           ', '.join('%s %.1f%%' % (d, 100 * s) for d, s in p['ran_on'].items()
-                     if s >= 0.001) or 'nowhere (no compute traced)',
-           '  MISPLACED' if p['misplaced'] else '') for p in report['placement']
-       ] + ['verdict: %s' % report['verdict']]
+  step, slowest = median['step_us'] or 1.0, median['step_over_slowest_tower']
+  lines = ['%d tower(s); variables on %s; input on %s'
+           % (report['num_towers'], report['variable_device'], report['input_device']),
+           'step %.1f ms (traced), %.1f ms (wall); step / slowest tower %s'
+           % (step / 1e3, (median['wall_us'] or 0) / 1e3,
+              '%.2f' % slowest if slowest else '-'),
+           'median split of the step (idle: no op ran, e.g. the runtime dispatching):']
+  lines += ['  %-15s %8.2f ms %5.1f%%' % (category, value / 1e3, 100.0 * value / step)
+            for category, value in median['split_us'].items()]
+  lines += ['busy fraction per device:']
+  lines += ['  %-15s %.2f' % item for item in median['busy_fraction'].items()]
+  lines += ['placement:']
+  for p in report['placement']:
+    ran_on = ', '.join('%s %.1f%%' % (d, 100 * s) for d, s in p['ran_on'].items() if s >= 0.001)
+    lines.append('  tower %d planned %s ran on %s%s' % (
+        p['tower'], p['planned'], ran_on or 'nowhere (no compute traced)',
+        '  MISPLACED' if p['misplaced'] else ''))
+  return lines + ['verdict: %s' % report['verdict']]
