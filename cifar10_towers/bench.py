@@ -243,7 +243,6 @@ def contend_baseline(spec, pacer):
   plan = _plan(spec)
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
   from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
   size, rng = hparams.IMAGE_SIZE, np.random.default_rng(0)
   shape = (BASELINE_DISTINCT_BATCHES, spec['batch_size'] * spec['num_gpus'])
@@ -255,8 +254,7 @@ def contend_baseline(spec, pacer):
     schedule = keras.optimizers.schedules.ExponentialDecay(
         hparams.INITIAL_LEARNING_RATE, staircase=True,
         decay_rate=hparams.LEARNING_RATE_DECAY_FACTOR, decay_steps=hparams.decay_steps(
-            fmt.num_examples(fmt.train_files(spec['data_dir'])), spec['batch_size'],
-            spec['num_gpus']))
+            spec['records'], spec['batch_size'], spec['num_gpus']))
     model.compile(
         optimizer=keras.optimizers.SGD(
             schedule, use_ema=True, ema_momentum=hparams.MOVING_AVERAGE_DECAY),
@@ -410,9 +408,9 @@ def describe(spec):
       ' (XLA)' if spec.get('jit') and kind != 'baseline' else '')
 
 
-def contender_specs(config, data_dir):
+def contender_specs(config, data_dir, records):
   """The paced contenders: per tower count Keras and each trainer; then the matmul."""
-  common = dict(batch_size=config.batch_size, data_dir=data_dir, jit=config.jit,
+  common = dict(batch_size=config.batch_size, data_dir=data_dir, records=records, jit=config.jit,
                 window_steps=config.window_steps, matmul_size=config.matmul_size,
                 matmul_repeats=config.matmul_repeats,
                 windows=config.warmup_rounds + config.rounds)
@@ -446,7 +444,7 @@ def run(config, launch=Contender):
       synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
     records = fmt.num_examples(fmt.train_files(data_dir))
     data = ('generated (common.synth)' if config.data_dir is None else data_dir)
-    specs = contender_specs(config, data_dir)
+    specs = contender_specs(config, data_dir, records)
     logger.info('Starting %d contenders, one process each: %s',
                 len(specs), '; '.join(map(describe, specs)))
     contenders, windows, inputs = [], {_key(s): [] for s in specs}, {}
