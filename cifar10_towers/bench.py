@@ -48,7 +48,6 @@ an optional extra.
 
 import dataclasses
 import datetime
-import importlib
 import json
 import logging
 import math
@@ -179,7 +178,10 @@ def contend_training(spec, pacer):
   window of steps) is the ready one.
   """
   plan = _plan(spec)
-  trainer = importlib.import_module('cifar10_towers.%s.train' % spec['impl'])
+  if spec['impl'] == 'legacy':
+    from cifar10_towers.legacy import train as trainer  # pylint: disable=g-import-not-at-top
+  else:
+    from cifar10_towers.modern import train as trainer  # pylint: disable=g-import-not-at-top
   steps = (spec['windows'] + 1) * spec['window_steps']
 
   def on_step(step, seconds, images):

@@ -662,8 +662,8 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
   if data_dir is not None:
     _ensure_train_data(data_dir)
   from cifar10_towers.common import devices
+  plan = devices.plan_devices(num_gpus, warn=_warn)  # before TensorFlow starts
   from cifar10_towers.towerprofile import run as profile_lib
-  plan = devices.plan_devices(num_gpus, warn=_warn)
   click.echo('Profiling %d step(s) of %s on %d tower(s) under TensorFlow\'s tracing...'
              % (steps, impl, num_gpus))
   report, written = profile_lib.profile(

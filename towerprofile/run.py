@@ -6,7 +6,6 @@ matplotlib) and the report (report.json, and as lines for the terminal).
 
 import collections
 import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -17,6 +16,8 @@ from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.towerprofile import analysis
+from cifar10_towers.towerprofile import legacy_trace
+from cifar10_towers.towerprofile import modern_trace
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
     tower_devices = list(plan.tower_devices)
     tower_devices[misplace_tower] = devices.VARIABLE_DEVICE
     trainer_plan = dataclasses.replace(plan, tower_devices=tuple(tower_devices))
-  adapter = importlib.import_module('cifar10_towers.towerprofile.%s_trace' % impl)
+  adapter = legacy_trace if impl == 'legacy' else modern_trace
   # A scratch train_dir: the profile never reads or writes the user's.
   with tempfile.TemporaryDirectory(prefix='towerprofile_') as scratch:
     if data_dir is None:
