@@ -381,10 +381,9 @@ class Contender:
     if time.monotonic() - began >= self._timeout:
       raise BenchError('%s timed out after %.0f s' % (describe(self.spec), self._timeout))
     self._stderr.seek(0)
-    lines = self._stderr.read().split('\n')
     raise BenchError('%s failed (exit %s): %s' % (
         describe(self.spec), self._proc.returncode,
-        ([l for l in lines if l.strip()] or ['no output'])[-1]))
+        (self._stderr.read().strip().splitlines() or ['no output'])[-1]))
 
   def window(self):
     """Runs one more window (after the last: the contender ends); returns `read()`."""
