@@ -150,6 +150,11 @@ def analyze_step(events, window, num_towers, wall_us=None):
     wall_us: float, the step's time as the caller measured it, or None.
   """
   step_us = window[1] - window[0]
+
+  def busy(selected):  # time during which any of them runs, overlaps counted once
+    return sum(length for length, active in pieces(
+        [(e.start_us, e.end_us, 0) for e in selected], window) if active)
+
   split = dict.fromkeys(CATEGORIES + (IDLE,), 0.0)
   for length, ranks in pieces(
       [(e.start_us, e.end_us, CATEGORIES.index(e.category)) for e in events], window):
@@ -165,9 +170,7 @@ def analyze_step(events, window, num_towers, wall_us=None):
       # The runtime's own time around the ops (dispatch, collecting the
       # trace): the step as measured in Python minus the traced window.
       'outside_trace_us': wall_us - step_us if wall_us is not None else None,
-      'busy_fraction': {device: sum(length for length, active in pieces(
-          [(e.start_us, e.end_us, 0) for e in events if e.device == device], window)
-                                    if active) / step_us
+      'busy_fraction': {device: busy([e for e in events if e.device == device]) / step_us
                         for device in sorted({e.device for e in events})},
       'split_us': split,
       # Time 2+ towers compute at once / time 1+ tower computes.
