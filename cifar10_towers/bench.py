@@ -24,7 +24,7 @@ For every (implementation, towers) combination the benchmark measures
   than wall time does.
 
 How. Every contender (Keras, legacy and modern for each tower count, and the
-matmul) runs in its own process (`python -m cifar10_towers.bench --contend SPEC`), started
+matmul) runs in its own process (`python -m cifar10_towers.bench SPEC`), started
 once and then paced: at each window boundary it reports the window's times
 and waits, blocked, until the parent says "go". The parent runs one window of
 each contender in turn (a round; the order rotates from round to round), so
@@ -37,7 +37,8 @@ compete, and peak memory is per process. A waiting contender uses no CPU once
 its input buffers are full (legacy's queues, tf.data's prefetch); the few
 batches buffered during the wait save the next window at most their
 preprocessing, about 1% of a window. The inputs alone are then measured one
-process each (`--worker SPEC`).
+process each, unpaced: the same entry point, which then reports only its
+result.
 
 No click here: `cli.py bench` is the command line; `run`, `format_table`,
 `write_json`, `read_json` and `plot` are the API. `plot` draws a report (a
@@ -48,28 +49,28 @@ an optional extra.
 import dataclasses
 import datetime
 import json
+import logging
+import math
 import os
 import platform
-import queue
-import resource
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 
 from cifar10_towers.common import errors
+
+logger = logging.getLogger(__name__)
 
 # The directory that holds the cifar10_towers package (a checkout or site-packages).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ('legacy', 'modern')
 BASELINE = 'keras'  # the contender every ratio is taken against
 MATMUL = 'matmul'  # the contender that measures the machine's FLOP/s
-RESULT_PREFIX = 'BENCH_RESULT '  # a worker's last stdout line: prefix + JSON
-READY = 'BENCH_READY'  # a contender is built and waits for its first window
-WINDOW_PREFIX = 'BENCH_WINDOW '  # a contender's window times: prefix + JSON
+MESSAGE = 'BENCH '  # a contender's stdout line to the parent: prefix + JSON
 GO = 'go'  # the parent's line: run one more window
 BASELINE_DISTINCT_BATCHES = 8  # in-memory global batches the baseline cycles over
 INPUT_WARMUP_WINDOWS = 2  # input-alone windows discarded (the shuffle buffer fills first)
@@ -84,7 +85,7 @@ class BenchError(errors.Failure):
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-  """What `run` measures and how long."""
+  """What `run` measures and how long (the CLI checks the values)."""
   impls: tuple = IMPLS  # trainers to measure
   num_gpus: tuple = (1, 2)  # tower counts (logical CPU devices without GPUs)
   batch_size: int = 128  # images per tower per step
@@ -98,57 +99,25 @@ class BenchConfig:
   synth_per_file: int = 10000  # generated records per training file (CIFAR-10's size)
   timeout_secs: float = 900.0  # longest wait for one window (or a start) of a contender
 
-  def __post_init__(self):
-    unknown = [impl for impl in self.impls if impl not in IMPLS]
-    if not self.impls or unknown:
-      raise ValueError('impls must be a non-empty subset of %s, got %s'
-                       % (IMPLS, self.impls))
-    if not self.num_gpus or min(self.num_gpus) < 1:
-      raise ValueError('num_gpus must be tower counts >= 1, got %s' % (self.num_gpus,))
-    for name in ('batch_size', 'rounds', 'window_steps', 'matmul_size',
-                 'matmul_repeats', 'synth_per_file'):
-      if getattr(self, name) < 1:
-        raise ValueError('%s must be >= 1, got %s' % (name, getattr(self, name)))
-    if self.warmup_rounds < 0:
-      raise ValueError('warmup_rounds must be >= 0, got %d' % self.warmup_rounds)
-
-  @property
-  def total_rounds(self):
-    return self.warmup_rounds + self.rounds
-
 
 def layer_flops_per_image():
-  """(layer name, FLOPs of its forward product) of one image, from model_spec.LAYERS.
+  """FLOPs (2 per multiply-add) of each layer's forward product for one image.
 
-  FLOPs count 2 per multiply-add. Convolutions and matmuls only (pooling, LRN
-  and ReLU are a rounding error): conv1 at 24x24, conv2 at 12x12 (after the
+  Convolutions and matmuls only (pooling, LRN and ReLU are a rounding error),
+  in model_spec.LAYERS' order: conv1 at 24x24, conv2 at 12x12 (after the
   first stride-2 pool), then the three fully connected layers.
   """
-  from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
-  size = hparams.IMAGE_SIZE
-  flops = []
+  from cifar10_towers.common import hparams, model_spec  # pylint: disable=g-import-not-at-top
+  size, flops = hparams.IMAGE_SIZE, []
   for layer in model_spec.LAYERS:
-    if len(layer.weight_shape) == 4:
-      kh, kw, cin, cout = layer.weight_shape
-      flops.append((layer.name, 2 * size * size * kh * kw * cin * cout))
-      size //= hparams.POOL_STRIDE  # the SAME, stride-2 max pool of the block
-    else:
-      fan_in, fan_out = layer.weight_shape
-      flops.append((layer.name, 2 * fan_in * fan_out))
+    conv = len(layer.weight_shape) == 4
+    flops.append(2 * math.prod(layer.weight_shape) * (size * size if conv else 1))
+    size //= hparams.POOL_STRIDE if conv else 1  # the SAME, stride-2 max pool of the block
   return flops
 
 
-def forward_flops_per_image():
-  """FLOPs of one image's forward pass: about 36.9 MFLOP.
-
-  docs/equivalence.md §1: ~18.5M multiply-adds.
-  """
-  return sum(flops for _, flops in layer_flops_per_image())
-
-
 def training_flops_per_image():
-  """FLOPs of one training image: about 105.3 MFLOP.
+  """FLOPs of one training image: about 105.3 MFLOP (the forward pass: 36.9).
 
   The forward product of every layer, then backward the same again for its
   weight gradient, and again for its input gradient except for the first
@@ -158,507 +127,362 @@ def training_flops_per_image():
   less conv1's forward, not 3 x forward (which counted 5.5 MFLOP too many).
   """
   layers = layer_flops_per_image()
-  return 3 * sum(flops for _, flops in layers) - layers[0][1]
+  return 3 * sum(layers) - layers[0]
 
 
-# --- inside a worker process -------------------------------------------------
+# --- inside a contender process ------------------------------------------------
 
 
-def _peak_rss_bytes():
-  """The RSS high-water mark of this process, in bytes.
-
-  `getrusage`'s ru_maxrss survives exec on Linux: a worker would report its
-  parent's peak (for example the 2 GB of generating data) if that was
-  higher. /proc/self/status's VmHWM belongs to this program's own memory map,
-  so it is preferred; getrusage (KiB on Linux) is the fallback elsewhere.
-  """
-  try:
-    with open('/proc/self/status', encoding='ascii') as f:
-      for line in f:
-        if line.startswith('VmHWM:'):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _say(message):
+  print(MESSAGE + json.dumps(message), flush=True)
 
 
 class Pacer:
   """Holds a contender at each window boundary until the parent says go.
 
-  The first boundary reports READY; every later one reports the window just
-  run: its wall and CPU seconds (and any extra figures). Talks over
-  stdin/stdout, one line per message.
+  The first boundary reports {} (ready); every later one the window just run:
+  its wall and CPU seconds (and any extra figures).
   """
 
-  def __init__(self, stdin=None, stdout=None):
-    self._stdin = stdin or sys.stdin
-    self._stdout = stdout or sys.stdout
-    self._start = None
+  def __init__(self):
+    self.boundaries, self._start = 0, None
 
   def boundary(self, **extra):
-    now, cpu = time.perf_counter(), time.process_time()
-    if self._start is None:
-      message = READY
-    else:
-      message = WINDOW_PREFIX + json.dumps(dict(
-          extra, seconds=now - self._start[0], cpu_seconds=cpu - self._start[1]))
-    self._stdout.write(message + '\n')
-    self._stdout.flush()
-    line = self._stdin.readline()
-    if line.strip() != GO:
-      raise SystemExit('bench contender: the parent went away (got %r)' % line)
-    self._start = (time.perf_counter(), time.process_time())
+    if self._start:
+      extra.update(seconds=time.perf_counter() - self._start[0],
+                   cpu_seconds=time.process_time() - self._start[1])
+    _say(extra)
+    if sys.stdin.readline().strip() != GO:
+      raise SystemExit('bench contender: the parent went away')
+    self.boundaries += 1
+    self._start = time.perf_counter(), time.process_time()
 
 
-def _plan(num_gpus):
+def _plan(spec):
   from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
-  return devices.plan_devices(num_gpus, warn=lambda _: None)
+  return devices.plan_devices(spec['num_gpus'])
 
 
 def _train_config(spec, train_dir, max_steps):
-  from cifar10_towers.common import config as config_lib  # pylint: disable=g-import-not-at-top
-  return config_lib.TrainConfig(
+  from cifar10_towers.common import config  # pylint: disable=g-import-not-at-top
+  return config.TrainConfig(
       data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
       batch_size=spec['batch_size'], max_steps=max_steps,
-      # Only the final checkpoint, after the last window.
-      save_every=max_steps + 1, jit=spec['jit'])
+      save_every=max_steps + 1, jit=spec['jit'])  # only the final checkpoint
 
 
 def contend_training(spec, pacer):
-  """Runs one trainer's real `train()`, paced by its `on_step` callback.
+  """Runs one trainer's real `train()`, a window every `window_steps` steps (`on_step`).
 
-  Every `window_steps`-th step ends a window; the first (after graph building,
-  queue filling or tracing, and one window of steps) is the READY boundary.
-
-  Args:
-    spec: dict with impl, num_gpus, batch_size, data_dir, window_steps, jit
-      and windows (the number of windows to run).
-    pacer: Pacer.
-
-  Returns:
-    dict with peak_rss_bytes.
+  The first boundary (after graph building, queue filling or tracing, and one
+  window of steps) is the ready one.
   """
-  plan = _plan(spec['num_gpus'])
+  plan = _plan(spec)
   if spec['impl'] == 'legacy':
     from cifar10_towers.legacy import train as trainer  # pylint: disable=g-import-not-at-top
   else:
     from cifar10_towers.modern import train as trainer  # pylint: disable=g-import-not-at-top
-  boundaries = []
+  steps = (spec['windows'] + 1) * spec['window_steps']
 
   def on_step(step, seconds, images):
     del seconds, images  # the pacer times whole windows
     if step % spec['window_steps'] == 0:
-      boundaries.append(step)
       pacer.boundary()
 
   with tempfile.TemporaryDirectory(prefix='bench_train_') as train_dir:
-    config = _train_config(spec, train_dir,
-                           (spec['windows'] + 1) * spec['window_steps'])
-    trainer.train(config, plan, out=lambda _: None, warn=lambda _: None,
-                  on_step=on_step)
-  if len(boundaries) != spec['windows'] + 1:
+    trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
+  if pacer.boundaries != spec['windows'] + 1:
     raise BenchError('%s ran %d windows, expected %d'
-                     % (spec['impl'], len(boundaries), spec['windows'] + 1))
-  return {'peak_rss_bytes': _peak_rss_bytes()}
+                     % (spec['impl'], pacer.boundaries - 1, spec['windows']))
 
 
 def keras_model(tf, keras):
-  """The CIFAR-10 net of docs/equivalence.md §1 as a Keras functional model (the baseline's).
+  """The CIFAR-10 net of docs/equivalence.md §1 as a Keras model (the baseline's).
 
   The same layers, shapes, initializers (truncated normal weights, constant
   biases) and weight decay as `common.model_spec`: Keras' L2(l) adds
   l * sum(w**2), so wd * l2_loss(w) = wd * sum(w**2) / 2 is L2(wd / 2).
   """
-  from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import hparams, model_spec  # pylint: disable=g-import-not-at-top
   layers = keras.layers
 
-  class LocalResponseNormalization(layers.Layer):
-    """`tf.nn.local_response_normalization` with the net's constants."""
-
-    def call(self, x):
-      return tf.nn.local_response_normalization(
-          x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
-          alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA)
-
-  def kwargs(name, activation):
+  def layer(name, activation='relu'):
     spec = model_spec.LAYERS_BY_NAME[name]
-    return dict(
+    kwargs = dict(
         name=name, activation=activation,
         kernel_initializer=keras.initializers.TruncatedNormal(stddev=spec.stddev),
         bias_initializer=keras.initializers.Constant(spec.bias_init),
-        kernel_regularizer=(keras.regularizers.L2(spec.wd / 2.0) if spec.wd
-                            else None))
+        kernel_regularizer=keras.regularizers.L2(spec.wd / 2.0) if spec.wd else None)
+    if len(spec.weight_shape) == 4:
+      return layers.Conv2D(spec.weight_shape[-1], spec.weight_shape[:2], padding='same',
+                           **kwargs)
+    return layers.Dense(spec.weight_shape[-1], **kwargs)
 
-  def conv(name):
-    spec = model_spec.LAYERS_BY_NAME[name]
-    return layers.Conv2D(spec.weight_shape[-1], spec.weight_shape[:2],
-                         padding='same', **kwargs(name, 'relu'))
-
-  def dense(name, activation='relu'):
-    spec = model_spec.LAYERS_BY_NAME[name]
-    return layers.Dense(spec.weight_shape[-1], **kwargs(name, activation))
+  def lrn(name):
+    return layers.Lambda(lambda x: tf.nn.local_response_normalization(
+        x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
+        alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA), name=name)
 
   def pool(name):
-    return layers.MaxPooling2D(hparams.POOL_KSIZE, hparams.POOL_STRIDE,
-                               padding='same', name=name)
+    return layers.MaxPooling2D(hparams.POOL_KSIZE, hparams.POOL_STRIDE, padding='same',
+                               name=name)
 
   size = hparams.IMAGE_SIZE
-  images = keras.Input((size, size, 3))
-  x = conv('conv1')(images)
-  x = pool('pool1')(x)
-  x = LocalResponseNormalization(name='norm1')(x)
-  x = conv('conv2')(x)
-  x = LocalResponseNormalization(name='norm2')(x)
-  x = pool('pool2')(x)
-  x = layers.Flatten()(x)
-  x = dense('local3')(x)
-  x = dense('local4')(x)
-  logits = dense('softmax_linear', activation=None)(x)
-  return keras.Model(images, logits, name='cifar10')
+  return keras.Sequential([
+      keras.Input((size, size, 3)), layer('conv1'), pool('pool1'), lrn('norm1'),
+      layer('conv2'), lrn('norm2'), pool('pool2'), layers.Flatten(), layer('local3'),
+      layer('local4'), layer('softmax_linear', activation=None)], name='cifar10')
 
 
 def contend_baseline(spec, pacer):
-  """Runs the same net in Keras `model.fit` under MirroredStrategy, paced at epoch ends.
+  """Runs the same net in Keras `model.fit` under MirroredStrategy, a window per epoch.
 
   One `fit` call of windows + 1 epochs of `window_steps` steps; the first
-  epoch's end (after tracing) is the READY boundary.
-
-  Args:
-    spec: dict with num_gpus, batch_size, data_dir, window_steps, windows.
-    pacer: Pacer.
-
-  Returns:
-    dict with peak_rss_bytes.
+  epoch's end (after tracing) is the ready boundary. The data: random
+  batches, pre-batched in memory, so the baseline spends nothing on input.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
-  plan = _plan(spec['num_gpus'])
+  plan = _plan(spec)
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
   from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
-  size = hparams.IMAGE_SIZE
-  global_batch = spec['batch_size'] * spec['num_gpus']
-  rng = np.random.default_rng(0)
-  shape = (BASELINE_DISTINCT_BATCHES, global_batch)
-  images = rng.standard_normal(shape + (size, size, 3)).astype(np.float32)
-  labels = rng.integers(0, hparams.NUM_CLASSES, shape).astype(np.int32)
-  # Pre-batched in memory: the baseline spends nothing on input.
-  dataset = tf.data.Dataset.from_tensor_slices((images, labels)).repeat()
-  dataset = dataset.prefetch(tf.data.AUTOTUNE)
-
-  strategy = tf.distribute.MirroredStrategy(devices=list(plan.tower_devices))
-  with strategy.scope():
+  size, rng = hparams.IMAGE_SIZE, np.random.default_rng(0)
+  shape = (BASELINE_DISTINCT_BATCHES, spec['batch_size'] * spec['num_gpus'])
+  dataset = tf.data.Dataset.from_tensor_slices((
+      rng.standard_normal(shape + (size, size, 3), np.float32),
+      rng.integers(0, hparams.NUM_CLASSES, shape, np.int32))).repeat().prefetch(2)
+  with tf.distribute.MirroredStrategy(devices=list(plan.tower_devices)).scope():
     model = keras_model(tf, keras)
-    decay_steps = hparams.decay_steps(
-        fmt.num_examples(fmt.train_files(spec['data_dir'])), spec['batch_size'],
-        spec['num_gpus'])
     schedule = keras.optimizers.schedules.ExponentialDecay(
-        hparams.INITIAL_LEARNING_RATE, decay_steps=decay_steps,
-        decay_rate=hparams.LEARNING_RATE_DECAY_FACTOR, staircase=True)
+        hparams.INITIAL_LEARNING_RATE, staircase=True,
+        decay_rate=hparams.LEARNING_RATE_DECAY_FACTOR, decay_steps=hparams.decay_steps(
+            spec['records'], spec['batch_size'], spec['num_gpus']))
     model.compile(
         optimizer=keras.optimizers.SGD(
             schedule, use_ema=True, ema_momentum=hparams.MOVING_AVERAGE_DECAY),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-
-  class EpochEnds(keras.callbacks.Callback):
-
-    def on_epoch_end(self, epoch, logs=None):
-      del epoch, logs
-      pacer.boundary()
-
-  model.fit(dataset, epochs=spec['windows'] + 1,
-            steps_per_epoch=spec['window_steps'], verbose=0,
-            callbacks=[EpochEnds()])
-  return {'peak_rss_bytes': _peak_rss_bytes()}
+  model.fit(dataset, epochs=spec['windows'] + 1, steps_per_epoch=spec['window_steps'],
+            verbose=0, callbacks=[keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: pacer.boundary())])
 
 
 def contend_matmul(spec, pacer):
-  """Measures fp32 matmul FLOP/s: each window, the best of `matmul_repeats` products.
-
-  Args:
-    spec: dict with matmul_size (n), matmul_repeats and windows.
-    pacer: Pacer.
-
-  Returns:
-    dict with peak_rss_bytes.
-  """
+  """Measures fp32 matmul FLOP/s: each window, the best of `matmul_repeats` products."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = spec['matmul_size']
-  a = tf.random.normal([n, n], dtype=tf.float32)
-  b = tf.random.normal([n, n], dtype=tf.float32)
+  a, b = tf.random.normal([n, n]), tf.random.normal([n, n])
   tf.matmul(a, b).numpy()
   pacer.boundary()
   for _ in range(spec['windows']):
-    best = 0.0
+    seconds = []
     for _ in range(spec['matmul_repeats']):
       start = time.perf_counter()
-      product = tf.matmul(a, b)
-      product[0, 0].numpy()  # eager CPU ops are synchronous; this makes sure
-      best = max(best, 2.0 * n ** 3 / (time.perf_counter() - start))
-    pacer.boundary(flops_per_sec=best)
-  return {'peak_rss_bytes': _peak_rss_bytes()}
+      tf.matmul(a, b)[0, 0].numpy()  # eager CPU ops are synchronous; this makes sure
+      seconds.append(time.perf_counter() - start)
+    pacer.boundary(flops_per_sec=2.0 * n ** 3 / min(seconds))
 
 
-def _legacy_input_stamps(spec, windows):
-  """Time stamps of legacy's prefetch-queue dequeues, one per window end."""
+def _input_batches(spec):
+  """The towers' batches of one trainer's input pipeline, endlessly.
+
+  Legacy: a dequeue of its shared prefetch queue per tower; modern: one
+  tf.data element (all towers' batches).
+  """
+  plan = _plan(spec)
+  if spec['impl'] == 'modern':
+    from cifar10_towers.modern import inputs  # pylint: disable=g-import-not-at-top
+    yield from inputs.distorted_inputs(spec['data_dir'], spec['batch_size'],
+                                       spec['num_gpus'])
+    return
   import tensorflow.compat.v1 as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.legacy import inputs as legacy_inputs  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
-  plan = _plan(spec['num_gpus'])
-  stamps = []
-  config = _train_config(spec, tempfile.gettempdir(), 1)
+  from cifar10_towers.legacy import inputs, train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
-    tower_batches = legacy_train.tower_input_batches(config)
-    init = tf.local_variables_initializer()
-    close_queues = legacy_inputs.close_queue_ops()
-    with tf.Session(config=legacy_train.session_config(plan)) as sess:
+    batches = train.tower_input_batches(_train_config(spec, tempfile.gettempdir(), 1))
+    init, close = tf.local_variables_initializer(), inputs.close_queue_ops()
+    with tf.Session(config=train.session_config(plan)) as sess:
       sess.run(init)
-      coord = tf.train.Coordinator()
+      coord = tf.train.Coordinator(clean_stop_exception_types=(
+          tf.errors.OutOfRangeError, tf.errors.CancelledError))
       threads = tf.train.start_queue_runners(sess=sess, coord=coord)
       try:
-        sess.run(tower_batches)  # waits for the shuffle queue to fill
-        stamps.append(time.perf_counter())
-        for _ in range(windows):
-          for _ in range(spec['window_steps']):
-            sess.run(tower_batches)
-          stamps.append(time.perf_counter())
+        while True:
+          yield sess.run(batches)
       finally:
-        coord.request_stop()
-        for close in close_queues:
-          sess.run(close)
-        coord.join(threads, stop_grace_period_secs=10)
-  return stamps
+        inputs.stop_queue_threads(sess, coord, threads, close)
 
 
-def _modern_input_stamps(spec, windows):
-  """Time stamps of modern's dataset elements (all towers' batches) at window ends."""
-  from cifar10_towers.modern import inputs  # pylint: disable=g-import-not-at-top
-  _plan(spec['num_gpus'])
-  iterator = iter(inputs.distorted_inputs(spec['data_dir'], spec['batch_size'],
-                                          spec['num_gpus']))
-  next(iterator)  # fills the shuffle buffer
-  stamps = [time.perf_counter()]
-  for _ in range(windows):
-    for _ in range(spec['window_steps']):
-      next(iterator)
-    stamps.append(time.perf_counter())
-  return stamps
-
-
-def measure_input(spec):
+def measure_input(spec, pacer):
   """Images/sec one trainer's input pipeline delivers to its towers, with no training.
 
-  A "step" takes one batch for each tower, as a training step does; the
-  first INPUT_WARMUP_WINDOWS windows are not counted.
-
-  Args:
-    spec: dict with impl, num_gpus, batch_size, data_dir, window_steps.
-
-  Returns:
-    dict with window_images_per_sec and peak_rss_bytes.
+  Unpaced. A "step" takes one batch for each tower, as a training step does;
+  the first INPUT_WARMUP_WINDOWS windows are not counted.
   """
-  windows = INPUT_WARMUP_WINDOWS + INPUT_WINDOWS
-  if spec['impl'] == 'legacy':
-    stamps = _legacy_input_stamps(spec, windows)
-  else:
-    stamps = _modern_input_stamps(spec, windows)
+  del pacer
+  batches = _input_batches(spec)
+  next(batches)  # waits for the shuffle buffer (queue) to fill
+  stamps = [time.perf_counter()]
+  for _ in range(INPUT_WARMUP_WINDOWS + INPUT_WINDOWS):
+    for _ in range(spec['window_steps']):
+      next(batches)
+    stamps.append(time.perf_counter())
   images = spec['window_steps'] * spec['batch_size'] * spec['num_gpus']
   rates = [images / (b - a) for a, b in zip(stamps, stamps[1:])]
-  return {'window_images_per_sec': rates[INPUT_WARMUP_WINDOWS:],
-          'peak_rss_bytes': _peak_rss_bytes()}
+  return {'window_images_per_sec': rates[INPUT_WARMUP_WINDOWS:]}
 
 
-_CONTENDERS = {
-    'train': contend_training,
-    'baseline': contend_baseline,
-    'matmul': contend_matmul,
-}
-_MEASUREMENTS = {
-    'input': measure_input,
-}
+CONTENDERS = {'train': contend_training, 'baseline': contend_baseline,
+              MATMUL: contend_matmul, 'input': measure_input}
 
 
-def worker_main(argv):
-  """`python -m cifar10_towers.bench --contend SPEC` (paced) or `--worker SPEC` (one shot)."""
-  if len(argv) != 2 or argv[0] not in ('--contend', '--worker'):
-    print('usage: python -m cifar10_towers.bench --contend|--worker SPEC_JSON (internal; use '
-          '`cifar10-towers bench` or `python cli.py bench`)', file=sys.stderr)
-    return 2
-  spec = json.loads(argv[1])
-  try:
-    if argv[0] == '--contend':
-      result = _CONTENDERS[spec['kind']](spec, Pacer())
-    else:
-      result = _MEASUREMENTS[spec['kind']](spec)
-  except Exception:  # pylint: disable=broad-except
-    traceback.print_exc()
-    return 1
-  sys.stdout.flush()
-  print(RESULT_PREFIX + json.dumps(result), flush=True)
-  return 0
+def contend(spec):
+  """`python -m cifar10_towers.bench SPEC`: runs spec['kind'], then says its result.
+
+  The result holds what the contender returned and the RSS high-water mark of
+  this process: /proc/self/status' VmHWM, which belongs to this program's own
+  memory map (getrusage's ru_maxrss survives exec: it could be the parent's).
+  """
+  result = CONTENDERS[spec['kind']](spec, Pacer()) or {}
+  with open('/proc/self/status', encoding='ascii') as f:
+    result['peak_rss_bytes'] = int(re.search(r'VmHWM:\s*(\d+)', f.read())[1]) * 1024
+  _say(result)
 
 
 # --- orchestration (the parent process) --------------------------------------
 
 
-def _worker_command(flag, spec):
-  env = dict(os.environ)
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  env['PYTHONPATH'] = os.pathsep.join(
-      [ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p])
-  return [sys.executable, '-m', 'cifar10_towers.bench', flag, json.dumps(spec)], env
-
-
-def _last_error_line(text):
-  lines = [l for l in text.splitlines() if l.strip()]
-  return lines[-1] if lines else 'no output'
-
-
-def run_worker(spec, timeout_secs):
-  """Runs one one-shot measurement in a fresh Python process; returns its result dict.
-
-  Raises:
-    BenchError: the worker failed or timed out; the message holds its last
-      error line.
-  """
-  command, env = _worker_command('--worker', spec)
-  try:
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout_secs, check=False)
-  except subprocess.TimeoutExpired as e:
-    raise BenchError('%s timed out after %.0f s' % (describe(spec), timeout_secs)) from e
-  for line in reversed(proc.stdout.splitlines()):
-    if proc.returncode == 0 and line.startswith(RESULT_PREFIX):
-      return json.loads(line[len(RESULT_PREFIX):])
-  raise BenchError('%s failed (exit %d): %s' % (
-      describe(spec), proc.returncode, _last_error_line(proc.stderr)))
-
-
 class Contender:
-  """A paced contender process (`python -m cifar10_towers.bench --contend SPEC`), parent side."""
+  """A contender process (`python -m cifar10_towers.bench SPEC`), parent side."""
 
   def __init__(self, spec, timeout_secs):
-    self.spec = spec
-    self._timeout = timeout_secs
+    self.spec, self._timeout = spec, timeout_secs
     self._stderr = tempfile.TemporaryFile(mode='w+')
-    command, env = _worker_command('--contend', spec)
+    path = [ROOT] + os.environ.get('PYTHONPATH', '').split(os.pathsep)
     self._proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1)
-    # A thread turns stdout into a queue of lines ('' at its end), so that
-    # waiting for a line can time out.
-    self._lines = queue.Queue()
-    threading.Thread(target=self._pump, daemon=True).start()
+        [sys.executable, '-m', 'cifar10_towers.bench', json.dumps(spec)],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path))),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
 
-  def _pump(self):
-    for line in self._proc.stdout:
-      self._lines.put(line)
-    self._lines.put('')
+  def read(self):
+    """The contender's next message (ready, a window, or its result).
 
-  def _read(self, expect):
-    """The next protocol line starting with `expect` (other output is skipped)."""
-    deadline = time.monotonic() + self._timeout
-    while True:
-      try:
-        line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.001))
-      except queue.Empty:
-        self.kill()
-        raise BenchError('%s timed out after %.0f s' % (describe(self.spec),
-                                                        self._timeout)) from None
-      if not line:  # the process ended
-        self._proc.wait()
-        self._stderr.seek(0)
-        raise BenchError('%s failed (exit %s): %s' % (
-            describe(self.spec), self._proc.returncode,
-            _last_error_line(self._stderr.read())))
-      if line.startswith(expect):
-        return line.rstrip('\n')[len(expect):]
-
-  def _go(self):
-    self._proc.stdin.write(GO + '\n')
-    self._proc.stdin.flush()
-
-  def wait_ready(self):
-    """Blocks until the contender is built and waits for its first window."""
-    self._read(READY)
+    Raises:
+      BenchError: it ended first, or timed out; the message holds its last
+        error line.
+    """
+    began, timer = time.monotonic(), threading.Timer(self._timeout, self.kill)
+    timer.start()
+    try:
+      for line in self._proc.stdout:  # the trainer's own output is skipped
+        if line.startswith(MESSAGE):
+          return json.loads(line[len(MESSAGE):])
+    finally:
+      timer.cancel()
+    self.kill()
+    if time.monotonic() - began >= self._timeout:
+      raise BenchError('%s timed out after %.0f s' % (describe(self.spec), self._timeout))
+    self._stderr.seek(0)
+    raise BenchError('%s failed (exit %s): %s' % (
+        describe(self.spec), self._proc.returncode,
+        (self._stderr.read().strip().splitlines() or ['no output'])[-1]))
 
   def window(self):
-    """Runs one window; returns its dict (seconds, cpu_seconds, ...)."""
-    self._go()
-    return json.loads(self._read(WINDOW_PREFIX))
-
-  def finish(self):
-    """Lets the contender end after its last window; returns its result dict."""
-    self._go()
-    result = json.loads(self._read(RESULT_PREFIX))
-    self._proc.wait(timeout=self._timeout)
-    self._stderr.close()
-    return result
+    """Runs one more window (after the last: the contender ends); returns `read()`."""
+    self._proc.stdin.write(GO + '\n')
+    self._proc.stdin.flush()
+    return self.read()
 
   def kill(self):
-    if self._proc.poll() is None:
-      self._proc.kill()
-      self._proc.wait()
+    self._proc.kill()
+    self._proc.wait()
 
 
 def describe(spec):
-  """What a measurement spec measures, in words (the progress line)."""
+  """What a contender measures, in words (the progress line)."""
   kind = spec['kind']
-  if kind == 'matmul':
-    return ('matmul rate: %d fp32 %dx%d matmul(s)'
-            % (spec['matmul_repeats'], spec['matmul_size'], spec['matmul_size']))
-  who = BASELINE if kind == 'baseline' else spec['impl']
+  if kind == MATMUL:
+    return 'matmul rate: %d fp32 %dx%d matmul(s)' % (
+        spec['matmul_repeats'], spec['matmul_size'], spec['matmul_size'])
   what = {'train': 'training', 'input': 'input pipeline alone',
-          'baseline': 'Keras model.fit, MirroredStrategy, in-memory data'
-         }.get(kind, kind)
+          'baseline': 'Keras model.fit, MirroredStrategy, in-memory data'}.get(kind, kind)
   return '%s, %d tower(s) x batch %d: %s%s' % (
-      who, spec['num_gpus'], spec['batch_size'], what,
+      spec['impl'], spec['num_gpus'], spec['batch_size'], what,
       ' (XLA)' if spec.get('jit') and kind != 'baseline' else '')
 
 
-def _median(values):
-  return float(statistics.median(values))
-
-
-def contender_specs(config, data_dir):
+def contender_specs(config, data_dir, records):
   """The paced contenders: per tower count Keras and each trainer; then the matmul."""
-  common = dict(batch_size=config.batch_size, data_dir=data_dir,
-                window_steps=config.window_steps, jit=config.jit,
-                windows=config.total_rounds)
-  specs = []
-  for num_gpus in config.num_gpus:
-    specs.append(dict(common, kind='baseline', impl=BASELINE, num_gpus=num_gpus))
-    for impl in config.impls:
-      specs.append(dict(common, kind='train', impl=impl, num_gpus=num_gpus))
-  specs.append(dict(kind='matmul', impl=MATMUL, matmul_size=config.matmul_size,
-                    matmul_repeats=config.matmul_repeats,
-                    windows=config.total_rounds))
-  return specs
-
-
-def input_specs(config, data_dir):
-  """The one-shot input-alone measurements."""
-  return [dict(kind='input', impl=impl, num_gpus=num_gpus,
-               batch_size=config.batch_size, data_dir=data_dir,
-               window_steps=config.window_steps, jit=config.jit)
-          for num_gpus in config.num_gpus for impl in config.impls]
+  common = dict(batch_size=config.batch_size, data_dir=data_dir, records=records, jit=config.jit,
+                window_steps=config.window_steps, matmul_size=config.matmul_size,
+                matmul_repeats=config.matmul_repeats,
+                windows=config.warmup_rounds + config.rounds)
+  return [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
+          for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]
+          ] + [dict(common, kind=MATMUL, impl=MATMUL, num_gpus=None)]
 
 
 def _key(spec):
-  return (spec['impl'], spec.get('num_gpus'))
+  return spec['impl'], spec['num_gpus']
+
+
+def run(config, launch=Contender):
+  """Runs every measurement of `config`, saying each step (info); returns `summarize`'s report.
+
+  Args:
+    config: BenchConfig.
+    launch: callable(spec, timeout_secs) -> a started Contender (tests may
+      substitute it).
+
+  Raises:
+    BenchError: a measurement failed.
+    common.cifar10_format.DataError: data_dir holds no valid training data.
+  """
+  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
+    data_dir = config.data_dir or tmp
+    if config.data_dir is None:
+      logger.info('Generating %d training records in %s ...', 5 * config.synth_per_file, tmp)
+      synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
+    records = fmt.num_examples(fmt.train_files(data_dir))
+    data = ('generated (common.synth)' if config.data_dir is None else data_dir)
+    specs = contender_specs(config, data_dir, records)
+    logger.info('Starting %d contenders, one process each: %s',
+                len(specs), '; '.join(map(describe, specs)))
+    contenders, windows, inputs = [], {_key(s): [] for s in specs}, {}
+    try:
+      contenders.extend(launch(spec, config.timeout_secs) for spec in specs)
+      for i, contender in enumerate(contenders):
+        contender.read()  # its TensorFlow import, graph or trace: seconds each
+        logger.info('Ready: %s (%d of %d)', describe(contender.spec), i + 1, len(specs))
+      for r in range(-config.warmup_rounds, config.rounds):
+        label = ('warm-up %d/%d' % (r + config.warmup_rounds + 1, config.warmup_rounds)
+                 if r < 0 else 'round %d/%d' % (r + 1, config.rounds))
+        shift = (r + config.warmup_rounds) % len(specs)
+        for contender in contenders[shift:] + contenders[:shift]:
+          spec = contender.spec
+          logger.info('[%s] measuring %s%s', label, describe(spec),
+                      '' if spec['kind'] == MATMUL else ', %d steps' % config.window_steps)
+          windows[_key(spec)].append(dict(contender.window(), round=r))
+      finals = {_key(c.spec): c.window() for c in contenders}
+      for spec in specs:  # then each input pipeline alone, one process each
+        if spec['kind'] == 'train':
+          spec = dict(spec, kind='input')
+          logger.info('[inputs] measuring %s', describe(spec))
+          contenders.append(launch(spec, config.timeout_secs))
+          inputs[_key(spec)] = contenders[-1].read()
+    finally:
+      for contender in contenders:
+        contender.kill()
+  return summarize(config, windows, finals, inputs, '%s, %d records' % (data, records))
 
 
 def cpu_model():
-  """The CPU's model name (Linux: /proc/cpuinfo), for the report; '' if unknown."""
+  """The CPU's model name (Linux: /proc/cpuinfo), for the report."""
   try:
     with open('/proc/cpuinfo', encoding='ascii', errors='replace') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor()
+      return re.search(r'^model name\s*:\s*(.*)$', f.read(), re.M)[1]
+  except (OSError, TypeError):
+    return platform.processor()
 
 
 def summarize(config, windows, finals, inputs, data_description):
@@ -670,160 +494,67 @@ def summarize(config, windows, finals, inputs, data_description):
       cpu_seconds, round; round < 0 in warm-up), in the order they ran; the
       matmul's key is (MATMUL, None) and its windows hold flops_per_sec.
     finals: dict (impl, num_gpus) -> the contender's result (peak_rss_bytes).
-    inputs: dict (impl, num_gpus) -> `measure_input` result.
+    inputs: dict (impl, num_gpus) -> the input contender's result.
     data_description: str, where the training data came from.
 
   Returns:
     dict, JSON-serializable: settings, machine and one row per contender.
   """
   matmul_runs = [w['flops_per_sec'] for w in windows[(MATMUL, None)]]
-  flops_per_sec = max(matmul_runs)
-  image_flops = training_flops_per_image()
-  estimate = flops_per_sec / image_flops
-  fewest = min(config.num_gpus)
-  towers_key = 'ratio_to_%d_tower' % fewest
+  estimate = max(matmul_runs) / training_flops_per_image()
+  towers_key = 'ratio_to_%d_tower' % min(config.num_gpus)
+  median = lambda values: float(statistics.median(values))
 
   def timed(impl, num_gpus):
-    """Round -> images/sec and images/CPU-second of a contender's timed windows."""
+    """Round -> (images/sec, images/CPU-second) of a contender's timed windows."""
     images = config.window_steps * config.batch_size * num_gpus
     return {w['round']: (images / w['seconds'], images / w['cpu_seconds'])
             for w in windows[(impl, num_gpus)] if w['round'] >= 0}
 
   rows = []
   for num_gpus in config.num_gpus:
-    baseline = timed(BASELINE, num_gpus)
     for impl in (BASELINE,) + tuple(config.impls):
-      mine, few = timed(impl, num_gpus), timed(impl, fewest)
-      rounds = [{
-          'round': r,
-          'images_per_sec': rate,
-          'images_per_cpu_second': cpu_rate,
-          'baseline_images_per_sec': baseline[r][0],
-          'ratio_to_baseline': rate / baseline[r][0],
-          towers_key: rate / few[r][0],
-      } for r, (rate, cpu_rate) in sorted(mine.items())]
+      base, few = timed(BASELINE, num_gpus), timed(impl, min(config.num_gpus))
+      rounds = [{'round': r, 'images_per_sec': rate, 'images_per_cpu_second': cpu_rate,
+                 'baseline_images_per_sec': base[r][0], 'ratio_to_baseline': rate / base[r][0],
+                 towers_key: rate / few[r][0]}
+                for r, (rate, cpu_rate) in sorted(timed(impl, num_gpus).items())]
       rates = [r['images_per_sec'] for r in rounds]
-      rate = _median(rates)
-      row = {
-          'impl': impl,
-          'num_gpus': num_gpus,
-          'batch_size': config.batch_size,
-          'jit': config.jit and impl != BASELINE,
-          'images_per_sec': rate,
-          'window_min': min(rates),
-          'window_max': max(rates),
-          'images_per_cpu_second': _median(r['images_per_cpu_second'] for r in rounds),
-          'ratio_to_baseline': _median(r['ratio_to_baseline'] for r in rounds),
-          'ratio_to_matmul_estimate': rate / estimate,
-          towers_key: _median(r[towers_key] for r in rounds),
-          'peak_rss_bytes': finals[(impl, num_gpus)]['peak_rss_bytes'],
-          'rounds': rounds,
-          'input_images_per_sec': None,
-          'input_window_images_per_sec': None,
-          'input_to_training': None,
-          'input_peak_rss_bytes': None,
-      }
-      result = inputs.get((impl, num_gpus))
-      if result is not None:
-        row['input_images_per_sec'] = _median(result['window_images_per_sec'])
-        row['input_window_images_per_sec'] = result['window_images_per_sec']
-        row['input_to_training'] = row['input_images_per_sec'] / rate
-        row['input_peak_rss_bytes'] = result['peak_rss_bytes']
+      row = {key: median([r[key] for r in rounds]) for key in (
+          'images_per_sec', 'images_per_cpu_second', 'ratio_to_baseline', towers_key)}
+      row.update(impl=impl, num_gpus=num_gpus, batch_size=config.batch_size,
+                 jit=config.jit and impl != BASELINE, window_min=min(rates),
+                 window_max=max(rates), rounds=rounds,
+                 ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
+                 peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
+                 input_images_per_sec=None, input_window_images_per_sec=None,
+                 input_to_training=None, input_peak_rss_bytes=None)
+      if (impl, num_gpus) in inputs:
+        result = inputs[(impl, num_gpus)]
+        row.update(input_images_per_sec=median(result['window_images_per_sec']),
+                   input_window_images_per_sec=result['window_images_per_sec'],
+                   input_peak_rss_bytes=result['peak_rss_bytes'])
+        row['input_to_training'] = row['input_images_per_sec'] / row['images_per_sec']
       rows.append(row)
   return {
       'settings': dict(dataclasses.asdict(config), data=data_description),
       'measured_at': datetime.datetime.now(datetime.timezone.utc).strftime(
           '%Y-%m-%d %H:%M UTC'),
       'machine': {
-          'cpu_count': os.cpu_count(),
-          'cpu_model': cpu_model(),
-          'matmul_size': config.matmul_size,
-          'matmul_flops_per_sec': flops_per_sec,
+          'cpu_count': os.cpu_count(), 'cpu_model': cpu_model(),
+          'matmul_size': config.matmul_size, 'matmul_flops_per_sec': max(matmul_runs),
           'matmul_runs_flops_per_sec': matmul_runs,
-          'training_flops_per_image': image_flops,
+          'training_flops_per_image': training_flops_per_image(),
           'matmul_estimate_images_per_sec': estimate,
       },
       'rows': rows,
   }
 
 
-def run(config, progress=None, launch=Contender, runner=run_worker):
-  """Runs every measurement of `config`; returns the report of `summarize`.
-
-  Args:
-    config: BenchConfig.
-    progress: optional callable(str), told what is being measured (stderr).
-    launch: callable(spec, timeout_secs) -> a started Contender (tests may
-      substitute it).
-    runner: callable(spec, timeout_secs) -> result dict of a one-shot
-      measurement; `run_worker` runs a subprocess.
-
-  Raises:
-    BenchError: a measurement failed.
-    common.cifar10_format.DataError: data_dir holds no valid training data.
-  """
-  progress = progress or (lambda _: None)
-  with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
-    if config.data_dir is None:
-      from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
-      progress('Generating %d training records in %s ...'
-               % (5 * config.synth_per_file, tmp))
-      synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
-      data_dir = tmp
-      data_description = 'generated (common.synth), %d records' % (
-          5 * config.synth_per_file)
-    else:
-      from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
-      data_dir = config.data_dir
-      data_description = '%s, %d records' % (
-          data_dir, fmt.num_examples(fmt.train_files(data_dir)))
-
-    specs = contender_specs(config, data_dir)
-    progress('Starting %d contenders, one process each: %s'
-             % (len(specs), '; '.join(describe(s) for s in specs)))
-    contenders = []
-    try:
-      for spec in specs:
-        contenders.append(launch(spec, config.timeout_secs))
-      for i, contender in enumerate(contenders):
-        contender.wait_ready()  # its TensorFlow import, graph or trace: seconds each
-        progress('Ready: %s (%d of %d)' % (describe(contender.spec), i + 1,
-                                             len(contenders)))
-      windows = {_key(c.spec): [] for c in contenders}
-      for r in range(config.total_rounds):
-        timed_round = r - config.warmup_rounds
-        label = ('warm-up %d/%d' % (r + 1, config.warmup_rounds) if timed_round < 0
-                 else 'round %d/%d' % (timed_round + 1, config.rounds))
-        shift = r % len(contenders)
-        for contender in contenders[shift:] + contenders[:shift]:
-          what = describe(contender.spec)
-          if contender.spec['kind'] != 'matmul':
-            what += ', %d steps' % config.window_steps
-          progress('[%s] measuring %s' % (label, what))
-          window = contender.window()
-          window['round'] = timed_round
-          windows[_key(contender.spec)].append(window)
-      finals = {_key(c.spec): c.finish() for c in contenders}
-    finally:
-      for contender in contenders:
-        contender.kill()
-
-    inputs = {}
-    for spec in input_specs(config, data_dir):
-      progress('[inputs] measuring %s' % describe(spec))
-      inputs[_key(spec)] = runner(spec, config.timeout_secs)
-  return summarize(config, windows, finals, inputs, data_description)
-
-
-def _mib(num_bytes):
-  return '%.0f' % (num_bytes / 2 ** 20) if num_bytes is not None else '-'
-
-
 def format_table(report):
   """The report as a text table with a header of how it was measured."""
   machine, settings = report['machine'], report['settings']
   fewest = min(settings['num_gpus'])
-  towers_key = 'ratio_to_%d_tower' % fewest
   lines = [
       'matmul estimate: best of %d rounds of fp32 %dx%d matmuls = %.1f GFLOP/s / '
       '%.1f MFLOP per training image (forward x 3 less conv1\'s input gradient) = '
@@ -839,27 +570,20 @@ def format_table(report):
          settings['data']),
       '',
   ]
-  header = ('impl', 'towers', 'batch', 'img/s', 'windows min-max', 'img/cpu-s',
+  table = [('impl', 'towers', 'batch', 'img/s', 'windows min-max', 'img/cpu-s',
             'vs keras', 'vs matmul', 'vs %d tower' % fewest, 'input img/s',
-            'input/train', 'peak RSS MiB')
-  table = [header]
+            'input/train', 'peak RSS MiB')]
   for row in report['rows']:
-    name = row['impl'] + (' (XLA)' if row['jit'] else '')
+    cell = lambda key, form, row=row: '-' if row[key] is None else form % row[key]
     table.append((
-        name, str(row['num_gpus']), str(row['batch_size']),
-        '%.0f' % row['images_per_sec'],
+        row['impl'] + (' (XLA)' if row['jit'] else ''), str(row['num_gpus']),
+        str(row['batch_size']), cell('images_per_sec', '%.0f'),
         '%.0f-%.0f' % (row['window_min'], row['window_max']),
-        '%.0f' % row['images_per_cpu_second'],
-        '%.2fx' % row['ratio_to_baseline'],
-        '%.2f' % row['ratio_to_matmul_estimate'],
-        '%.2fx' % row[towers_key],
-        ('%.0f' % row['input_images_per_sec']
-         if row['input_images_per_sec'] is not None else '-'),
-        ('%.1fx' % row['input_to_training']
-         if row['input_to_training'] is not None else '-'),
-        _mib(row['peak_rss_bytes']),
-    ))
-  widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        cell('images_per_cpu_second', '%.0f'), cell('ratio_to_baseline', '%.2fx'),
+        cell('ratio_to_matmul_estimate', '%.2f'), cell('ratio_to_%d_tower' % fewest, '%.2fx'),
+        cell('input_images_per_sec', '%.0f'), cell('input_to_training', '%.1fx'),
+        '%.0f' % (row['peak_rss_bytes'] / 2 ** 20)))
+  widths = [max(map(len, column)) for column in zip(*table)]
   for r in table:
     lines.append('  '.join(c.ljust(w) if i == 0 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))).rstrip())
@@ -867,16 +591,18 @@ def format_table(report):
 
 
 def write_json(report, path):
-  """Writes the report as JSON (atomically)."""
-  tmp = '%s.tmp-%d' % (path, os.getpid())
-  with open(tmp, 'w', encoding='utf-8') as f:
-    json.dump(report, f, indent=2, sort_keys=True)
-    f.write('\n')
-  os.replace(tmp, path)
+  """Writes the report as JSON (`bench --json`)."""
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(json.dumps(report, indent=2, sort_keys=True) + '\n')
 
 
 def read_json(path):
-  """Reads back a report written by `write_json` (`bench --json`).
+  """Reads back a report written by `write_json`, in today's names.
+
+  Reports written before the matmul estimate was named for what it is call
+  it 'ceiling_images_per_sec' (and each row's ratio 'ratio_to_ceiling'),
+  computed from forward x 3 FLOPs per image: they get today's keys, values
+  and FLOP count; what was measured (the matmul rates, every window) stays.
 
   Raises:
     BenchError: the file cannot be read or holds no bench report.
@@ -887,53 +613,33 @@ def read_json(path):
   except (OSError, ValueError) as e:
     raise BenchError('cannot read %s: %s' % (path, e)) from e
   if not (isinstance(report, dict) and report.get('rows')
-          and all(k in report for k in ('settings', 'machine'))):
-    raise BenchError('%s is not a bench results file (one written by bench --json)'
-                     % path)
-  return _upgraded(report)
-
-
-def _upgraded(report):
-  """An older report with today's names, its derived figures recomputed.
-
-  Reports written before the matmul estimate was named for what it is call
-  it 'ceiling_images_per_sec' (and each row's ratio 'ratio_to_ceiling'),
-  computed from forward x 3 FLOPs per image. They get today's keys, values
-  and FLOP count; what was measured (the matmul rates, every window) stays
-  as it is.
-  """
+          and {'settings', 'machine'} <= report.keys()):
+    raise BenchError('%s is not a bench results file (one written by bench --json)' % path)
   machine = report['machine']
-  if 'ceiling_images_per_sec' not in machine:
-    return report
-  del machine['ceiling_images_per_sec']
-  machine['training_flops_per_image'] = training_flops_per_image()
-  estimate = machine['matmul_flops_per_sec'] / machine['training_flops_per_image']
-  machine['matmul_estimate_images_per_sec'] = estimate
-  for row in report['rows']:
-    row.pop('ratio_to_ceiling', None)
-    row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
+  if machine.pop('ceiling_images_per_sec', None) is not None:
+    machine['training_flops_per_image'] = training_flops_per_image()
+    estimate = machine['matmul_flops_per_sec'] / training_flops_per_image()
+    machine['matmul_estimate_images_per_sec'] = estimate
+    for row in report['rows']:
+      row.pop('ratio_to_ceiling', None)
+      row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
   return report
 
 
+COLOURS = {BASELINE: 'grey', 'legacy': 'C0', 'modern': 'C1'}  # matplotlib's first two
+
+
 def check_plotting():
-  """Raises BenchError(MATPLOTLIB_HINT) unless matplotlib can be imported."""
+  """matplotlib's Figure class; BenchError(MATPLOTLIB_HINT) if matplotlib is missing."""
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
+    from matplotlib import figure  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise BenchError(MATPLOTLIB_HINT) from e
-  del matplotlib  # only whether it imports
-
-
-COLOURS = {BASELINE: '#9e9e9e', 'legacy': '#1f77b4', 'modern': '#ff7f0e'}
+  return figure.Figure
 
 
 def plot(report, path):
-  """Draws the report's training images/sec (`figure`) into a PNG file.
-
-  Raises:
-    BenchError: matplotlib is missing (MATPLOTLIB_HINT).
-  """
-  check_plotting()
+  """Draws `figure(report)` into a PNG file."""
   figure(report).savefig(path, dpi=100)
 
 
@@ -950,57 +656,40 @@ def figure(report):
 
   Returns:
     matplotlib.figure.Figure (no pyplot: nothing global is touched).
+
+  Raises:
+    BenchError: matplotlib is missing (MATPLOTLIB_HINT).
   """
-  from matplotlib import figure as figure_lib  # pylint: disable=g-import-not-at-top
-  settings, machine = report['settings'], report['machine']
-  towers = sorted({row['num_gpus'] for row in report['rows']})
-  names = []
-  for row in report['rows']:
-    if row['impl'] not in names:
-      names.append(row['impl'])
-  rows = {(row['impl'], row['num_gpus']): row for row in report['rows']}
+  settings, machine, rows = report['settings'], report['machine'], report['rows']
+  towers = sorted({row['num_gpus'] for row in rows})
+  names = list(dict.fromkeys(row['impl'] for row in rows))
   width = 0.8 / len(names)
-  fig = figure_lib.Figure(figsize=(8, 5.2))
+  fig = check_plotting()(figsize=(8, 5.2))
   axes = fig.add_subplot()
-  estimate = machine['matmul_estimate_images_per_sec']
-  top = estimate
-  for i, impl in enumerate(names):
-    xs, heights, errors = [], [], [[], []]
-    for g, n in enumerate(towers):
-      row = rows.get((impl, n))
-      if row is None:
-        continue
-      x = g + (i - (len(names) - 1) / 2) * width
-      rate = row['images_per_sec']
-      xs.append(x)
-      heights.append(rate)
-      errors[0].append(rate - row['window_min'])
-      errors[1].append(row['window_max'] - rate)
-      top = max(top, row['window_max'])
-      text = ('%.0f\n%s' % (rate, 'reference' if impl == BASELINE
-                              else '%.2fx Keras' % row['ratio_to_baseline']))
-      axes.annotate(text, (x, row['window_max']), xytext=(0, 3),
-                    textcoords='offset points', ha='center', va='bottom',
-                    fontsize=8, fontweight='normal' if impl == BASELINE else 'bold',
-                    bbox={'facecolor': 'white', 'edgecolor': 'none', 'pad': 1,
-                          'alpha': 0.8})  # readable across the matmul line
-    jit = any(rows[(impl, n)]['jit'] for n in towers if (impl, n) in rows)
+  labelled = set()
+  for row in rows:
+    impl, rate, top = row['impl'], row['images_per_sec'], row['window_max']
+    x = towers.index(row['num_gpus']) + (names.index(impl) - (len(names) - 1) / 2) * width
     label = ('Keras model.fit of the same net (MirroredStrategy, in-memory data)'
-             if impl == BASELINE else
-             '%s%s: its own train() loop and input pipeline'
-             % (impl, ' (XLA)' if jit else ''))
-    axes.bar(xs, heights, width * 0.9, yerr=errors, capsize=4,
-             color=COLOURS.get(impl, '#2ca02c'), label=label,
-             error_kw={'elinewidth': 1, 'ecolor': '#333333'})
+             if impl == BASELINE else '%s%s: its own train() loop and input pipeline'
+             % (impl, ' (XLA)' if row['jit'] else ''))
+    axes.bar(x, rate, width * 0.9, yerr=[[rate - row['window_min']], [top - rate]], capsize=4,
+             color=COLOURS.get(impl), label=None if impl in labelled else label)
+    labelled.add(impl)
+    axes.annotate('%.0f\n%s' % (rate, 'reference' if impl == BASELINE
+                                else '%.2fx Keras' % row['ratio_to_baseline']),
+                  (x, top), xytext=(0, 3), textcoords='offset points', ha='center',
+                  va='bottom', fontsize=8,  # readable across the matmul line:
+                  bbox={'facecolor': 'white', 'edgecolor': 'none', 'pad': 1, 'alpha': 0.8})
+  estimate = machine['matmul_estimate_images_per_sec']
   axes.axhline(estimate, color='black', linestyle=':', linewidth=1,
                label='matmul estimate %.0f = best fp32 %dx%d matmul rate, %.1f '
                'GFLOP/s, / %.1f MFLOP per training image'
                % (estimate, machine['matmul_size'], machine['matmul_size'],
                   machine['matmul_flops_per_sec'] / 1e9,
                   machine['training_flops_per_image'] / 1e6))
-  axes.set_xticks(range(len(towers)))
-  axes.set_xticklabels(['%d tower%s' % (n, '' if n == 1 else 's') for n in towers])
-  axes.set_ylim(0, top * 1.25)
+  axes.set_xticks(range(len(towers)), ['%d tower%s' % (n, 's' * (n > 1)) for n in towers])
+  axes.set_ylim(0, 1.25 * max([estimate] + [row['window_max'] for row in rows]))
   axes.set_ylabel('training images/sec (median of the windows)')
   axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
                  'windows min-max' % settings['batch_size'], fontsize=10)
@@ -1010,16 +699,12 @@ def figure(report):
       report.get('measured_at')) if part)
   caption = ['%d rounds of one %d-step window per contender (after %d warm-up); '
              'ratios: median of per-round ratios to Keras'
-             % (settings['rounds'], settings['window_steps'],
-                settings['warmup_rounds']),
-             'matmul estimate: measured in its own process, taking turns with '
-             'the bars\' windows; a sample under the same load, not a bound '
-             '(a window can beat it)',
-             'data: %s; machine: %s' % (settings['data'], where)]
-  if report.get('note'):
-    caption.append(report['note'])
-  fig.text(0.01, 0.01, '\n'.join(caption), fontsize=7, va='bottom', ha='left',
-           wrap=True)
+             % (settings['rounds'], settings['window_steps'], settings['warmup_rounds']),
+             'matmul estimate: measured in its own process, taking turns with the '
+             'bars\' windows; a sample under the same load, not a bound (a window can beat it)',
+             'data: %s; machine: %s' % (settings['data'], where), report.get('note')]
+  caption = [line for line in caption if line]
+  fig.text(0.01, 0.01, '\n'.join(caption), fontsize=7, va='bottom', ha='left', wrap=True)
   fig.tight_layout(rect=(0, 0.04 + 0.025 * len(caption), 1, 1))
   return fig
 
@@ -1027,4 +712,7 @@ def figure(report):
 if __name__ == '__main__':
   from cifar10_towers.common import stderr_filter
   stderr_filter.install()  # as cli.main: TensorFlow's known noise never shows
-  sys.exit(worker_main(sys.argv[1:]))
+  if len(sys.argv) != 2:
+    sys.exit('usage: python -m cifar10_towers.bench SPEC_JSON (internal: use the bench '
+             'command)')
+  contend(json.loads(sys.argv[1]))

@@ -662,16 +662,14 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
   if data_dir is not None:
     _ensure_train_data(data_dir)
   from cifar10_towers.common import devices
-  from cifar10_towers.towerprofile import render
+  plan = devices.plan_devices(num_gpus, warn=_warn)  # before TensorFlow starts
   from cifar10_towers.towerprofile import run as profile_lib
-  plan = devices.plan_devices(num_gpus, warn=_warn)
   click.echo('Profiling %d step(s) of %s on %d tower(s) under TensorFlow\'s tracing...'
              % (steps, impl, num_gpus))
   report, written = profile_lib.profile(
       impl, plan, batch_size, steps, data_dir=data_dir, out_dir=out_dir,
-      misplace_tower=misplace_tower, warn=_warn)
-  for line in render.format_report(report):
-    click.echo(line)
+      misplace_tower=misplace_tower)
+  click.echo('\n'.join(profile_lib.format_report(report)))
   for name, path in sorted(written.items()):
     click.echo('Wrote %s (%s).' % (path, name))
 
@@ -770,9 +768,9 @@ def bench(ctx, impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds,
   turn for several rounds; then each input pipeline alone. The matmul
   estimate is the best fp32 matmul rate measured over the FLOPs of one
   training image: a sample under the same load, not a bound.
-  Each contender runs in its own process. Prints a table (stdout) and
-  progress (stderr); --json keeps the results, --plot draws them as a PNG,
-  and --from_json reads a --json file back instead of measuring.
+  Each contender runs in its own process. Prints progress and a table
+  (stdout); --json keeps the results, --plot draws them as a PNG, and
+  --from_json reads a --json file back instead of measuring.
   """
   from cifar10_towers import bench as bench_lib
   if from_json is not None:
@@ -799,7 +797,7 @@ def bench(ctx, impl, num_gpus, batch_size, data_dir, rounds, warmup_rounds,
       rounds=rounds, warmup_rounds=warmup_rounds, window_steps=window_steps,
       matmul_size=matmul_size, jit=jit)
   try:
-    report = bench_lib.run(config, progress=click.echo)  # progress: stdout
+    report = bench_lib.run(config)
   except bench_lib.BenchError as e:
     raise click.ClickException('%s. Run the measurement again; if it keeps '
                                'failing, train once with the same flags to '

@@ -9,7 +9,6 @@ from click.testing import CliRunner
 from cifar10_towers import cli
 from cifar10_towers.common import devices
 from cifar10_towers.towerprofile import analysis
-from cifar10_towers.towerprofile import render
 from cifar10_towers.towerprofile import run as profile_lib
 
 BATCH = 24  # small, yet the ops outweigh the runtime's per-step overhead
@@ -91,7 +90,7 @@ def test_the_gradient_averaging_is_measured(profiled):
     # Conv1's gradients are the towers' last: their mean runs after both
     # towers have finished, so some averaging is never hidden by compute.
     assert step['split_us'][analysis.AVERAGE] > 0, step
-  printed = [line.split() for line in render.format_report(report)]
+  printed = [line.split() for line in profile_lib.format_report(report)]
   average = [words for words in printed if words[0] == analysis.AVERAGE]
   assert len(average) == 1 and float(average[0][1]) > 0, average
 

@@ -1,7 +1,5 @@
 """towerprofile.analysis on synthetic events: interval math, categories, placement."""
 
-import types
-
 import pytest
 
 from cifar10_towers.towerprofile import analysis
@@ -13,21 +11,19 @@ def ev(name, device, start, end, step=0, op_type=''):
   return analysis.Event(name, op_type, device, float(start), float(end), step)
 
 
-def test_union_length_counts_overlaps_once():
-  assert analysis.union_length([(0, 10), (5, 15), (20, 30)]) == 25
-  assert analysis.union_length([]) == 0
+def test_pieces_cut_the_window_at_every_edge():
+  spans = [(0, 10, 'a'), (5, 15, 'b'), (8, 9, 'c'), (2, 8, 'a'), (20, 30, 'a')]
+  assert list(analysis.pieces(spans, (-5, 25))) == [
+      (5, set()), (2, {'a'}), (3, {'a'}), (3, {'a', 'b'}), (1, {'a', 'b', 'c'}),
+      (1, {'a', 'b'}), (5, {'b'}), (5, set()), (5, {'a'})]
+  assert list(analysis.pieces([], (0, 10))) == [(10, set())]
 
 
-def test_coverage_at_least():
-  sets = [[(0, 10)], [(5, 15)], [(8, 9)]]
-  assert analysis.coverage_at_least(sets, 1) == 15
-  assert analysis.coverage_at_least(sets, 2) == 5
-  assert analysis.coverage_at_least(sets, 3) == 1
-
-
-def test_coverage_merges_within_a_set():
-  # One tower running two ops at once is still one tower.
-  assert analysis.coverage_at_least([[(0, 10), (2, 8)]], 2) == 0
+def test_busy_fraction_counts_overlaps_once():
+  events = [ev('a', CPU0, 0, 10), ev('b', CPU0, 5, 15), ev('c', CPU0, 20, 30),
+            ev('d', CPU1, 0, 40)]
+  busy = analysis.analyze_step(events, (0, 40), 1)['busy_fraction']
+  assert busy == {CPU0: 25 / 40, CPU1: 1.0}
 
 
 @pytest.mark.parametrize('towers,expected', [
@@ -41,11 +37,15 @@ def test_coverage_merges_within_a_set():
 def test_tower_overlap(towers, expected):
   events = [ev('tower_%d/conv1/Conv2D' % i, 'd%d' % i, s, e)
             for i, (s, e) in enumerate(towers)]
-  assert analysis.tower_overlap(events, 2) == pytest.approx(expected)
+  # One tower running two ops at once is still one tower.
+  events.append(ev('tower_0/conv1/Relu', 'd0', 0, 10))
+  step = analysis.analyze_step(events, (0, 200), 2)
+  assert step['tower_overlap'] == pytest.approx(expected)
 
 
 def test_tower_overlap_one_tower_is_none():
-  assert analysis.tower_overlap([ev('tower_0/a', CPU0, 0, 1)], 1) is None
+  step = analysis.analyze_step([ev('tower_0/a', CPU0, 0, 1)], (0, 1), 1)
+  assert step['tower_overlap'] is None
 
 
 @pytest.mark.parametrize('name,op_type,category', [
@@ -68,7 +68,7 @@ def test_categorize(name, op_type, category):
 
 def test_adapter_category_wins():
   event = analysis.Event('Mean_3', 'Mean', CPU0, 0, 1, 0, analysis.AVERAGE)
-  assert analysis.category_of(event) == analysis.AVERAGE
+  assert event.category == analysis.AVERAGE
 
 
 def test_exclusive_split_adds_up_and_prefers_compute():
@@ -78,7 +78,7 @@ def test_exclusive_split_adds_up_and_prefers_compute():
       ev('tower_0/gradients/x', CPU0, 60, 90),
       ev('ExponentialMovingAverage/x', CPU0, 95, 100),
   ]
-  split = analysis.exclusive_split(events, (0, 100))
+  split = analysis.analyze_step(events, (0, 100), 1)['split_us']
   assert sum(split.values()) == pytest.approx(100)
   assert split[analysis.INPUT] == 10
   assert split[analysis.FORWARD] == 50
@@ -130,33 +130,6 @@ def test_analyze_flags_a_tower_on_another_device():
   assert 'tower 1 ran on /device:CPU:0, planned /device:CPU:1' in report['verdict']
 
 
-def _node(name, op, *inputs):
-  return types.SimpleNamespace(name=name, op=op, input=list(inputs))
-
-
-def test_modern_moving_average_ops_follow_the_decay():
-  from cifar10_towers.towerprofile import modern_trace
-  step = types.SimpleNamespace(node_def=[
-      _node('step', 'ReadVariableOp', 'global_step'),
-      _node('lr', 'Pow', 'step'),  # the update's: shared input stays update
-      _node('n', 'Cast', 'step'),
-      _node('Minimum', 'Minimum', 'n'),
-      _node('one_minus', 'Sub', 'Minimum'),
-      _node('shadow', 'ReadVariableOp', 'shadow_handle'),
-      _node('sub', 'Sub', 'shadow', 'weights'),
-      _node('mul', 'Mul', 'sub', 'one_minus'),
-      _node('AssignSubVariableOp_1', 'AssignSubVariableOp', 'shadow_handle',
-            'mul'),
-      _node('lr_grad', 'Mul', 'lr', 'grad'),
-      _node('AssignSubVariableOp', 'AssignSubVariableOp', 'weights_handle',
-            'lr_grad', '^AssignSubVariableOp_1'),
-      _node('tower_0/Minimum', 'Minimum', 'x'),  # a tower's is not the decay
-  ])
-  assert modern_trace.moving_average_ops(step) == {
-      'n', 'Minimum', 'one_minus', 'shadow', 'sub', 'mul',
-      'AssignSubVariableOp_1'}
-
-
 @pytest.mark.parametrize('name,op_type,category', [
     # The step's name scopes (modern/step.py) are read as legacy's.
     ('average_gradients/stack_4', 'Pack', analysis.AVERAGE),
@@ -169,9 +142,9 @@ def test_modern_moving_average_ops_follow_the_decay():
     ('gradient_tape/tower_1/conv1/Conv2DBackpropFilter', 'Conv2DBackpropFilter',
      analysis.BACKWARD),
     ('tower_0/conv1/Conv2D', 'Conv2D', analysis.FORWARD),
+    # The rest on the variable device: the variables' reads, the clipping.
+    ('clip_gradients/mul', 'Mul', analysis.UPDATE),
 ])
 def test_modern_categories(name, op_type, category):
-  from cifar10_towers.towerprofile import modern_trace
-  event = analysis.Event(name, op_type, CPU0, 0, 1, 0,
-                         modern_trace._modern_category(name, op_type))
-  assert analysis.category_of(event) == category
+  # Modern's adapter: what no rule knows (on the variable device) is the update.
+  assert analysis.categorize(name, op_type, analysis.UPDATE) == category

@@ -1,35 +1,33 @@
-"""One profile: scratch dirs, the trainer's adapter, the analysis, the outputs."""
+"""One profile: scratch dirs, the trainer's adapter, the analysis, the outputs.
 
+The outputs: a Chrome trace (trace.json), a PNG timeline (timeline.png, with
+matplotlib) and the report (report.json, and as lines for the terminal).
+"""
+
+import collections
 import dataclasses
-import shutil
+import json
+import logging
+import os
 import tempfile
 
+from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
 from cifar10_towers.towerprofile import analysis
-from cifar10_towers.towerprofile import render
+from cifar10_towers.towerprofile import legacy_trace
+from cifar10_towers.towerprofile import modern_trace
+
+logger = logging.getLogger(__name__)
 
 IMPLS = ('legacy', 'modern')
 WARMUP_STEPS = 3  # untraced steps first: queues fill, functions trace, kernels warm up
 SYNTH_PER_FILE = 200  # generated examples per data_batch file when no data_dir is given
 
 
-def misplaced_plan(plan, tower):
-  """The demonstration's plan: `tower` pinned to the variables' device.
-
-  This is the stray `with tf.device('/cpu:0')` of the issue: the trainer gets
-  this plan, the report compares against `plan`.
-  """
-  if not 0 <= tower < plan.num_towers:
-    raise ValueError('--misplace_tower must be in [0, %d), got %d'
-                     % (plan.num_towers, tower))
-  tower_devices = list(plan.tower_devices)
-  tower_devices[tower] = devices.VARIABLE_DEVICE
-  return dataclasses.replace(plan, tower_devices=tuple(tower_devices))
-
-
 def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
-            misplace_tower=None, seed=0, warmup=WARMUP_STEPS, warn=None):
+            misplace_tower=None, seed=0, warmup=WARMUP_STEPS):
   """Trains a few traced steps of one trainer in scratch dirs and reports.
 
   Args:
@@ -39,55 +37,135 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
     steps: int >= 1, traced steps.
     data_dir: training data; None: small generated data in a scratch dir.
     out_dir: where trace.json, report.json, timeline.png go; None: nothing.
-    misplace_tower: int or None, tower to pin to the variable device.
+    misplace_tower: int or None, tower to pin to the variables' device: the
+      stray `with tf.device('/cpu:0')` of the issue. The trainer builds with
+      that plan, the report compares against `plan`.
     seed: int, graph/global seed.
     warmup: int, untraced steps first.
-    warn: callable(str) for diagnostics.
 
   Returns:
     (report dict, dict name -> written path).
   """
-  if impl not in IMPLS:
-    raise ValueError('impl must be one of %s, got %r' % (IMPLS, impl))
-  trainer_plan = (misplaced_plan(plan, misplace_tower)
-                  if misplace_tower is not None else None)
-  scratch = tempfile.mkdtemp(prefix='towerprofile_')
-  try:
+  trainer_plan = plan
+  if misplace_tower is not None:
+    tower_devices = list(plan.tower_devices)
+    tower_devices[misplace_tower] = devices.VARIABLE_DEVICE
+    trainer_plan = dataclasses.replace(plan, tower_devices=tuple(tower_devices))
+  adapter = legacy_trace if impl == 'legacy' else modern_trace
+  # A scratch train_dir: the profile never reads or writes the user's.
+  with tempfile.TemporaryDirectory(prefix='towerprofile_') as scratch:
     if data_dir is None:
       from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
-      data_dir = '%s/data' % scratch
-      synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10,
-                     seed=seed)
-    # A scratch train_dir: the profile never reads or writes the user's.
-    config = config_lib.TrainConfig(
-        data_dir=data_dir, train_dir='%s/train' % scratch,
-        num_gpus=plan.num_towers, batch_size=batch_size, seed=seed)
-    sources = None
-    if impl == 'legacy' and warn:
-      from cifar10_towers.common import cifar10_format  # pylint: disable=g-import-not-at-top
-      from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
-      warn('legacy: the first step waits until the shuffle queue holds %d '
-           'images.' % hparams.min_queue_examples(cifar10_format.num_examples(
-               cifar10_format.train_files(data_dir))))
+      data_dir = os.path.join(scratch, 'data')
+      synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10, seed=seed)
+    examples = cifar10_format.num_examples(cifar10_format.train_files(data_dir))
     if impl == 'legacy':
-      from cifar10_towers.towerprofile import legacy_trace  # pylint: disable=g-import-not-at-top
-      events, windows, wall_us = legacy_trace.trace(
-          config, plan, steps, warmup=warmup, trainer_plan=trainer_plan)
-    else:
-      from cifar10_towers.towerprofile import modern_trace  # pylint: disable=g-import-not-at-top
-      events, windows, wall_us, sources = modern_trace.trace(
-          config, plan, steps, warmup=warmup, trainer_plan=trainer_plan,
-          logdir='%s/profiler' % scratch)
-  finally:
-    shutil.rmtree(scratch, ignore_errors=True)
-  report = analysis.analyze(events, windows, plan.tower_devices,
-                            devices.VARIABLE_DEVICE, wall_us=wall_us)
-  report['trainer'] = impl
-  report['misplace_tower'] = misplace_tower
+      logger.warning('legacy: the first step waits until the shuffle queue holds %d images.',
+                     hparams.min_queue_examples(examples))
+    config = config_lib.TrainConfig(
+        data_dir=data_dir, train_dir=os.path.join(scratch, 'train'),
+        num_gpus=plan.num_towers, batch_size=batch_size, seed=seed)
+    events, windows, wall_us, sources = adapter.trace(
+        config, trainer_plan, max(1, hparams.decay_steps(examples, batch_size, plan.num_towers)),
+        steps, warmup)
+  report = analysis.analyze(events, windows, plan.tower_devices, devices.VARIABLE_DEVICE,
+                            wall_us)
+  report.update(trainer=impl, misplace_tower=misplace_tower)
   if sources is not None:
-    counts = {}
-    for source in sources.values():
-      counts[source] = counts.get(source, 0) + 1
-    report['placement_sources'] = counts
-  written = render.write_all(events, windows, report, out_dir, warn) if out_dir else {}
-  return report, written
+    report['placement_sources'] = collections.Counter(sources.values())
+  return report, write_all(events, windows, report, out_dir) if out_dir else {}
+
+
+def chrome_trace(events):
+  """A Chrome trace (Perfetto, chrome://tracing) of the events, in the JSON object format.
+
+  One process per device, one thread per category, so a device's row shows
+  what it spent its time on; every op is a complete ('X') event.
+  """
+  names = sorted({e.device for e in events})
+  origin = min((e.start_us for e in events), default=0.0)
+  trace = [{'ph': 'M', 'name': kind + '_name', 'pid': pid, 'tid': tid, 'args': {'name': name}}
+           for pid, device in enumerate(names) for kind, tid, name in
+           [('process', 0, device)] + [('thread', *c) for c in enumerate(analysis.CATEGORIES)]]
+  trace += [{'ph': 'X', 'name': e.name, 'cat': e.category, 'pid': names.index(e.device),
+             'tid': analysis.CATEGORIES.index(e.category), 'ts': e.start_us - origin,
+             'dur': max(e.end_us - e.start_us, 0.0),
+             'args': {'op_type': e.op_type, 'device': e.device, 'step': e.step}}
+            for e in events]
+  return {'traceEvents': trace, 'displayTimeUnit': 'ms'}
+
+
+def png_timeline(events, windows, report, path):
+  """Draws one row per device, ops coloured by category, dotted step bounds; needs matplotlib.
+
+  Raises:
+    ImportError: matplotlib is not installed.
+  """
+  from matplotlib import figure, patches  # pylint: disable=g-import-not-at-top
+  names = sorted({e.device for e in events})
+  origin = min(start for start, _ in windows)
+  fig = figure.Figure(figsize=(12, 1.0 + 0.7 * len(names)))
+  axes = fig.add_subplot()
+  colours = {c: 'C%d' % i for i, c in enumerate(analysis.CATEGORIES)}  # tab10
+  bars = collections.defaultdict(list)
+  for e in events:
+    bars[e.device, e.category].append(((e.start_us - origin) / 1e3,
+                                       (e.end_us - e.start_us) / 1e3))
+  for (device, category), spans in bars.items():
+    axes.broken_barh(spans, (names.index(device) - 0.4, 0.8), facecolors=colours[category],
+                     linewidth=0)
+  for edge in sum(windows, ()):
+    axes.axvline((edge - origin) / 1e3, color='black', linestyle=':', linewidth=0.6)
+  axes.set_yticks(range(len(names)), names)
+  axes.invert_yaxis()
+  axes.set_xlabel('ms')
+  axes.set_title(report['verdict'], fontsize=9)
+  axes.legend(handles=[patches.Patch(color=c, label=k) for k, c in colours.items()],
+              loc='lower center', bbox_to_anchor=(0.5, 1.08), ncol=len(colours),
+              fontsize=8, frameon=False)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def write_all(events, windows, report, out_dir):
+  """Writes trace.json, report.json and timeline.png into out_dir (created if missing).
+
+  Returns:
+    dict name -> path of what was written.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  written = {'trace': os.path.join(out_dir, 'trace.json'),
+             'report': os.path.join(out_dir, 'report.json')}
+  for name, content in (('trace', chrome_trace(events)), ('report', report)):
+    with open(written[name], 'w', encoding='utf-8') as f:
+      json.dump(content, f, indent=1, sort_keys=True)
+  try:
+    png_timeline(events, windows, report, os.path.join(out_dir, 'timeline.png'))
+    written['png'] = os.path.join(out_dir, 'timeline.png')
+  except ImportError:
+    logger.warning('matplotlib is not installed: no timeline.png '
+                   '(pip install matplotlib, or the [profile] extra).')
+  return written
+
+
+def format_report(report):
+  """The report as lines for the terminal."""
+  median = report['median']
+  step, slowest = median['step_us'] or 1.0, median['step_over_slowest_tower']
+  lines = ['%d tower(s); variables on %s; input on %s'
+           % (report['num_towers'], report['variable_device'], report['input_device']),
+           'step %.1f ms (traced), %.1f ms (wall); step / slowest tower %s'
+           % (step / 1e3, (median['wall_us'] or 0) / 1e3,
+              '%.2f' % slowest if slowest else '-'),
+           'median split of the step (idle: no op ran, e.g. the runtime dispatching):']
+  lines += ['  %-15s %8.2f ms %5.1f%%' % (category, value / 1e3, 100.0 * value / step)
+            for category, value in median['split_us'].items()]
+  lines += ['busy fraction per device:']
+  lines += ['  %-15s %.2f' % item for item in median['busy_fraction'].items()]
+  lines += ['placement:']
+  for p in report['placement']:
+    ran_on = ', '.join('%s %.1f%%' % (d, 100 * s) for d, s in p['ran_on'].items() if s >= 0.001)
+    lines.append('  tower %d planned %s ran on %s%s' % (
+        p['tower'], p['planned'], ran_on or 'nowhere (no compute traced)',
+        '  MISPLACED' if p['misplaced'] else ''))
+  return lines + ['verdict: %s' % report['verdict']]
