@@ -38,14 +38,14 @@ Towers = collections.namedtuple('Towers', [
     'averaged_grads',  # list of (gradient, variable), mean over the towers
     'applied_grads',  # what the optimizer applies: averaged_grads, clipped if asked
     'ema',  # the tf.train.ExponentialMovingAverage of the trainable variables
-    'summaries',  # summary tensors: common.training.summary_tags (variables read after the step)
+    'summary_op',  # common.training.summary_tags' summaries, merged (variables after the step)
 ])
 
 
 TrainGraph = collections.namedtuple('TrainGraph', [
     'towers',  # Towers
     'saver',  # tf.train.Saver of all global variables
-    'summary_op',  # every summary of the graph, merged
+    'summary_op',  # Towers.summary_op
     'init_op',  # initializes global and local variables
     'close_queues',  # ops closing each queue, cancelling pending enqueues
     'queue_size',  # int32 scalar, the examples in the shuffle queue (progress)
@@ -133,6 +133,26 @@ def _clip(grads_and_vars, clip_norm):
   return list(zip(clipped, [v for _, v in grads_and_vars]))
 
 
+@contextlib.contextmanager
+def _control_flow_v1():
+  """TF1's tf.cond, Switch and Merge ops, while building (upstream's graph had them).
+
+  TF2's tf.cond is an If op whose two branches are library functions, and
+  TensorBoard's graph tab counts each function as a top-level node without
+  edges: with the 20 of the moving averages' conds and 10 per tower of the
+  sparsity summaries', it moved every node with more than 4 inputs, the towers
+  among them, to "Auxiliary Nodes" (tests/test_tensorboard.py). Switch and
+  Merge compute the same values.
+  """
+  v2 = tf.control_flow_v2_enabled()
+  tf.disable_control_flow_v2()
+  try:
+    yield
+  finally:
+    if v2:
+      tf.enable_control_flow_v2()
+
+
 def build_towers(tower_batches, plan, decay_steps, jit=False,
                  optimizer=optimizer_lib.Optimizer()):
   """Builds the towers, the averaged update and the moving average.
@@ -158,12 +178,19 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
   if len(tower_batches) > plan.num_towers:
     raise ValueError('%d tower batches for %d tower devices'
                      % (len(tower_batches), plan.num_towers))
-  with tf.device(devices.VARIABLE_DEVICE):
+  # Deviation from upstream: TF1's control flow, as upstream's TF1 had (see _control_flow_v1).
+  with tf.device(devices.VARIABLE_DEVICE), _control_flow_v1():
     global_step = tf.train.get_or_create_global_step()
-    lr = tf.train.exponential_decay(optimizer.learning_rate,
-                                    global_step, decay_steps,
-                                    hparams.LEARNING_RATE_DECAY_FACTOR,
-                                    staircase=True)
+    # Deviation from upstream: the name scopes of this graph (learning_rate,
+    # mean_loss, summaries, update, moving_average; build_train_graph's input
+    # and init) make TensorBoard's graph tab show the towers and where they
+    # meet, as upstream's did, instead of their ops strewn over the top level.
+    # Variable names (checkpoint keys) do not depend on name scopes.
+    with tf.name_scope('learning_rate'):
+      lr = tf.train.exponential_decay(optimizer.learning_rate,
+                                      global_step, decay_steps,
+                                      hparams.LEARNING_RATE_DECAY_FACTOR,
+                                      staircase=True)
     opt = make_optimizer(optimizer, lr)
 
     tower_grads, tower_losses, summaries = [], [], []
@@ -201,10 +228,12 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       with tf.name_scope('clip_gradients'):
         applied = _clip(grads, optimizer.clip_norm)
     # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
-    mean_loss = tf.reduce_mean(tf.stack(tower_losses), name='mean_loss')
+    with tf.name_scope('mean_loss'):
+      mean_loss = tf.reduce_mean(tf.stack(tower_losses))
 
-    # The tags of common.training.summary_tags, as modern writes them.
-    with tf.name_scope('summaries'):
+    # The tags of common.training.summary_tags, as modern writes them (a
+    # summary op takes its tag as a value: name scopes do not change it).
+    with tf.name_scope('summaries') as summaries_scope:
       summaries.append(model.scalar_summary(training.LEARNING_RATE_TAG, lr))
       summaries.append(model.scalar_summary(training.MEAN_LOSS_TAG, mean_loss))
       for grad, var in grads:
@@ -215,7 +244,10 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
           tag='images', tensor=tower_batches[0][0],
           max_images=training.NUM_SUMMARY_IMAGES, name='image_summary'))
 
-    apply_gradient_op = opt.apply_gradients(applied, global_step=global_step)
+    # Named by `name`, not by a name scope around it, which would rename
+    # Adam's 'beta1_power' and 'beta2_power' (tf.Variables).
+    apply_gradient_op = opt.apply_gradients(applied, global_step=global_step,
+                                            name='update')
 
     ema = tf.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY,
                                             global_step)
@@ -224,20 +256,25 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     # with no order between them; upstream cifar10.train
     # orders them like this, which makes the step deterministic: the
     # averages see the updated variables and num_updates = the new step.
-    with tf.control_dependencies([apply_gradient_op]):
+    with tf.control_dependencies([apply_gradient_op]), tf.name_scope('moving_average'):
       variables_averages_op = ema.apply(tf.trainable_variables())
     train_op = tf.group(apply_gradient_op, variables_averages_op, name='train')
 
     # The variables and their averages after the step, as modern writes them
     # (the summary op is only ever fetched together with train_op).
-    with tf.name_scope('summaries'), tf.control_dependencies([train_op]):
-      for var in tf.trainable_variables():
-        summaries.append(model.histogram_summary(var.op.name, var.read_value()))
-        summaries.append(model.histogram_summary(
-            training.average_tag(var.op.name), ema.average(var).read_value()))
+    with tf.name_scope(summaries_scope):
+      with tf.control_dependencies([train_op]):
+        for var in tf.trainable_variables():
+          summaries.append(model.histogram_summary(var.op.name, var.read_value()))
+          summaries.append(model.histogram_summary(
+              training.average_tag(var.op.name), ema.average(var).read_value()))
+      # Deviation from upstream: both trainers write the tags of common.training.summary_tags.
+      # The towers' summaries only: not the input pipeline's queue-fill
+      # fractions and image summary, which the modern trainer has no counterpart of.
+      summary_op = tf.summary.merge(summaries)
 
   return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
-                applied, ema, summaries)
+                applied, ema, summary_op)
 
 
 def session_config(plan, log_device_placement=False):
@@ -364,7 +401,12 @@ def build_train_graph(config, plan, decay_steps,
   """
   if config.seed is not None:
     tf.set_random_seed(config.seed)
-  tower_batches = tower_input_batches(config, num_threads)
+  with tf.name_scope('input'):
+    tower_batches = tower_input_batches(config, num_threads)
+    close_queues = inputs.close_queue_ops()
+    shuffle_queues = [runner.queue for runner in tf.get_collection(
+        tf.GraphKeys.QUEUE_RUNNERS) if isinstance(runner.queue, tf.RandomShuffleQueue)]
+    queue_size = shuffle_queues[0].size() if shuffle_queues else None
   towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit,
                         optimizer=config.optimizer)
 
@@ -372,17 +414,10 @@ def build_train_graph(config, plan, decay_steps,
   # relative to train_dir, so a copied or moved train_dir resumes from its
   # own files (upstream's absolute paths pointed back at the original).
   saver = tf.train.Saver(tf.global_variables(), save_relative_paths=True)
-  # Deviation from upstream: both trainers write the tags of common.training.summary_tags.
-  # The towers' summaries only: not the input pipeline's queue-fill
-  # fractions and image summary, which the modern trainer has no counterpart of.
-  summary_op = tf.summary.merge(towers.summaries)
-  init_op = tf.group(tf.global_variables_initializer(),
-                     tf.local_variables_initializer())
-  close_queues = inputs.close_queue_ops()
-  shuffle_queues = [runner.queue for runner in tf.get_collection(
-      tf.GraphKeys.QUEUE_RUNNERS) if isinstance(runner.queue, tf.RandomShuffleQueue)]
-  queue_size = shuffle_queues[0].size() if shuffle_queues else None
-  return TrainGraph(towers, saver, summary_op, init_op, close_queues, queue_size)
+  with tf.name_scope('init'):
+    init_op = tf.group(tf.global_variables_initializer(),
+                       tf.local_variables_initializer())
+  return TrainGraph(towers, saver, towers.summary_op, init_op, close_queues, queue_size)
 
 
 def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,

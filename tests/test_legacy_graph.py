@@ -133,7 +133,7 @@ def test_one_input_pipeline_for_all_towers(synth_data_dir, num_towers):
     assert len(dequeues) == num_towers
     # All towers dequeue from the one prefetch queue.
     assert {op.inputs[0].op.name for op in dequeues} == {
-        'prefetch_queue/fifo_queue'}
+        'input/prefetch_queue/fifo_queue'}
 
 
 @pytest.mark.parametrize('num_towers', [2, 4])

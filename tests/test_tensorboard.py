@@ -5,6 +5,7 @@ summaries every 2 steps); the event files are read back as TensorBoard reads
 them, and the log lines and heartbeat lines are checked.
 """
 
+import collections
 import importlib
 import os
 import re
@@ -15,6 +16,7 @@ from tensorboard.util import tensor_util
 
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
+from cifar10_towers.common import model_spec
 from cifar10_towers.common import training
 import faults_support as fs
 
@@ -107,6 +109,52 @@ def test_the_tags_are_the_documented_names(runs):
                'tower_N/<layer>/sparsity', '<variable>/gradients',
                '<variable>/ExponentialMovingAverage', 'images/image/0'):
     assert name in readme, name
+
+
+# The top level of legacy's graph in TensorBoard, as upstream's read: the input queue, the towers,
+# their meeting, the update and the moving averages; then the model's variables (their names are
+# the checkpoint's keys) and the run's machinery.
+LEGACY_TOP_LEVEL = {'input', 'tower_0', 'tower_1', 'average_gradients', 'mean_loss',
+                    'learning_rate', 'update', 'moving_average', 'global_step', 'summaries',
+                    'train', 'save', 'init'} | {n.split('/')[0] for n in model_spec.VARIABLE_NAMES}
+# The only conds (Switch, Merge; If in TF2's control flow), each folded inside its scope:
+# tf.nn.zero_fraction's in upstream's sparsity summaries of each tower, and
+# ExponentialMovingAverage.apply's choice of each shadow variable's initial value.
+COND_PLACES = re.compile(r'(tower_\d+/zero_fraction(_\d+)?|moving_average)/cond(_\d+)?(/|$)')
+
+
+def _tensorboard_auxiliary(graph):
+  """The top-level nodes that TensorBoard's graph tab moves to "Auxiliary Nodes" for their inputs.
+
+  Its rule (tensorboard 2.21, extractHighDegrees): a node with more top-level predecessors
+  (those sending data; else all) than max(4, 2 * Q3 - Q1) of all top-level nodes' counts, where
+  each function of the graph's library counts as one node without edges.
+  """
+  def top(name):  # '^tower_0/conv1/Conv2D', 'input/dequeue_0:1' -> 'tower_0', 'input'
+    return name.lstrip('^').split('/')[0].split(':')[0]
+  data, every = collections.defaultdict(set), collections.defaultdict(set)
+  for node in graph.node:
+    for source in node.input:
+      if top(source) != top(node.name):
+        every[top(node.name)].add(top(source))
+        if not source.startswith('^'):
+          data[top(node.name)].add(top(source))
+  degrees = {top(n.name): len(data[top(n.name)] or every[top(n.name)]) for n in graph.node}
+  counts = sorted(list(degrees.values()) + [0] * len(graph.library.function))
+  q1, q3 = (counts[int(len(counts) * q + 0.5)] for q in (0.25, 0.75))  # JavaScript's rounding
+  return {name for name, degree in degrees.items() if degree > max(4, 2 * q3 - q1)}
+
+
+def test_the_legacy_graph_shows_the_towers_and_where_they_meet(runs):
+  graph = runs['legacy'][2].Graph()  # the GraphDef of the event file, as TensorBoard reads it
+  assert {node.name.split('/')[0] for node in graph.node} == LEGACY_TOP_LEVEL
+  conds = [n.name for n in graph.node
+           if n.op in ('Switch', 'RefSwitch', 'Merge', 'If', 'StatelessIf')
+           or re.search(r'(^|/)cond(_\d+)?(/|$)', n.name)]
+  assert len(conds) >= 10, conds  # the 10 shadow variables' conds at least: the check sees them
+  assert [c for c in conds if not COND_PLACES.match(c)] == []
+  assert _tensorboard_auxiliary(graph) & {'input', 'tower_0', 'tower_1', 'average_gradients',
+                                          'update', 'moving_average'} == set()
 
 
 def test_summaries_hold_the_steps_values(runs):
