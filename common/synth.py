@@ -179,9 +179,6 @@ def _image_pieces(rng, labels, sizes):
   """
   labels = np.asarray(labels)
   n = labels.shape[0]
-  if sum(sizes) != n:
-    raise ValueError('the pieces (%d images) must cover the %d labels'
-                     % (sum(sizes), n))
   draws = _per_image_draws(rng, n)
   # The noise class's pattern comes next in the stream; a big per-pixel
   # draw: taken piece by piece from a copy, and skipped here the same way.
