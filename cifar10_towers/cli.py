@@ -871,11 +871,12 @@ def _replacing(data_dir, generator, force):
 
 
 def _say_written(counts, generator, data_dir, replacing):
+  from cifar10_towers.common import generated
   click.echo('Wrote %d training and %d test records of generated data (%s) to '
-             '%s%s.' % (sum(v for k, v in counts.items()
-                            if k.startswith('data_batch')),
-                        counts.get('test_batch.bin', 0), generator, data_dir,
-                        replacing))
+             '%s%s. It is not CIFAR-10 (%s).' % (
+                 sum(v for k, v in counts.items() if k.startswith('data_batch')),
+                 counts.get('test_batch.bin', 0), generator, data_dir, replacing,
+                 generated.CIFAR10_RESULT))
 
 
 def _say_if_generated(data_dir, doing):
@@ -883,8 +884,8 @@ def _say_if_generated(data_dir, doing):
   from cifar10_towers.common import generated
   marker = generated.read(data_dir)
   if marker is not None:
-    _warn('%s on %s in %s, not on CIFAR-10.'
-          % (doing, generated.describe(marker), data_dir))
+    _warn('%s on %s in %s, not on CIFAR-10 (%s).'
+          % (doing, generated.describe(marker), data_dir, generated.CIFAR10_RESULT))
 
 
 @data.command()

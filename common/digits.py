@@ -18,6 +18,7 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import synth
 
 CLASS_NAMES = tuple(str(d) for d in range(10))
+VERSION = 1  # of the conversion, in GENERATED.json
 NUM_IMAGES = 1797  # images in sklearn's load_digits
 _SCALE = 3  # 8x8 -> 24x24
 _MAX_VALUE = 16  # load_digits intensities are 0..16
@@ -119,6 +120,6 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
     counts[name] = int(test_idx.size)
     synth.write_meta(out_dir, CLASS_NAMES)
     if mark:
-      generated.write_marker(out_dir, 'digits', data_dir, ['--seed', seed],
+      generated.write_marker(out_dir, 'digits', VERSION, data_dir, ['--seed', seed],
                              seed=seed, test_fraction=test_fraction)
   return counts

@@ -116,7 +116,7 @@ def test_learns_synthetic_data(synth_data_dir, tmp_path):
   # batches of 32 on this data make the loss spike after step 50 (measured
   # with the modern trainer: up to 7.5 in 20 runs with common.lrn, up to 20
   # in 18 runs with tf.nn.lrn), and it once diverged to inf in CI. With
-  # batches of 64 it stayed below 4.7 in 8 runs, precision 0.95-1.0.
+  # batches of 64 it stayed below 4.7 in 8 runs.
   config = config_lib.TrainConfig(
       data_dir=synth_data_dir, train_dir=train_dir, num_gpus=2, batch_size=64,
       max_steps=150, save_every=150, log_every=50, seed=0)
@@ -124,7 +124,9 @@ def test_learns_synthetic_data(synth_data_dir, tmp_path):
   precision, step = legacy_eval.evaluate(train_dir, synth_data_dir,
                                          out=lambda _: None)
   assert step == 150
-  assert precision > 0.3  # chance is 0.1
+  # Chance is 0.1; a third of the generated images are faint, guessed this
+  # early (common/synth.py): measured 0.62 and 0.65 in two runs.
+  assert precision > 0.4
 
 
 def test_missing_data_fails_before_training(tmp_path):

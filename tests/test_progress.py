@@ -97,8 +97,9 @@ def test_data_synth_says_each_file_and_then_what_it_wrote(tmp_path):
       'Generating data_batch_4.bin (4 of 6)...',
       'Generating data_batch_5.bin (5 of 6)...',
       'Generating test_batch.bin (6 of 6)...',
-      'Wrote 15 training and 4 test records of generated data (synth) to %s.'
-      % data_dir]
+      'Wrote 15 training and 4 test records of generated data (synth) to %s. '
+      'It is not CIFAR-10 (on CIFAR-10 the original trainer reaches ~86%% precision '
+      '@ 1 after 100K steps).' % data_dir]
 
 
 @pytest.mark.parametrize('impl', fs.TRAINERS)
