@@ -1,6 +1,6 @@
 """Whole training runs that a scheduler, an impatient user or a full disk disturb.
 
-Real `python cli.py` processes throughout:
+Real `python cli.py` processes where a signal or a second run is the point:
 - two runs in one train_dir (legacy + legacy, legacy + modern, modern +
   modern): the second exits 1 naming the first's PID and host and writes
   nothing; the first finishes as if alone;
@@ -9,9 +9,10 @@ Real `python cli.py` processes throughout:
   first step the run ends at once with one line and writes nothing; after
   it, the step, save or summary in progress is finished and the step saved;
   each within 10 s;
-- the train_dir removed or made read-only under a running trainer, a full
-  disk at the first save, --max_steps below the resumed step, huge
-  --log_every / --save_every / --summary_every.
+- in this process (click's CliRunner): the train_dir removed or made
+  read-only under a running trainer, a full disk at the first save,
+  --max_steps below the resumed step, huge --log_every / --save_every /
+  --summary_every.
 
 The marker lines come from test hooks (`faults_support.hooks_env`), which
 wrap a function of the run as its module loads; the code under test has none.
@@ -398,47 +399,45 @@ def _chattr(flag, path):
 def disturbed_runs(synth_data_dir, tmp_path_factory):
   """Each trainer's train_dir removed, and made read-only, under it at step 2.
 
-  The runs start together; each is frozen at step 2 (held there by a hook;
-  --save_every 5: nothing saved yet), its train_dir removed or made
-  immutable (`chattr +i`: not even root can create a file in it), and thawed.
+  In this process: at the second log line (--save_every 5: nothing saved
+  yet) the train_dir is removed or made immutable (`chattr +i`: not even
+  root can create a file in it), and the run goes on.
 
   Returns:
     dict (impl, 'removed' | 'read_only') -> (train_dir, exit code, stdout,
     stderr); 'read_only' is missing where chattr does not work.
   """
-  runs = {}
-  for impl in fs.TRAINERS:
-    for what in ('removed', 'read_only'):
-      base = tmp_path_factory.mktemp('%s_%s' % (impl, what))
-      train_dir = str(base / 'train')
-      os.makedirs(train_dir)
-      if what == 'read_only' and not (_chattr('+i', train_dir)
-                                      and _chattr('-i', train_dir)):
-        continue
-      run = fs.Running(
-          _train_args(impl, synth_data_dir, train_dir, '--max_steps', 12,
-                      '--save_every', 5),
-          env=fs.hooks_env(str(base / 'hooks'), [fs.hook(
-              'common.training:log_line', say='HOOK step 2', dwell=5, nth=2)]))
-      runs[impl, what] = (train_dir, run,
-                          fs.Frozen(run, lambda line: line == 'HOOK step 2'))
   results = {}
-  try:
-    for key, (train_dir, run, frozen) in runs.items():
-      assert frozen.wait() is not None, run.stderr[-20:]
-      if key[1] == 'removed':
-        shutil.rmtree(train_dir)
-      else:
-        assert _chattr('+i', train_dir)
-      run.proc.send_signal(signal.SIGCONT)
-    for key, (train_dir, run, _) in runs.items():
-      results[key] = (train_dir,) + run.finish(timeout=120)
-  finally:
-    _thaw_all([run for _, run, _ in runs.values()])
-    for (impl, what), (train_dir, _, _) in runs.items():
-      if what == 'read_only':
-        _chattr('-i', train_dir)
+  with pytest.MonkeyPatch.context() as patch:
+    for impl in fs.TRAINERS:
+      for what in ('removed', 'read_only'):
+        train_dir = str(tmp_path_factory.mktemp('%s_%s' % (impl, what)) / 'train')
+        os.makedirs(train_dir)
+        if what == 'read_only' and not (_chattr('+i', train_dir)
+                                        and _chattr('-i', train_dir)):
+          continue
+        patch.setattr(training, 'log_line',
+                      fs.at_call(2, _disturb(what, train_dir), training.log_line))
+        try:
+          code, out, err, exception = fs.invoke_cli(
+              _train_args(impl, synth_data_dir, train_dir, '--max_steps', 12,
+                          '--save_every', 5))
+        finally:
+          patch.undo()
+          if what == 'read_only':
+            _chattr('-i', train_dir)
+        assert exception is None, exception  # a user would see a traceback
+        results[impl, what] = (train_dir, code, out, err)
   return results
+
+
+def _disturb(what, train_dir):
+  def removed():
+    shutil.rmtree(train_dir)
+
+  def read_only():
+    assert _chattr('+i', train_dir)
+  return removed if what == 'removed' else read_only
 
 
 @pytest.mark.slow
@@ -494,13 +493,11 @@ def tiny_full_disk(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_full_disk_at_the_first_save(tiny_full_disk, synth_data_dir):
-  runs = {impl: fs.Running(_train_args(impl, synth_data_dir,
-                                       os.path.join(tiny_full_disk, impl),
-                                       '--max_steps', 4, '--save_every', 2))
-          for impl in fs.TRAINERS}
-  for impl, run in runs.items():
+  for impl in fs.TRAINERS:
     train_dir = os.path.join(tiny_full_disk, impl)
-    code, out, err = run.finish(timeout=180)
+    code, out, err, exception = fs.invoke_cli(_train_args(
+        impl, synth_data_dir, train_dir, '--max_steps', 4, '--save_every', 2))
+    assert exception is None, exception
     assert 'Traceback' not in out + err, err[-2000:]
     assert _errors(err) == [
         'Error: could not write checkpoint model.ckpt-2 in %s (No space left on '
