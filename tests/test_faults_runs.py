@@ -214,7 +214,8 @@ def _phases(impl):
       Phase('final_save', impl, term,
             [fs.hook(_SAVE[impl], say='HOOK save', dwell=5)],
             'HOOK save', ('--max_steps', 3), False, 3),
-      Phase('summaries', impl, term,
+      # SIGINT after a step: its save and exit 130 (SIGTERM's: the saves above).
+      Phase('summaries', impl, sigint,
             [fs.hook(_SUMMARIES[impl], say='HOOK summaries', dwell=5)],
             'HOOK summaries', ('--summary_every', 2), False, 2),
   ]
@@ -318,6 +319,7 @@ def test_a_signal_in_any_phase_stops_within_10s_with_one_line(phase, request):
                     'resumes from it.' % (phase.sig.name, phase.saved, path))
     assert max(_steps_logged(out)) == phase.saved
     assert checkpoints.resume_point(train_dir) == path
+    assert tf.train.latest_checkpoint(train_dir) == path
     assert _global_step(path) == phase.saved
   assert lock.LOCK_FILE not in (os.listdir(train_dir) if os.path.isdir(train_dir)
                                 else [])
