@@ -84,49 +84,52 @@ PAIR_STEPS = 30  # both runs' --max_steps
 
 @pytest.fixture(scope='module')
 def two_runs(synth_data_dir, tmp_path_factory):
-  """Per pair: a first run, frozen at step 3, and a second run in its train_dir.
+  """A first run of each trainer, frozen at step 3, and its pairs' second runs.
 
   All runs start together (their TensorFlow imports overlap). Each first run
   is frozen (SIGSTOP) at step 3 - holding its train_dir, with nothing saved
-  yet (--save_every 5) - and each second run just before it takes the lock;
-  then the second ones go on, and when they have ended, the first ones.
+  yet (--save_every 5) - and each second run in that train_dir just before it
+  takes the lock; then the second ones go on, and when they have ended, the
+  first ones. (The legacy first run serves both pairs that start with it.)
 
   Returns:
     dict pair -> (train_dir, first run's pid, its (code, out, err), the
     second's (code, out, err), train_dir snapshots before and after the
-    second run went on).
+    second runs went on).
   """
-  runs = {}
-  for first_impl, second_impl in PAIRS:
-    base = tmp_path_factory.mktemp('%s_then_%s' % (first_impl, second_impl))
-    train_dir = str(base / 'train')
+  firsts, seconds = {}, {}
+  for first_impl in sorted({first for first, _ in PAIRS}):
+    train_dir = str(tmp_path_factory.mktemp('%s_first' % first_impl) / 'train')
     first = fs.Running(_train_args(first_impl, synth_data_dir, train_dir,
                                    '--max_steps', PAIR_STEPS, '--save_every', 5))
+    firsts[first_impl] = (train_dir, first, fs.Frozen(first, _reached(3)))
+  for pair in PAIRS:
+    base = tmp_path_factory.mktemp('%s_then_%s' % pair)
     second = fs.Running(
-        _train_args(second_impl, synth_data_dir, train_dir,
+        _train_args(pair[1], synth_data_dir, firsts[pair[0]][0],
                     '--max_steps', PAIR_STEPS, '--save_every', 5),
         env=fs.hooks_env(str(base / 'hooks'),
                          [fs.hook('common.lock:exclusive', say='HOOK lock',
                                   dwell=5)]))
-    runs[first_impl, second_impl] = (
-        train_dir, first, second, fs.Frozen(first, _reached(3)),
-        fs.Frozen(second, lambda line: line == 'HOOK lock'))
+    seconds[pair] = (second, fs.Frozen(second, lambda line: line == 'HOOK lock'))
+  runs = [run for _, run, _ in firsts.values()] + [run for run, _ in seconds.values()]
   try:
-    for train_dir, first, second, first_frozen, second_frozen in runs.values():
-      assert first_frozen.wait() is not None, first.stderr[-20:]
-      assert second_frozen.wait() is not None, second.stderr[-20:]
-    before = {pair: fs.snapshot(run[0]) for pair, run in runs.items()}
-    for _, _, second, _, _ in runs.values():
+    for _, run, frozen in firsts.values():
+      assert frozen.wait() is not None, run.stderr[-20:]
+    for run, frozen in seconds.values():
+      assert frozen.wait() is not None, run.stderr[-20:]
+    before = {impl: fs.snapshot(first[0]) for impl, first in firsts.items()}
+    for second, _ in seconds.values():
       second.proc.send_signal(signal.SIGCONT)
-    seconds = {pair: run[2].finish(timeout=180) for pair, run in runs.items()}
-    after = {pair: fs.snapshot(run[0]) for pair, run in runs.items()}
-    for _, first, _, _, _ in runs.values():
+    ended = {pair: second.finish(timeout=180) for pair, (second, _) in seconds.items()}
+    after = {impl: fs.snapshot(first[0]) for impl, first in firsts.items()}
+    for _, first, _ in firsts.values():
       first.proc.send_signal(signal.SIGCONT)
-    return {pair: (train_dir, first.proc.pid, first.finish(timeout=180),
-                   seconds[pair], before[pair], after[pair])
-            for pair, (train_dir, first, _, _, _) in runs.items()}
+    finished = {impl: first.finish(timeout=180) for impl, (_, first, _) in firsts.items()}
+    return {pair: (firsts[pair[0]][0], firsts[pair[0]][1].proc.pid, finished[pair[0]],
+                   ended[pair], before[pair[0]], after[pair[0]]) for pair in PAIRS}
   finally:
-    _thaw_all([run for pair in runs.values() for run in pair[1:3]])
+    _thaw_all(runs)
 
 
 @pytest.mark.slow
