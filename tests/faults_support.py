@@ -231,6 +231,18 @@ def _cleanup_trained():
   _TRAINED.clear()
 
 
+def at_call(nth, action, func):
+  """`func`, running `action()` first at its nth call (an in-process hook)."""
+  calls = []
+
+  def wrapper(*args, **kwargs):
+    calls.append(None)
+    if len(calls) == nth:
+      action()
+    return func(*args, **kwargs)
+  return wrapper
+
+
 # --- mounts (root only) -----------------------------------------------------
 
 def mount_tmpfs(path, size, read_only=False):

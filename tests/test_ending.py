@@ -257,42 +257,7 @@ def test_a_failure_crossing_the_loop_keeps_the_last_step_in_one_line(
       train_dir, 'model.ckpt-%d' % (resumed + 1))
 
 
-# --- real faults through real processes -------------------------------------------
-
-@pytest.mark.slow
-def test_a_data_file_deleted_under_a_legacy_run(synth_data_dir, tmp_path):
-  """The input files vanish at a seeded step; the run saves the step it reached."""
-  step = FAULT_STEPS['legacy', 'input files']
-  data_dir, train_dir = str(tmp_path / 'data'), str(tmp_path / 'train')
-  shutil.copytree(synth_data_dir, data_dir)
-  batches = os.path.join(data_dir, 'cifar-10-batches-bin')
-  args = ['legacy', '--data_dir', data_dir, '--train_dir', train_dir,
-          '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS)
-  run = fs.Running(args)
-  try:
-    assert run.wait_for(lambda l: ': step %d, loss' % step in l), run.stderr[-20:]
-    for name in os.listdir(batches):
-      if name.startswith('data_batch_'):
-        os.remove(os.path.join(batches, name))
-    code, out, err = run.finish(timeout=120)
-  finally:
-    if run.proc.poll() is None:
-      run.kill()
-  assert code == 1, err
-  reached = [int(s) for s in re.findall(r': step (\d+), loss', out)][-1]
-  path = os.path.join(train_dir, 'model.ckpt-%d' % reached)
-  assert re.fullmatch(
-      r'Error: TensorFlow failed \(not found\): %s/data_batch_\d\.bin; No such file or '
-      r'directory\. Saved global step %d to %s; the same command resumes from it\.'
-      % (re.escape(batches), reached, re.escape(path)), fs.ours(err)[-1]), err[-2000:]
-  assert reached >= step and checkpoints.resume_point(train_dir) == path
-  shutil.rmtree(data_dir)
-  shutil.copytree(synth_data_dir, data_dir)
-  args[args.index('--max_steps') + 1] = reached + 1
-  code, out, err, exception = fs.invoke_cli(args)
-  assert (code, exception) == (0, None), err
-  assert 'Resuming from %s at global step %d.' % (path, reached) in out.splitlines()
-
+# --- a real closed stream: a real process -------------------------------------------
 
 @pytest.mark.slow
 def test_stdout_closed_by_head_under_a_modern_run(synth_data_dir, tmp_path):

@@ -1,8 +1,8 @@
 """Bad input: a one-line error saying what is wrong and what to do, and nothing changed.
 
 Each case runs the CLI as a user would - a real `python cli.py` subprocess
-where that costs no TensorFlow import (or to see a real stderr once), click's
-CliRunner in this process otherwise - and asserts the exit code (2 for usage
+where that costs no TensorFlow import, click's CliRunner in this process
+otherwise - and asserts the exit code (2 for usage
 errors, 1 for runtime ones), the message, that no traceback was printed (or,
 in-process, raised), and that every file that existed before is byte-identical
 afterwards and no file was added.
@@ -319,7 +319,7 @@ TRAIN_CASES = [
          r'not match: stored \d+ vs\. calculated on the restored bytes \d+\), and '
          r'it is the latest checkpoint; the newest intact one is model\.ckpt-1: '
          r'to resume from it, move model\.ckpt-2\.\* and `checkpoint` out of '
-         r'.*/train; or use another --train_dir\.$', 'sub'),
+         r'.*/train; or use another --train_dir\.$', 'in'),
     Case('latest_checkpoint_files_missing', latest_checkpoint_missing, 1,
          r'^Error: checkpoint .*/train/model\.ckpt-2 is incomplete: '
          r'model\.ckpt-2\.index is missing, and it is the latest checkpoint; the '

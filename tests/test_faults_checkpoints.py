@@ -182,13 +182,14 @@ def test_full_disk_on_a_real_tiny_filesystem(tiny_disk, synth_data_dir):
     os.makedirs(train_dir)
     _one_checkpoint_dir(impl, synth_data_dir, train_dir)
     before = fs.snapshot(train_dir)
-    result = fs.run_cli(_train_args(impl, synth_data_dir, train_dir, 4,
-                                    '--save_every', 1))
+    code, out, err, exception = fs.invoke_cli(
+        _train_args(impl, synth_data_dir, train_dir, 4, '--save_every', 1))
     after = fs.snapshot(train_dir)
-    assert 'Traceback' not in result.stdout + result.stderr, result.stderr
-    errors = [l for l in result.stderr.splitlines() if l.startswith('Error: ')]
-    assert errors == [_full_disk_message(train_dir)], result.stderr[-2000:]
-    assert result.returncode == 1
+    assert exception is None, exception  # a user would see a traceback
+    assert 'Traceback' not in out + err, err
+    errors = [l for l in err.splitlines() if l.startswith('Error: ')]
+    assert errors == [_full_disk_message(train_dir)], err[-2000:]
+    assert code == 1
     assert fs.changed(before, after) == []  # model.ckpt-2 and the state file
     # The partial files of model.ckpt-3 are gone; only an event file was added.
     added = [os.path.basename(p) for p in set(after) - set(before)]

@@ -36,7 +36,7 @@ Case = collections.namedtuple('Case', [
     'code',  # expected exit code
     'message',  # regex the one 'Error: ...' line must match (re.search)
     'problems',  # regexes of the lines `data check` prints before it, or None
-    'mode',  # 'in' (CliRunner), 'sub' (subprocess), 'user' (CliRunner, not as root)
+    'mode',  # 'in' (CliRunner), 'user' (CliRunner, not as root)
 ])
 
 UNPRIVILEGED = 65534  # nobody: root reads any file, so root tests as nobody
@@ -332,9 +332,6 @@ def test_data_command_fault(case, ws, monkeypatch):
     if case.mode == 'user':
       with _unprivileged():
         code, out, err, exception = fs.invoke_cli(args, env=env)
-    elif case.mode == 'sub':
-      result = fs.run_cli(args, env=env, timeout=60)
-      code, out, err, exception = result.returncode, result.stdout, result.stderr, None
     else:
       if hasattr(ws, 'expected_sha256'):  # the CLI reads it when it downloads
         monkeypatch.setattr(download, 'ARCHIVE_SHA256', ws.expected_sha256)

@@ -1,8 +1,8 @@
-"""Ctrl-C, SIGTERM and kill -9 during training, with real `python cli.py` processes.
+"""A second Ctrl-C and kill -9 during training, with real `python cli.py` processes.
 
-- SIGINT / SIGTERM: the trainer stops at the step boundary, saves that step,
-  stops its input threads and exits within 10 s with 128 + the signal's number
-  and a line naming the saved step.
+(A first SIGINT / SIGTERM after a step - the step saved, one line, 128 + the
+signal's number within 10 s - is tests/test_faults_runs.py's phase table.)
+- A second SIGINT during the stop's save ends the run at once, unsaved.
 - kill -9 at random moments: the next run resumes from the newest intact
   checkpoint, losing only the steps since the last completed save, and the
   last run finishes at max_steps. FAULTS_KILLS / FAULTS_KILL_STEPS /
@@ -23,18 +23,6 @@ from cifar10_towers.common import checkpoints
 
 STEP_LINE = re.compile(r': step (\d+), loss = ')
 EXIT_WITHIN_SECS = 10
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _exit_bound():
-  """EXIT_WITHIN_SECS, stretched by how oversubscribed the CPUs are right now.
-
-  The stop itself takes well under a second (finish the step, save, join the
-  input threads, exit); on a machine busy with other work a wall-clock bound
-  only means something per share of CPU this process gets.
-  """
-  load = os.getloadavg()[0] / (os.cpu_count() or 1)
-  return EXIT_WITHIN_SECS * max(1.0, load)
 
 
 def _step(line):
@@ -44,75 +32,6 @@ def _step(line):
 
 def _steps_logged(text):
   return [int(m.group(1)) for m in STEP_LINE.finditer(text)]
-
-
-@pytest.fixture(scope='module')
-def signalled_runs(synth_data_dir, tmp_path_factory):
-  """The four (trainer, signal) runs, started together, each signalled at step >= 3.
-
-  The runs start at once so their TensorFlow imports overlap; each is frozen
-  (SIGSTOP) as soon as it logged step 3, and then, one at a time, thawed and
-  signalled, so the time to exit is measured without the others competing
-  for the CPU.
-
-  Returns:
-    dict (impl, signal) -> (train_dir, step seen before the signal, seconds
-    from the signal to exit, exit code, stdout, stderr).
-  """
-  runs = {}
-  for impl in fs.TRAINERS:
-    for sig in SIGNALS:
-      train_dir = str(tmp_path_factory.mktemp('%s_%s' % (impl, sig.name)))
-      runs[impl, sig] = (train_dir, fs.Running(
-          [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
-           '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS)))
-  results = {}
-  try:
-    seen = {}
-    for key, (train_dir, run) in runs.items():
-      line = run.wait_for(lambda l: (_step(l) or 0) >= 3)
-      assert line is not None, '\n'.join(run.stderr[-20:])
-      run.proc.send_signal(signal.SIGSTOP)
-      seen[key] = _step(line)
-    for (impl, sig), (train_dir, run) in runs.items():
-      run.proc.send_signal(signal.SIGCONT)
-      start = time.time()
-      run.proc.send_signal(sig)
-      code, out, err = run.finish(timeout=60)
-      print('%s %s: the stop line %.2f s, exit %.2f s after the signal; load %.1f'
-            % (impl, sig.name, run.stdout_times[-1] - start, run.exited - start,
-               os.getloadavg()[0]))
-      results[impl, sig] = (train_dir, seen[impl, sig], run.exited - start, code,
-                            out, err)
-  finally:
-    for _, run in runs.values():
-      if run.proc.poll() is None:
-        run.proc.send_signal(signal.SIGCONT)
-        run.kill()
-  return results
-
-
-@pytest.mark.parametrize('sig', SIGNALS, ids=lambda s: s.name)
-@pytest.mark.parametrize('impl', fs.TRAINERS)
-def test_signal_saves_the_step_and_exits_within_10s(signalled_runs, impl, sig):
-  train_dir, seen, seconds, code, out, err = signalled_runs[impl, sig]
-  last = fs.ours(err)[-1]
-  match = re.fullmatch(r'Stopped by %s at global step (\d+); saved (\S+)\. The same '
-                       r'command resumes from it\.' % sig.name, last)
-  assert match, (last, err[-2000:])
-  step = int(match.group(1))
-  # The step boundary: every step that started was finished and saved.
-  assert step >= seen
-  assert step == max(_steps_logged(out))
-  assert match.group(2) == os.path.join(train_dir, 'model.ckpt-%d' % step)
-  assert code == 128 + sig, err[-2000:]
-  assert seconds < _exit_bound()
-  assert 'Traceback' not in err and 'Traceback' not in out
-  # That checkpoint is the latest, whole, and holds that step.
-  assert checkpoints.resume_point(train_dir) == match.group(2)
-  assert tf.train.latest_checkpoint(train_dir) == match.group(2)
-  key = 'global_step' if impl == 'legacy' else 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
-  assert tf.train.load_variable(match.group(2), key) == step
 
 
 def _complete_saves_below(step, save_every, start):
@@ -284,6 +203,6 @@ def test_a_second_sigint_ends_the_run_at_once_without_saving(second_sigint_runs,
       'checkpoint are lost.')
   assert code == 130
   # At once: not after the 30 s the save in progress would have taken.
-  assert seconds < _exit_bound()
+  assert seconds < fs.exit_bound(EXIT_WITHIN_SECS)
   assert 'Stopped by' not in out + err
   assert not [n for n in os.listdir(train_dir) if n.startswith('model.ckpt')]

@@ -675,14 +675,14 @@ def test_cli_refuses_two_replicas_per_worker_on_a_cpu_only_machine(tmp_path):
     pytest.skip('this machine has GPUs')
   train_dir = tmp_path / 'train'
   train_dir.mkdir()  # an existing, empty train_dir stays empty: no lock, no files
-  result = fs.run_cli(['modern', '--strategy', 'multiworker', '--worker_hosts',
-                       ','.join(_loopback(fs.free_ports(2))), '--task_index', '0',
-                       '--num_gpus', '2', '--data_dir', tmp_path / 'no_data',
-                       '--train_dir', train_dir], env={'TF_CONFIG': ''})
-  context = 'stdout:\n%s\nstderr:\n%s' % (result.stdout, result.stderr)
-  assert result.returncode == 2, context
-  assert 'Traceback' not in result.stderr, context
-  message = fs.ours(result.stderr)[-1]
+  code, out, err, exception = fs.invoke_cli(
+      ['modern', '--strategy', 'multiworker', '--worker_hosts',
+       ','.join(_loopback(fs.free_ports(2))), '--task_index', '0', '--num_gpus', '2',
+       '--data_dir', tmp_path / 'no_data', '--train_dir', train_dir], env={'TF_CONFIG': ''})
+  context = 'stdout:\n%s\nstderr:\n%s' % (out, err)
+  assert (code, exception) == (2, None), context
+  assert 'Traceback' not in err, context
+  message = fs.ours(err)[-1]
   assert message.startswith('Error: --strategy multiworker '), context
   for fact in ('one replica per GPU', '0 GPU(s) for --num_gpus 2',
                'pass --num_gpus 1 and start more workers'):

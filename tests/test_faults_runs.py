@@ -1,6 +1,6 @@
 """Whole training runs that a scheduler, an impatient user or a full disk disturb.
 
-Real `python cli.py` processes throughout:
+Real `python cli.py` processes where a signal or a second run is the point:
 - two runs in one train_dir (legacy + legacy, legacy + modern, modern +
   modern): the second exits 1 naming the first's PID and host and writes
   nothing; the first finishes as if alone;
@@ -9,9 +9,10 @@ Real `python cli.py` processes throughout:
   first step the run ends at once with one line and writes nothing; after
   it, the step, save or summary in progress is finished and the step saved;
   each within 10 s;
-- the train_dir removed or made read-only under a running trainer, a full
-  disk at the first save, --max_steps below the resumed step, huge
-  --log_every / --save_every / --summary_every.
+- in this process (click's CliRunner): the train_dir removed or made
+  read-only under a running trainer, a full disk at the first save,
+  --max_steps below the resumed step, huge --log_every / --save_every /
+  --summary_every.
 
 The marker lines come from test hooks (`faults_support.hooks_env`), which
 wrap a function of the run as its module loads; the code under test has none.
@@ -83,49 +84,52 @@ PAIR_STEPS = 30  # both runs' --max_steps
 
 @pytest.fixture(scope='module')
 def two_runs(synth_data_dir, tmp_path_factory):
-  """Per pair: a first run, frozen at step 3, and a second run in its train_dir.
+  """A first run of each trainer, frozen at step 3, and its pairs' second runs.
 
   All runs start together (their TensorFlow imports overlap). Each first run
   is frozen (SIGSTOP) at step 3 - holding its train_dir, with nothing saved
-  yet (--save_every 5) - and each second run just before it takes the lock;
-  then the second ones go on, and when they have ended, the first ones.
+  yet (--save_every 5) - and each second run in that train_dir just before it
+  takes the lock; then the second ones go on, and when they have ended, the
+  first ones. (The legacy first run serves both pairs that start with it.)
 
   Returns:
     dict pair -> (train_dir, first run's pid, its (code, out, err), the
     second's (code, out, err), train_dir snapshots before and after the
-    second run went on).
+    second runs went on).
   """
-  runs = {}
-  for first_impl, second_impl in PAIRS:
-    base = tmp_path_factory.mktemp('%s_then_%s' % (first_impl, second_impl))
-    train_dir = str(base / 'train')
+  firsts, seconds = {}, {}
+  for first_impl in sorted({first for first, _ in PAIRS}):
+    train_dir = str(tmp_path_factory.mktemp('%s_first' % first_impl) / 'train')
     first = fs.Running(_train_args(first_impl, synth_data_dir, train_dir,
                                    '--max_steps', PAIR_STEPS, '--save_every', 5))
+    firsts[first_impl] = (train_dir, first, fs.Frozen(first, _reached(3)))
+  for pair in PAIRS:
+    base = tmp_path_factory.mktemp('%s_then_%s' % pair)
     second = fs.Running(
-        _train_args(second_impl, synth_data_dir, train_dir,
+        _train_args(pair[1], synth_data_dir, firsts[pair[0]][0],
                     '--max_steps', PAIR_STEPS, '--save_every', 5),
         env=fs.hooks_env(str(base / 'hooks'),
                          [fs.hook('common.lock:exclusive', say='HOOK lock',
                                   dwell=5)]))
-    runs[first_impl, second_impl] = (
-        train_dir, first, second, fs.Frozen(first, _reached(3)),
-        fs.Frozen(second, lambda line: line == 'HOOK lock'))
+    seconds[pair] = (second, fs.Frozen(second, lambda line: line == 'HOOK lock'))
+  runs = [run for _, run, _ in firsts.values()] + [run for run, _ in seconds.values()]
   try:
-    for train_dir, first, second, first_frozen, second_frozen in runs.values():
-      assert first_frozen.wait() is not None, first.stderr[-20:]
-      assert second_frozen.wait() is not None, second.stderr[-20:]
-    before = {pair: fs.snapshot(run[0]) for pair, run in runs.items()}
-    for _, _, second, _, _ in runs.values():
+    for _, run, frozen in firsts.values():
+      assert frozen.wait() is not None, run.stderr[-20:]
+    for run, frozen in seconds.values():
+      assert frozen.wait() is not None, run.stderr[-20:]
+    before = {impl: fs.snapshot(first[0]) for impl, first in firsts.items()}
+    for second, _ in seconds.values():
       second.proc.send_signal(signal.SIGCONT)
-    seconds = {pair: run[2].finish(timeout=180) for pair, run in runs.items()}
-    after = {pair: fs.snapshot(run[0]) for pair, run in runs.items()}
-    for _, first, _, _, _ in runs.values():
+    ended = {pair: second.finish(timeout=180) for pair, (second, _) in seconds.items()}
+    after = {impl: fs.snapshot(first[0]) for impl, first in firsts.items()}
+    for _, first, _ in firsts.values():
       first.proc.send_signal(signal.SIGCONT)
-    return {pair: (train_dir, first.proc.pid, first.finish(timeout=180),
-                   seconds[pair], before[pair], after[pair])
-            for pair, (train_dir, first, _, _, _) in runs.items()}
+    finished = {impl: first.finish(timeout=180) for impl, (_, first, _) in firsts.items()}
+    return {pair: (firsts[pair[0]][0], firsts[pair[0]][1].proc.pid, finished[pair[0]],
+                   ended[pair], before[pair[0]], after[pair[0]]) for pair in PAIRS}
   finally:
-    _thaw_all([run for pair in runs.values() for run in pair[1:3]])
+    _thaw_all(runs)
 
 
 @pytest.mark.slow
@@ -213,7 +217,8 @@ def _phases(impl):
       Phase('final_save', impl, term,
             [fs.hook(_SAVE[impl], say='HOOK save', dwell=5)],
             'HOOK save', ('--max_steps', 3), False, 3),
-      Phase('summaries', impl, term,
+      # SIGINT after a step: its save and exit 130 (SIGTERM's: the saves above).
+      Phase('summaries', impl, sigint,
             [fs.hook(_SUMMARIES[impl], say='HOOK summaries', dwell=5)],
             'HOOK summaries', ('--summary_every', 2), False, 2),
   ]
@@ -317,6 +322,7 @@ def test_a_signal_in_any_phase_stops_within_10s_with_one_line(phase, request):
                     'resumes from it.' % (phase.sig.name, phase.saved, path))
     assert max(_steps_logged(out)) == phase.saved
     assert checkpoints.resume_point(train_dir) == path
+    assert tf.train.latest_checkpoint(train_dir) == path
     assert _global_step(path) == phase.saved
   assert lock.LOCK_FILE not in (os.listdir(train_dir) if os.path.isdir(train_dir)
                                 else [])
@@ -398,47 +404,45 @@ def _chattr(flag, path):
 def disturbed_runs(synth_data_dir, tmp_path_factory):
   """Each trainer's train_dir removed, and made read-only, under it at step 2.
 
-  The runs start together; each is frozen at step 2 (held there by a hook;
-  --save_every 5: nothing saved yet), its train_dir removed or made
-  immutable (`chattr +i`: not even root can create a file in it), and thawed.
+  In this process: at the second log line (--save_every 5: nothing saved
+  yet) the train_dir is removed or made immutable (`chattr +i`: not even
+  root can create a file in it), and the run goes on.
 
   Returns:
     dict (impl, 'removed' | 'read_only') -> (train_dir, exit code, stdout,
     stderr); 'read_only' is missing where chattr does not work.
   """
-  runs = {}
-  for impl in fs.TRAINERS:
-    for what in ('removed', 'read_only'):
-      base = tmp_path_factory.mktemp('%s_%s' % (impl, what))
-      train_dir = str(base / 'train')
-      os.makedirs(train_dir)
-      if what == 'read_only' and not (_chattr('+i', train_dir)
-                                      and _chattr('-i', train_dir)):
-        continue
-      run = fs.Running(
-          _train_args(impl, synth_data_dir, train_dir, '--max_steps', 12,
-                      '--save_every', 5),
-          env=fs.hooks_env(str(base / 'hooks'), [fs.hook(
-              'common.training:log_line', say='HOOK step 2', dwell=5, nth=2)]))
-      runs[impl, what] = (train_dir, run,
-                          fs.Frozen(run, lambda line: line == 'HOOK step 2'))
   results = {}
-  try:
-    for key, (train_dir, run, frozen) in runs.items():
-      assert frozen.wait() is not None, run.stderr[-20:]
-      if key[1] == 'removed':
-        shutil.rmtree(train_dir)
-      else:
-        assert _chattr('+i', train_dir)
-      run.proc.send_signal(signal.SIGCONT)
-    for key, (train_dir, run, _) in runs.items():
-      results[key] = (train_dir,) + run.finish(timeout=120)
-  finally:
-    _thaw_all([run for _, run, _ in runs.values()])
-    for (impl, what), (train_dir, _, _) in runs.items():
-      if what == 'read_only':
-        _chattr('-i', train_dir)
+  with pytest.MonkeyPatch.context() as patch:
+    for impl in fs.TRAINERS:
+      for what in ('removed', 'read_only'):
+        train_dir = str(tmp_path_factory.mktemp('%s_%s' % (impl, what)) / 'train')
+        os.makedirs(train_dir)
+        if what == 'read_only' and not (_chattr('+i', train_dir)
+                                        and _chattr('-i', train_dir)):
+          continue
+        patch.setattr(training, 'log_line',
+                      fs.at_call(2, _disturb(what, train_dir), training.log_line))
+        try:
+          code, out, err, exception = fs.invoke_cli(
+              _train_args(impl, synth_data_dir, train_dir, '--max_steps', 12,
+                          '--save_every', 5))
+        finally:
+          patch.undo()
+          if what == 'read_only':
+            _chattr('-i', train_dir)
+        assert exception is None, exception  # a user would see a traceback
+        results[impl, what] = (train_dir, code, out, err)
   return results
+
+
+def _disturb(what, train_dir):
+  def removed():
+    shutil.rmtree(train_dir)
+
+  def read_only():
+    assert _chattr('+i', train_dir)
+  return removed if what == 'removed' else read_only
 
 
 @pytest.mark.slow
@@ -494,13 +498,11 @@ def tiny_full_disk(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_full_disk_at_the_first_save(tiny_full_disk, synth_data_dir):
-  runs = {impl: fs.Running(_train_args(impl, synth_data_dir,
-                                       os.path.join(tiny_full_disk, impl),
-                                       '--max_steps', 4, '--save_every', 2))
-          for impl in fs.TRAINERS}
-  for impl, run in runs.items():
+  for impl in fs.TRAINERS:
     train_dir = os.path.join(tiny_full_disk, impl)
-    code, out, err = run.finish(timeout=180)
+    code, out, err, exception = fs.invoke_cli(_train_args(
+        impl, synth_data_dir, train_dir, '--max_steps', 4, '--save_every', 2))
+    assert exception is None, exception
     assert 'Traceback' not in out + err, err[-2000:]
     assert _errors(err) == [
         'Error: could not write checkpoint model.ckpt-2 in %s (No space left on '
