@@ -38,8 +38,6 @@ EVAL_FILES = ('test_batch.bin',)
 META_FILE = 'batches.meta.txt'
 # Written with a generated data set (common.generated); never in CIFAR-10's.
 GENERATED_FILE = 'GENERATED.json'
-CLASS_NAMES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog',
-               'horse', 'ship', 'truck')
 
 LABEL_BYTES = 1
 HEIGHT = 32
@@ -202,31 +200,35 @@ class FileJudge:
   def __init__(self):
     self._seen = {}  # fingerprint -> path
 
-  def judge(self, path, data, records):
-    """Why the file cannot be real data: a list of phrases, [] if it can.
+  def judge(self, path):
+    """Reads and validates the file at `path`; why it cannot be real data.
 
-    Args:
-      path: str, the file (named in the phrases of later copies).
-      data: bytes, its whole content.
-      records: uint8 [N, 3073], `data` as records.
+    Returns:
+      (records uint8 [N, 3073], a list of phrases, [] if it can be real).
+
+    Raises:
+      DataError: the file is malformed (see `decode_records`).
+      OSError: it cannot be read.
     """
+    with open(path, 'rb') as f:
+      data = f.read()
+    records = _records(data, path)
     problems = content_problems(records)
     if records.shape[0] >= MIN_RECORDS_TO_JUDGE:
       key = (len(data), hashlib.blake2b(data[::self._STRIDE]).digest())
-      original = self._seen.get(key)
-      if original is not None and _same_bytes(original, data):
+      original = self._seen.setdefault(key, path)
+      if original != path and _read(original) == data:
         problems.append('a byte-for-byte copy of %s' % os.path.basename(original))
-      else:
-        self._seen.setdefault(key, path)
-    return problems
+    return records, problems
 
 
-def _same_bytes(path, data):
+def _read(path):
+  """The bytes of the file at `path`; None if it cannot be read."""
   try:
     with open(path, 'rb') as f:
-      return f.read() == data
+      return f.read()
   except OSError:
-    return False
+    return None
 
 
 def judge_files(paths):
@@ -247,9 +249,7 @@ def judge_files(paths):
   """
   judge, lines = FileJudge(), []
   for path in paths:
-    with open(path, 'rb') as f:
-      data = f.read()
-    problems = judge.judge(path, data, _records(data, path))
+    problems = judge.judge(path)[1]
     if problems:
       lines.append('%s cannot be real data: %s' % (path, '; '.join(problems)))
   return lines
@@ -347,7 +347,7 @@ def check_data_dir(data_dir):
       return ['%s: %s, not a directory' % (d, kind)], counts
     return ['%s: directory not found' % d], counts
   try:
-    names = sorted(os.listdir(d))
+    extra = unexpected_files(data_dir)
   except OSError as e:
     return ['%s: cannot be listed (%s)' % (d, _reason(e))], counts
   expected = TRAIN_FILES + EVAL_FILES
@@ -360,9 +360,7 @@ def check_data_dir(data_dir):
                                   else '%s, not a data file' % kind))
       continue
     try:
-      with open(path, 'rb') as f:
-        data = f.read()
-      records = _records(data, path)
+      records, why = judge.judge(path)
     except DataError as e:
       problems.append(str(e).split('. Re-download')[0])
       continue
@@ -372,15 +370,12 @@ def check_data_dir(data_dir):
     if records.shape[0] == 0:
       problems.append('%s: empty' % path)
       continue
-    why = judge.judge(path, data, records)
     if why:
       problems.append('%s: cannot be real data: %s' % (path, '; '.join(why)))
       continue
     counts[name] = int(records.shape[0])
-  for name in names:
-    if name.endswith('.bin') and name not in expected:
-      problems.append('%s: unexpected data file (expected only %s)'
-                      % (os.path.join(d, name), ', '.join(expected)))
+  problems += ['%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
+               for path in extra]
   return problems, counts
 
 

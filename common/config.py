@@ -31,25 +31,20 @@ class TrainConfig:
   task_index: int = 0  # multiworker: this worker's index in worker_hosts (0 = chief)
   peer_timeout: int = 60  # multiworker: seconds a step waits for its peers, then fails
   startup_timeout: int = 600  # multiworker: seconds the workers wait for each other to start
-  optimizer: optimizer_lib.Optimizer = optimizer_lib.Optimizer()  # the update; default upstream's SGD
+  optimizer: optimizer_lib.Optimizer = optimizer_lib.Optimizer()  # default upstream's SGD
 
   def __post_init__(self):
-    if self.num_gpus < 1:
-      raise ValueError('num_gpus must be >= 1, got %d' % self.num_gpus)
-    if self.batch_size < 1:
-      raise ValueError('batch_size must be >= 1, got %d' % self.batch_size)
-    if self.max_steps < 0:
-      raise ValueError('max_steps must be >= 0, got %d' % self.max_steps)
-    for name in ('log_every', 'summary_every', 'save_every'):
+    for name in ('num_gpus', 'batch_size', 'log_every', 'summary_every', 'save_every',
+                 'peer_timeout'):
       if getattr(self, name) < 1:
         raise ValueError('%s must be >= 1, got %d' % (name, getattr(self, name)))
+    if self.max_steps < 0:
+      raise ValueError('max_steps must be >= 0, got %d' % self.max_steps)
     if self.strategy not in STRATEGIES:
       raise ValueError('strategy must be one of %s, got %r' % (STRATEGIES, self.strategy))
     if self.worker_hosts and not 0 <= self.task_index < len(self.worker_hosts):
       raise ValueError('task_index must be in [0, %d), got %d'
                        % (len(self.worker_hosts), self.task_index))
-    if self.peer_timeout < 1:
-      raise ValueError('peer_timeout must be >= 1, got %d' % self.peer_timeout)
 
   def checkpoint_prefix(self):
     """Path prefix of the checkpoints, `<train_dir>/model.ckpt`."""

@@ -2,8 +2,6 @@
 
 IMAGE_SIZE = 24  # images are cropped from 32x32 to 24x24
 NUM_CLASSES = 10
-NUM_EXAMPLES_PER_EPOCH_FOR_TRAIN = 50000  # real CIFAR-10; we count what is on disk
-NUM_EXAMPLES_PER_EPOCH_FOR_EVAL = 10000
 BATCH_SIZE = 128  # per tower
 
 MOVING_AVERAGE_DECAY = 0.9999  # decay of the moving average of the weights

@@ -26,10 +26,12 @@ class LockError(errors.Failure):
   """Another process holds the lock; the message names it and what to do."""
 
 
-def _holder(handle):
-  handle.seek(0)
-  text = handle.read().strip()
-  return text or 'a process that did not say which'
+def _ours(handle, path):
+  """Whether the file at `path` is still the one `handle` has open (see `_lock`)."""
+  try:
+    return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+  except FileNotFoundError:
+    return False
 
 
 def _lock(path, directory):
@@ -44,7 +46,8 @@ def _lock(path, directory):
     try:
       fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-      holder = _holder(handle)
+      handle.seek(0)
+      holder = handle.read().strip() or 'a process that did not say which'
       handle.close()
       if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
         raise
@@ -52,11 +55,8 @@ def _lock(path, directory):
           '%s is in use by another run (%s). Wait for it to end, or pass another '
           '--train_dir; two runs in one train_dir would overwrite each other\'s '
           'checkpoints.' % (directory, holder)) from None
-    try:
-      if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
-        return handle
-    except FileNotFoundError:
-      pass
+    if _ours(handle, path):
+      return handle
     handle.close()
 
 
@@ -96,7 +96,7 @@ def exclusive(directory, what='training'):
     try:
       # While still held (see _lock), and only if it is still ours: if the
       # directory was removed under the run, another run may hold a new one.
-      if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+      if _ours(handle, path):
         os.remove(path)
     except OSError:
       pass
@@ -115,13 +115,8 @@ def check(directory):
   """
   path = os.path.join(directory, LOCK_FILE)
   handle = _held.get(path)
-  if handle is None:
+  if handle is None or _ours(handle, path):
     return
-  try:
-    if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
-      return
-  except FileNotFoundError:
-    pass
   raise LockError(
       '%s was removed, or its lock file %s, while this run trained in it; '
       'stopped without writing there again, as another run may have started in '

@@ -46,6 +46,7 @@ def _negative_power(s, beta):
   return tf.pow(s, -beta)
 
 
+@functools.lru_cache(maxsize=None)
 def make_fast_lrn(depth_radius, bias, alpha, beta):
   """An XLA-compiled `tf.nn.local_response_normalization` with these parameters.
 
@@ -82,15 +83,10 @@ def upstream_lrn(x, name=None):
       alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA, name=name)
 
 
-@functools.lru_cache(maxsize=None)
-def _cached_fast_lrn(depth_radius, bias, alpha, beta):
-  return make_fast_lrn(depth_radius, bias, alpha, beta)
-
-
 def fast_lrn(x):
   """`make_fast_lrn` with the hyperparameters of docs/equivalence.md §1, read when called."""
-  return _cached_fast_lrn(hparams.LRN_DEPTH_RADIUS, hparams.LRN_BIAS,
-                          hparams.LRN_ALPHA, hparams.LRN_BETA)(x)
+  return make_fast_lrn(hparams.LRN_DEPTH_RADIUS, hparams.LRN_BIAS,
+                       hparams.LRN_ALPHA, hparams.LRN_BETA)(x)
 
 
 def for_plan(plan):

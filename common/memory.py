@@ -51,6 +51,7 @@ this process already holds (its RSS is part of the estimate). Where neither
 can be read (not Linux) nothing is checked.
 """
 
+import bisect
 import dataclasses
 import os
 
@@ -96,22 +97,15 @@ def activation_bytes_per_image():
   TensorFlow, so that importing this module stays cheap).
   """
   from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
-  conv1, conv2, local3, local4, logits = model_spec.LAYERS
-  stride = hparams.POOL_STRIDE
-  size1 = hparams.IMAGE_SIZE  # conv1 keeps the size (SAME, stride 1)
-  size2 = -(-size1 // stride)  # pool1 (SAME): 24 -> 12
-  size3 = -(-size2 // stride)  # pool2: 12 -> 6
-  floats = (size1 * size1 * conv1.weight_shape[-1]  # conv1
-            + 2 * size2 * size2 * conv1.weight_shape[-1]  # pool1, norm1
-            + 2 * size2 * size2 * conv2.weight_shape[-1]  # conv2, norm2
-            + size3 * size3 * conv2.weight_shape[-1]  # pool2
-            + local3.weight_shape[-1] + local4.weight_shape[-1]
-            + logits.weight_shape[-1])
-  return floats * FLOAT_BYTES
+  c1, c2, *dense = [layer.weight_shape[-1] for layer in model_spec.LAYERS]
+  s1 = hparams.IMAGE_SIZE  # conv1 keeps the size (SAME, stride 1)
+  s2 = -(-s1 // hparams.POOL_STRIDE)  # pool1 (SAME): 24 -> 12
+  s3 = -(-s2 // hparams.POOL_STRIDE)  # pool2: 12 -> 6
+  # conv1; pool1 and norm1; conv2 and norm2; pool2; local3, local4, logits.
+  return FLOAT_BYTES * (s1 * s1 * c1 + 2 * s2 * s2 * (c1 + c2) + s3 * s3 * c2 + sum(dense))
 
 
-def estimate(impl, batch_size, num_towers, examples_per_epoch,
-             towers_on_host=True, num_cores=None):
+def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=True):
   """The peak memory of a training process (see the module docstring).
 
   Args:
@@ -120,7 +114,6 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch,
     num_towers: int, towers (N).
     examples_per_epoch: int, training records on disk.
     towers_on_host: bool, False when the towers run on GPUs.
-    num_cores: int, cores for modern's parallel preprocessing; default all.
 
   Returns:
     Estimate.
@@ -134,9 +127,8 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch,
               hparams.NUM_PREPROCESS_THREADS * LEGACY_READ_RECORDS *
               PREPROCESS_BYTES)
   elif impl == 'modern':
-    cores = num_cores or os.cpu_count() or 1
     inputs = (max(1, min_after_dequeue) * RAW_RECORD_BYTES + batches +
-              cores * b * PREPROCESS_BYTES)
+              (os.cpu_count() or 1) * b * PREPROCESS_BYTES)
   else:
     raise ValueError('impl must be legacy or modern, got %r' % impl)
   return Estimate(
@@ -147,28 +139,29 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch,
       towers_on_host=towers_on_host)
 
 
-def _read_number(path):
+def _read(*path):
+  """The text of the file at os.path.join(*path); '' if it cannot be read."""
   try:
-    with open(path) as f:
-      text = f.read().strip()
+    with open(os.path.join(*path)) as f:
+      return f.read()
   except (OSError, UnicodeDecodeError):
-    return None
+    return ''
+
+
+def _read_number(*path):
+  text = _read(*path).strip()
   if text == 'max':
     return _NO_LIMIT
   return int(text) if text.isdigit() else None
 
 
-def _read_fields(path):
+def _read_fields(*path):
   """'name value' lines (memory.stat, /proc/meminfo) as a dict of ints."""
   fields = {}
-  try:
-    with open(path) as f:
-      for line in f:
-        parts = line.replace(':', ' ').split()
-        if len(parts) >= 2 and parts[1].isdigit():
-          fields[parts[0]] = int(parts[1]) * (1024 if parts[2:3] == ['kB'] else 1)
-  except (OSError, UnicodeDecodeError):
-    pass
+  for line in _read(*path).splitlines():
+    parts = line.replace(':', ' ').split()
+    if len(parts) >= 2 and parts[1].isdigit():
+      fields[parts[0]] = int(parts[1]) * (1024 if parts[2:3] == ['kB'] else 1)
   return fields
 
 
@@ -178,13 +171,8 @@ def _cgroup_headroom(proc, cgroup_root):
   Returns:
     (bytes, directory) or (None, None) without a limit.
   """
-  try:
-    with open(os.path.join(proc, 'self', 'cgroup')) as f:
-      lines = f.read().splitlines()
-  except OSError:
-    return None, None
-  candidates = []  # (cgroup dir, limit file, usage file, inactive-file field)
-  for line in lines:
+  best, where = None, None
+  for line in _read(proc, 'self', 'cgroup').splitlines():
     parts = line.split(':', 2)
     if len(parts) != 3:
       continue
@@ -193,37 +181,33 @@ def _cgroup_headroom(proc, cgroup_root):
       base, files = cgroup_root, ('memory.max', 'memory.current', 'inactive_file')
     elif 'memory' in controllers.split(','):  # v1
       base = os.path.join(cgroup_root, 'memory')
-      files = ('memory.limit_in_bytes', 'memory.usage_in_bytes',
-               'total_inactive_file')
+      files = ('memory.limit_in_bytes', 'memory.usage_in_bytes', 'total_inactive_file')
     else:
       continue
+    limit_file, usage_file, inactive = files
     # This cgroup and every ancestor: each limit applies. In a container the
     # mount's root is the container's own cgroup, whatever the path says.
     rel = path.strip('/')
     while True:
-      candidates.append((os.path.join(base, rel) if rel else base,) + files)
+      directory = os.path.join(base, rel) if rel else base
+      limit = _read_number(directory, limit_file)
+      if limit is not None and limit < _NO_LIMIT:
+        # Page cache the kernel reclaims before it kills counts as free.
+        usage = ((_read_number(directory, usage_file) or 0)
+                 - _read_fields(directory, 'memory.stat').get(inactive, 0))
+        headroom = max(0, limit - max(0, usage))
+        if best is None or headroom < best:
+          best, where = headroom, directory
       if not rel:
         break
       rel = os.path.dirname(rel)
-  best, where = None, None
-  for directory, limit_file, usage_file, inactive in candidates:
-    limit = _read_number(os.path.join(directory, limit_file))
-    if limit is None or limit >= _NO_LIMIT:
-      continue
-    usage = _read_number(os.path.join(directory, usage_file)) or 0
-    # Page cache the kernel reclaims before it kills counts as free.
-    usage -= _read_fields(os.path.join(directory, 'memory.stat')).get(inactive, 0)
-    headroom = max(0, limit - max(0, usage))
-    if best is None or headroom < best:
-      best, where = headroom, directory
   return best, where
 
 
 def _own_rss(proc):
   try:
-    with open(os.path.join(proc, 'self', 'statm')) as f:
-      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-  except (OSError, ValueError, IndexError):
+    return int(_read(proc, 'self', 'statm').split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (ValueError, IndexError):
     return 0
 
 
@@ -240,7 +224,7 @@ def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
   Returns:
     (bytes, str naming the source) or (None, None) when neither can be read.
   """
-  mem_available = _read_fields(os.path.join(proc, 'meminfo')).get('MemAvailable')
+  mem_available = _read_fields(proc, 'meminfo').get('MemAvailable')
   headroom, cgroup_dir = _cgroup_headroom(proc, cgroup_root)
   if mem_available is None and headroom is None:
     return None, None
@@ -257,7 +241,7 @@ def _two_digits(n):
   return max(1, n // scale * scale)
 
 
-def check_training(impl, plan, batch_size, data_dir, read_available=None):
+def check_training(impl, plan, batch_size, data_dir):
   """Refuses a run whose step cannot fit in the memory available to this process.
 
   Call before the trainer builds anything: it costs a stat of the data files.
@@ -270,8 +254,6 @@ def check_training(impl, plan, batch_size, data_dir, read_available=None):
     plan: common.devices.DevicePlan.
     batch_size: int, images per tower.
     data_dir: str, holds the training files (already validated).
-    read_available: callable returning (bytes, source) or (None, None);
-      default `available`.
 
   Returns:
     Estimate.
@@ -290,16 +272,15 @@ def check_training(impl, plan, batch_size, data_dir, read_available=None):
     return estimate(impl, b, n, examples, towers_on_host=on_host).host
 
   need = estimate(impl, batch_size, towers, examples, towers_on_host=on_host)
-  have, source = (read_available or available)()
+  have, source = available()
   if have is None or need.host <= have:
     return need
   advice = []
-  if host_bytes(1, towers) <= have:  # the estimate grows with the batch
-    low, high = 1, batch_size
-    while high - low > 1:
-      mid = (low + high) // 2
-      low, high = (mid, high) if host_bytes(mid, towers) <= have else (low, mid)
-    advice.append('--batch_size %d or less' % _two_digits(low))
+  # The largest batch that fits: the estimate grows with the batch.
+  fit_batch = bisect.bisect_right(range(1, batch_size + 1), have,
+                                  key=lambda b: host_bytes(b, towers))
+  if fit_batch:
+    advice.append('--batch_size %d or less' % _two_digits(fit_batch))
   fit_towers = max((n for n in range(1, towers) if host_bytes(batch_size, n) <= have),
                    default=0)
   if fit_towers:

@@ -70,31 +70,23 @@ def forward(images, params, activation_hook=None, lrn=None):
     with tf.name_scope(name):
       return lrn(x)
 
-  def conv_relu(x, layer_name):
-    weights, biases = params[layer_name]
-    conv = tf.nn.conv2d(x, weights, [1, 1, 1, 1], padding='SAME')
-    out = tf.nn.relu(tf.nn.bias_add(conv, biases), name=layer_name)
+  def layer(x, name, relu=True):
+    """conv1, conv2 (SAME, stride 1) or a fully connected layer, then ReLU."""
+    weights, biases = params[name]
+    if len(weights.shape) == 4:
+      x = tf.nn.bias_add(tf.nn.conv2d(x, weights, [1, 1, 1, 1], padding='SAME'), biases)
+    else:
+      x = tf.add(tf.matmul(x, weights), biases)
+    out = tf.nn.relu(x, name=name) if relu else tf.identity(x, name=name)
     hook(out)
     return out
 
-  def local(x, layer_name, relu=True):
-    weights, biases = params[layer_name]
-    out = tf.add(tf.matmul(x, weights), biases)
-    out = tf.nn.relu(out, name=layer_name) if relu else tf.identity(out, name=layer_name)
-    hook(out)
-    return out
-
-  conv1 = conv_relu(images, 'conv1')
-  pool1 = _max_pool(conv1, 'pool1')
-  norm1 = normalize(pool1, 'norm1')
-  conv2 = conv_relu(norm1, 'conv2')
+  pool1 = _max_pool(layer(images, 'conv1'), 'pool1')
+  conv2 = layer(normalize(pool1, 'norm1'), 'conv2')
   # Upstream normalizes before pooling in the second block.
-  norm2 = normalize(conv2, 'norm2')
-  pool2 = _max_pool(norm2, 'pool2')
-  reshape = tf.reshape(pool2, [-1, FLAT_DIM])
-  local3 = local(reshape, 'local3')
-  local4 = local(local3, 'local4')
-  return local(local4, 'softmax_linear', relu=False)
+  pool2 = _max_pool(normalize(conv2, 'norm2'), 'pool2')
+  local4 = layer(layer(tf.reshape(pool2, [-1, FLAT_DIM]), 'local3'), 'local4')
+  return layer(local4, 'softmax_linear', relu=False)
 
 
 def cross_entropy_mean(logits, labels):
@@ -126,10 +118,8 @@ def learning_rate(global_step, decay_steps, initial=hparams.INITIAL_LEARNING_RAT
   `initial` is upstream's INITIAL_LEARNING_RATE unless --learning_rate says
   otherwise.
   """
-  step = tf.cast(global_step, tf.float32)
-  exponent = tf.floor(step / float(decay_steps))
-  return initial * tf.pow(
-      hparams.LEARNING_RATE_DECAY_FACTOR, exponent)
+  exponent = tf.floor(tf.cast(global_step, tf.float32) / float(decay_steps))
+  return initial * tf.pow(hparams.LEARNING_RATE_DECAY_FACTOR, exponent)
 
 
 def ema_decay(num_updates):

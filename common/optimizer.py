@@ -77,7 +77,8 @@ class Optimizer:
 
 def slot_names(name):
   """Legacy names of the slots and non-slot variables of optimizer `name`."""
-  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top  (TensorFlow: not for --help)
+  # Imported here: model_spec imports TensorFlow, not wanted for --help.
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   return tuple('%s/%s' % (var, suffix) for var in model_spec.VARIABLE_NAMES
                for suffix in SLOT_SUFFIXES[name]) + NON_SLOT_NAMES[name]
 

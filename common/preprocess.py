@@ -20,16 +20,8 @@ def decode_record(record):
     image: uint8 [32, 32, 3] (height, width, depth).
     label: int32 scalar, 0..9.
   """
-  record_bytes = tf.io.decode_raw(record, tf.uint8)
-  label = tf.cast(
-      tf.reshape(tf.strided_slice(record_bytes, [0], [fmt.LABEL_BYTES]), []),
-      tf.int32)
-  # The image bytes are depth-major [depth, height, width]; make them HWC.
-  depth_major = tf.reshape(
-      tf.strided_slice(record_bytes, [fmt.LABEL_BYTES], [fmt.RECORD_BYTES]),
-      [fmt.DEPTH, fmt.HEIGHT, fmt.WIDTH])
-  image = tf.transpose(depth_major, [1, 2, 0])
-  return image, label
+  images, labels = decode_records(tf.reshape(record, [1]))
+  return images[0], labels[0]
 
 
 def distort_image(image):

@@ -23,9 +23,9 @@ def name(argv0=None):
     argv0: the program path to judge; default sys.argv[0].
   """
   if argv0 is None:
-    argv0 = sys.argv[0] if sys.argv else ''
+    argv0 = (sys.argv or [''])[0]
   # os.path.splitext: on Windows pip writes cifar10-towers.exe.
-  base = os.path.splitext(os.path.basename(argv0 or ''))[0]
+  base = os.path.splitext(os.path.basename(argv0))[0]
   return CONSOLE_SCRIPT if base == CONSOLE_SCRIPT else CHECKOUT
 
 

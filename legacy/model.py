@@ -71,9 +71,7 @@ def _variable_on_cpu(name, shape, initializer):
     a float32 variable on `common.devices.VARIABLE_DEVICE` ('/cpu:0').
   """
   with tf.device(devices.VARIABLE_DEVICE):
-    var = tf.get_variable(name, shape, initializer=initializer,
-                          dtype=tf.float32)
-  return var
+    return tf.get_variable(name, shape, initializer=initializer, dtype=tf.float32)
 
 
 def _variable_with_weight_decay(name, shape, stddev, wd):
@@ -92,9 +90,7 @@ def _variable_with_weight_decay(name, shape, stddev, wd):
   Returns:
     the variable.
   """
-  var = _variable_on_cpu(
-      name, shape,
-      tf.truncated_normal_initializer(stddev=stddev, dtype=tf.float32))
+  var = _variable_on_cpu(name, shape, tf.truncated_normal_initializer(stddev=stddev))
   if wd is not None:
     tf.add_to_collection(LOSSES_COLLECTION, model_spec.weight_decay(var, wd))
   return var

@@ -27,10 +27,8 @@ from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import training
 from cifar10_towers.modern import model as model_lib
 
-TOWER_NAME = hparams.TOWER_NAME
 
-
-def tower_loss(model, images, labels, params=None):
+def tower_loss(model, images, labels, params=None, activation_hook=None):
   """Total loss of one tower on its own batch (upstream `tower_loss`).
 
   Args:
@@ -38,13 +36,15 @@ def tower_loss(model, images, labels, params=None):
     images: float32 [batch, 24, 24, 3].
     labels: int32 [batch].
     params: optional `model.params(values)`; default the model's variables.
+    activation_hook: optional callable(tensor) given each layer's output
+      (the summary step's; upstream's tower_loss wrote its summaries too).
 
   Returns:
     float32 scalar: the batch's mean cross-entropy + each weight-decay term
     once. (Upstream filtered the 'losses' collection by the tower's name scope
     for the same reason: weight decay counted once per tower.)
   """
-  logits = model.inference(images, params)
+  logits = model.inference(images, params, activation_hook)
   return model.loss(logits, labels, params)
 
 
@@ -66,10 +66,6 @@ def average_gradients(tower_grads):
   return average_grads
 
 
-def _assign(var, fn, args=()):
-  return fn(var, *args)
-
-
 def clip(grads, clip_norm):
   """`tf.clip_by_global_norm` of a list of gradients (what legacy's graph runs)."""
   with tf.name_scope('clip_gradients'):
@@ -78,51 +74,75 @@ def clip(grads, clip_norm):
 
 # The updates of TF1's optimizers, kernel for kernel (their _resource_apply_dense
 # and _finish), so that legacy and modern agree to the last bit but for the
-# gradients' own rounding. Module functions so that a test can break one.
+# gradients' own rounding. Each takes (var, grad, lr, the Optimizer, then the
+# variable's slots and the optimizer's non-slot variables in
+# common.optimizer's order); a table so that a test can break one.
 
-def apply_sgd(var, grad, lr):
+def apply_sgd(var, grad, lr, spec):
   """var -= lr * grad."""
+  del spec
   return var.assign_sub(lr * grad)
 
 
-def apply_momentum(var, accum, grad, lr, momentum):
+def apply_momentum(var, grad, lr, spec, accum):
   """accum = momentum * accum + grad; var -= lr * accum (MomentumOptimizer)."""
   return tf.raw_ops.ResourceApplyMomentum(
-      var=var.handle, accum=accum.handle, lr=lr, grad=grad, momentum=momentum,
-      use_locking=False, use_nesterov=False)
+      var=var.handle, accum=accum.handle, lr=lr, grad=grad, momentum=spec.momentum)
 
 
-def apply_adam(var, m, v, beta1_power, beta2_power, grad, lr, beta1, beta2,
-               epsilon):
+def apply_adam(var, grad, lr, spec, m, v, beta1_power, beta2_power):
   """AdamOptimizer's step: m, v updated, var -= lr_t * m / (sqrt(v) + epsilon).
 
   lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), the bias correction,
   with beta*_power = beta* ** step (the step counted from 1).
   """
   return tf.raw_ops.ResourceApplyAdam(
-      var=var.handle, m=m.handle, v=v.handle,
-      beta1_power=beta1_power.read_value(), beta2_power=beta2_power.read_value(),
-      lr=lr, beta1=beta1, beta2=beta2, epsilon=epsilon, grad=grad,
-      use_locking=False, use_nesterov=False)
+      var=var.handle, m=m.handle, v=v.handle, beta1_power=beta1_power,
+      beta2_power=beta2_power, lr=lr, beta1=spec.adam_beta1,
+      beta2=spec.adam_beta2, epsilon=spec.adam_epsilon, grad=grad)
+
+
+UPDATES = {optimizer_lib.SGD: apply_sgd, optimizer_lib.MOMENTUM: apply_momentum,
+           optimizer_lib.ADAM: apply_adam}
 
 
 class OptimizerSlots(tf.Module):
   """The optimizer's slots as a tree of modules, so that a checkpoint keys them
   'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'."""
 
-  def __init__(self):
+  def __init__(self, slots):
+    """`slots`: dict legacy slot name -> tf.Variable."""
     super().__init__(name='optimizer')
+    for name, variable in slots.items():
+      node = self
+      *parts, leaf = name.split('/')
+      for part in parts:
+        if part not in vars(node):
+          setattr(node, part, tf.Module(name=part))
+        node = getattr(node, part)
+      setattr(node, leaf, variable)
 
-  def add(self, legacy_name, variable):
-    node = self
-    parts = legacy_name.split('/')
-    for part in parts[:-1]:
-      child = node.__dict__.get(part)
-      if child is None:
-        child = tf.Module(name=part)
-        setattr(node, part, child)
-      node = child
-    setattr(node, parts[-1], variable)
+
+def _check_and_assign(groups):
+  """Assigns every (what, given, targets) group: a dict name -> array to the
+  dict name -> tf.Variable, after checking every group's names and shapes.
+
+  Raises:
+    ValueError: a name is missing or unknown, or a shape is wrong.
+  """
+  for what, given, targets in groups:
+    missing = sorted(set(targets) - set(given))
+    unknown = sorted(set(given) - set(targets))
+    if missing or unknown:
+      raise ValueError('%s: missing %s, unknown %s' % (what, missing, unknown))
+    for name, var in targets.items():
+      shape = tuple(tf.shape(given[name]).numpy())
+      if shape != tuple(var.shape):
+        raise ValueError('%s[%r] has shape %s, the variable %s'
+                         % (what, name, shape, tuple(var.shape)))
+  for _, given, targets in groups:
+    for name, var in targets.items():
+      var.assign(tf.cast(given[name], tf.float32))
 
 
 class TrainState:
@@ -147,37 +167,26 @@ class TrainState:
 
     Args:
       plan: common.devices.DevicePlan the towers run on.
-      decay_steps: int >= 1, `hparams.decay_steps(...)`.
+      decay_steps: int >= 1, `training.checked_decay_steps(...)`.
       optimizer: common.optimizer.Optimizer; default upstream's SGD.
     """
-    if decay_steps < 1:
-      raise ValueError('decay_steps must be >= 1, got %d' % decay_steps)
     self.decay_steps = int(decay_steps)
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
     # The same function as tf.nn.lrn to ~4e-7 relative (tests/test_lrn.py).
-    self.lrn = lrn.for_plan(plan)
-    self.model = model_lib.Cifar10Model(lrn=self.lrn)
-    with tf.device(devices.VARIABLE_DEVICE):
-      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name='global_step')
+    self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
     self.ema = model_lib.MovingAverages(self.model)
     self.optimizer = optimizer
     # As TF1's optimizers create them: slots zero, beta powers at beta (the
     # power of step 1).
-    self._slots = {}
-    initial = {'beta1_power': optimizer.adam_beta1,
-               'beta2_power': optimizer.adam_beta2}
+    initial = {'beta1_power': optimizer.adam_beta1, 'beta2_power': optimizer.adam_beta2}
     with tf.device(devices.VARIABLE_DEVICE):
-      for name in optimizer.slot_names():
-        value = (initial[name] if name in initial
-                 else tf.zeros(optimizer_lib.slot_shape(name), tf.float32))
-        self._slots[name] = tf.Variable(value, dtype=tf.float32,
-                                        trainable=False, name=name)
-    self.slots = None
-    if self._slots:
-      self.slots = OptimizerSlots()
-      for name, var in self._slots.items():
-        self.slots.add(name, var)
+      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                     name='global_step')
+      self._slots = {
+          name: tf.Variable(initial.get(name, tf.zeros(optimizer_lib.slot_shape(name))),
+                            dtype=tf.float32, trainable=False, name=name)
+          for name in optimizer.slot_names()}
+    self.slots = OptimizerSlots(self._slots) if self._slots else None
 
   def clip_tower(self, grads, scale=1.0):
     """One tower's gradients, clipped by their global norm if --clip_where per_tower.
@@ -197,7 +206,7 @@ class TrainState:
       return grads
     return clip(grads, self.optimizer.clip_norm)
 
-  def apply_gradients(self, grads, update=_assign):
+  def apply_gradients(self, grads, update=lambda var, fn, args=(): fn(var, *args)):
     """The optimizer's update at upstream's decayed rate, the step's increment, the averages.
 
     Args:
@@ -208,7 +217,8 @@ class TrainState:
         replica's own copy of the variables in args too); default: the one copy.
     """
     spec = self.optimizer
-    slots = self._slots
+    apply = UPDATES[spec.name]
+    non_slots = [self._slots[name] for name in optimizer_lib.NON_SLOT_NAMES[spec.name]]
     with tf.name_scope('update'):
       # Read before the increment, as exponential_decay inside legacy's
       # apply_gradients reads it.
@@ -216,26 +226,14 @@ class TrainState:
                                     spec.learning_rate)
       for name, grad, var in zip(model_spec.VARIABLE_NAMES, grads,
                                  self.model.variable_list()):
-        if spec.name == optimizer_lib.MOMENTUM:
-          momentum = tf.constant(spec.momentum, tf.float32)
-          update(var, lambda v, a, g: apply_momentum(v, a, g, lr, momentum),
-                 args=(slots[name + '/Momentum'], grad))
-        elif spec.name == optimizer_lib.ADAM:
-          constants = [tf.constant(x, tf.float32) for x in (
-              spec.adam_beta1, spec.adam_beta2, spec.adam_epsilon)]
-          update(var, lambda v, m, s, b1, b2, g: apply_adam(
-              v, m, s, b1, b2, g, lr, *constants),
-                 args=(slots[name + '/Adam'], slots[name + '/Adam_1'],
-                       slots['beta1_power'], slots['beta2_power'], grad))
-        else:
-          update(var, lambda v, g: apply_sgd(v, g, lr), args=(grad,))
-      if spec.name == optimizer_lib.ADAM:
-        # After every variable's update, as AdamOptimizer._finish does
-        # (tf.function orders these writes after the reads above).
-        for power, beta in (('beta1_power', spec.adam_beta1),
-                            ('beta2_power', spec.adam_beta2)):
-          beta = tf.constant(beta, tf.float32)
-          update(slots[power], lambda p, b: p.assign(p * b), args=(beta,))
+        slots = [self._slots['%s/%s' % (name, suffix)]
+                 for suffix in optimizer_lib.SLOT_SUFFIXES[spec.name]]
+        update(var, lambda v, g, *s: apply(v, g, lr, spec, *s),
+               args=(grad, *slots, *non_slots))
+      # After every variable's update, as AdamOptimizer._finish does
+      # (tf.function orders these writes after the reads above).
+      for power, beta in zip(non_slots, (spec.adam_beta1, spec.adam_beta2)):
+        update(power, lambda p, b=beta: p.assign(p * b))
       self.global_step.assign_add(1)
     with tf.name_scope('moving_average'):
       # Deviation from upstream: the moving averages see the updated variables and the new step.
@@ -243,8 +241,7 @@ class TrainState:
       # apply_gradients, so they see the new weights and the incremented
       # step. tf.function keeps program order for ops on the same variable.
       one_minus_decay = 1.0 - model_spec.ema_decay(self.global_step)
-      for shadow, var in zip(self.ema.variables_by_name().values(),
-                             self.model.variable_list()):
+      for shadow, var in zip(self.ema.variable_list(), self.model.variable_list()):
         # The operand order of legacy's assign_moving_average.
         update(shadow, lambda s, v: s.assign_sub((s - v) * one_minus_decay),
                args=(var,))
@@ -269,16 +266,7 @@ class TrainState:
     Raises:
       ValueError: a name is missing or unknown, or a shape is wrong.
     """
-    missing = sorted(set(self._slots) - set(values))
-    unknown = sorted(set(values) - set(self._slots))
-    if missing or unknown:
-      raise ValueError('slots: missing %s, unknown %s' % (missing, unknown))
-    for name, var in self._slots.items():
-      if tuple(tf.shape(values[name]).numpy()) != tuple(var.shape):
-        raise ValueError('slot %r has shape %s, the variable %s'
-                         % (name, tuple(tf.shape(values[name]).numpy()),
-                            tuple(var.shape)))
-      var.assign(tf.cast(values[name], tf.float32))
+    _check_and_assign([('slots', values, self._slots)])
 
   def assign_variables(self, values, shadow_values=None):
     """Sets the trainable variables and their moving averages.
@@ -292,23 +280,10 @@ class TrainState:
     Raises:
       ValueError: a name is missing or unknown, or a shape is wrong.
     """
-    shadow_values = values if shadow_values is None else shadow_values
-    for what, given, targets in (('values', values, self.variables()),
-                                 ('shadow_values', shadow_values,
-                                  self.shadow_variables())):
-      missing = sorted(set(targets) - set(given))
-      unknown = sorted(set(given) - set(targets))
-      if missing or unknown:
-        raise ValueError('%s: missing %s, unknown %s' % (what, missing, unknown))
-      for name, var in targets.items():
-        if tuple(tf.shape(given[name]).numpy()) != tuple(var.shape):
-          raise ValueError('%s[%r] has shape %s, the variable %s'
-                           % (what, name, tuple(tf.shape(given[name]).numpy()),
-                              tuple(var.shape)))
-    for name, var in self.variables().items():
-      var.assign(tf.cast(values[name], tf.float32))
-    for name, var in self.shadow_variables().items():
-      var.assign(tf.cast(shadow_values[name], tf.float32))
+    _check_and_assign([
+        ('values', values, self.variables()),
+        ('shadow_values', values if shadow_values is None else shadow_values,
+         self.shadow_variables())])
 
 
 def check_batches(tower_batches, counts, leading, note=''):
@@ -348,7 +323,7 @@ class Trainer:
 
     Args:
       plan: common.devices.DevicePlan.
-      decay_steps: int >= 1, `hparams.decay_steps(...)`.
+      decay_steps: int >= 1, `training.checked_decay_steps(...)`.
       jit: bool, compile each tower's forward and backward pass with XLA.
       optimizer: common.optimizer.Optimizer; default upstream's SGD.
     """
@@ -359,62 +334,44 @@ class Trainer:
     # and cannot read variables that live on another device, so with `jit`
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
-    self._tower_fn = (tf.function(self._tower_loss_and_grads, jit_compile=True)
-                      if jit else self._tower_loss_and_grads)
+    self._tower_fn = tf.function(self._tower, jit_compile=True) if jit else self._tower
+    # `summaries` (a Python bool) traces the step of the steps that write
+    # summaries apart: the same arithmetic, and what the summaries need from
+    # inside it; the other steps run the plain step unchanged.
     self._train_step_fn = tf.function(self._train_step)
     self._compute_gradients_fn = tf.function(self._averaged_gradients)
-    # The step of the steps that write summaries: the same arithmetic, and
-    # what the summaries need from inside it; traced at the first of them, so
-    # the other steps run the plain step unchanged.
-    self._summary_tower_fn = (
-        tf.function(self._tower_summaries, jit_compile=True) if jit
-        else self._tower_summaries)
-    self._summary_step_fn = tf.function(self._train_step_with_summaries)
 
-  def _tower_loss_and_grads(self, values, images, labels):
+  def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
 
     Args:
       values: list of tensors, the variables' values in VARIABLE_NAMES order.
       images: float32 [batch, 24, 24, 3].
       labels: int32 [batch].
+      summaries: bool, also return what the summaries need.
 
     Returns:
-      (loss float32 scalar, list of gradients shaped like `values`).
-    """
-    model = self.state.model
-    with tf.GradientTape() as tape:
-      tape.watch(values)
-      loss = tower_loss(model, images, labels, model.params(values))
-    return loss, tape.gradient(loss, values)
-
-  def _tower_summaries(self, values, images, labels):
-    """`_tower_loss_and_grads`, and the tower's loss terms and activations.
-
-    The loss and gradients are those of `tower_loss` (the same forward pass,
-    with a hook that only keeps each layer's output).
-
-    Returns:
-      (loss, gradients, loss terms in `training.loss_terms()` order,
-       the layers' activations in model_spec.LAYERS order,
-       their fractions of zeros).
+      (loss float32 scalar, list of gradients shaped like `values`), and with
+      `summaries` the loss terms in `training.loss_terms()` order, the
+      layers' activations in model_spec.LAYERS order and their fractions of
+      zeros.
     """
     model = self.state.model
     activations = []
     with tf.GradientTape() as tape:
       tape.watch(values)
       params = model.params(values)
-      logits = model_spec.forward(images, params, activation_hook=activations.append,
-                                  lrn=self.state.lrn)
-      loss = model.loss(logits, labels, params)
+      # With summaries, the same forward pass with a hook keeping each layer's output.
+      loss = tower_loss(model, images, labels, params,
+                        activations.append if summaries else None)
     grads = tape.gradient(loss, values)
-    terms = [model_spec.weight_decay(params[layer.name][0], layer.wd)
-             for layer in model_spec.LAYERS if layer.wd is not None]
-    terms.append(model_spec.cross_entropy_mean(logits, labels))
-    return (loss, grads, terms, activations,
-            [tf.nn.zero_fraction(a) for a in activations])
+    if not summaries:
+      return loss, grads
+    # The last layer's output is the logits.
+    return (loss, grads, model.loss_terms(activations[-1], labels, params),
+            activations, [tf.nn.zero_fraction(a) for a in activations])
 
-  def _averaged_gradients(self, images, labels, summaries=None):
+  def _averaged_gradients(self, images, labels, summaries=False):
     """Runs the towers and averages their gradients, without applying them.
 
     (With --clip_where per_tower, each tower's are clipped before the
@@ -423,15 +380,13 @@ class Trainer:
     Args:
       images: float32 [num_towers, batch, 24, 24, 3].
       labels: int32 [num_towers, batch].
-
-    Args:
-      summaries: optional (scalars, histograms) dicts, filled with each
-        tower's loss terms, activations and sparsity (tags of
-        `common.training.summary_tags`).
+      summaries: bool, also return each tower's loss terms, activations and
+        sparsity (tags of `common.training.summary_tags`).
 
     Returns:
       (list of averaged gradients in VARIABLE_NAMES order,
-       tower total losses float32 [num_towers]).
+       tower total losses float32 [num_towers],
+       scalars and histograms: dicts tag -> tensor, empty without `summaries`).
     """
     variables = self.state.model.variable_list()
     with tf.device(devices.VARIABLE_DEVICE):
@@ -442,21 +397,19 @@ class Trainer:
       # The variables are read once on their device; each tower receives a
       # copy of the values (legacy: towers read the CPU variables).
       values = [var.read_value() for var in variables]
-    tower_grads, tower_losses = [], []
+    tower_grads, tower_losses, scalars, histograms = [], [], {}, {}
     for i, device in enumerate(self.plan.tower_devices):
-      with tf.device(device), tf.name_scope('%s_%d' % (TOWER_NAME, i)):
-        if summaries is None:
-          loss, grads = self._tower_fn(values, tower_images[i], tower_labels[i])
-        else:
-          loss, grads, terms, activations, zeros = self._summary_tower_fn(
-              values, tower_images[i], tower_labels[i])
-          scalars, histograms = summaries
-          prefix = training.tower_tag(i, '')[:-1]
+      scope = '%s_%d' % (hparams.TOWER_NAME, i)
+      with tf.device(device), tf.name_scope(scope):
+        loss, grads, *extra = self._tower_fn(values, tower_images[i], tower_labels[i],
+                                             summaries)
+        if summaries:
+          terms, activations, zeros = extra
           for name, term in zip(training.loss_terms(), terms):
             scalars[training.tower_tag(i, name)] = term
           for layer, x, zero in zip(model_spec.LAYERS, activations, zeros):
-            histograms[training.activations_tag(prefix, layer.name)] = x
-            scalars[training.sparsity_tag(prefix, layer.name)] = zero
+            histograms[training.activations_tag(scope, layer.name)] = x
+            scalars[training.sparsity_tag(scope, layer.name)] = zero
         # With --clip_where per_tower, on the tower's device before the
         # average, as legacy clips inside each tower.
         grads = self.state.clip_tower(grads)
@@ -472,23 +425,21 @@ class Trainer:
       # mean loss over all N*batch images with weight decay counted once.
       # Nothing is summed across replicas implicitly.
       grads = [g for g, _ in average_gradients(tower_grads)]
-      return grads, tf.stack(tower_losses)
+      return grads, tf.stack(tower_losses), scalars, histograms
 
-  def _train_step(self, images, labels):
-    """One training step over all towers; returns tower losses float32 [num_towers]."""
-    grads, tower_losses = self._averaged_gradients(images, labels)
-    with tf.device(devices.VARIABLE_DEVICE):
-      self.state.apply_gradients(self.state.clip_averaged(grads))
-    return tower_losses
+  def _train_step(self, images, labels, summaries=False):
+    """One training step over all towers.
 
-  def _train_step_with_summaries(self, images, labels):
-    """`_train_step`, also returning (scalars, histograms) dicts tag -> tensor:
-    each tower's loss terms, activations and sparsity, the averaged gradients."""
-    scalars, histograms = {}, {}
-    grads, tower_losses = self._averaged_gradients(images, labels,
-                                                   (scalars, histograms))
-    for name, grad in zip(model_spec.VARIABLE_NAMES, grads):
-      histograms[training.gradients_tag(name)] = grad
+    Returns:
+      (tower losses float32 [num_towers], scalars, histograms): with
+      `summaries`, dicts tag -> tensor of each tower's loss terms,
+      activations and sparsity, and the averaged gradients; else empty.
+    """
+    grads, tower_losses, scalars, histograms = self._averaged_gradients(
+        images, labels, summaries)
+    if summaries:
+      for name, grad in zip(model_spec.VARIABLE_NAMES, grads):
+        histograms[training.gradients_tag(name)] = grad
     with tf.device(devices.VARIABLE_DEVICE):
       self.state.apply_gradients(self.state.clip_averaged(grads))
     return tower_losses, scalars, histograms
@@ -508,7 +459,7 @@ class Trainer:
     Returns:
       float32 tensor [num_towers], each tower's total loss (before the update).
     """
-    return self._train_step_fn(*self._check(tower_batches))
+    return self._train_step_fn(*self._check(tower_batches))[0]
 
   def train_step_with_summaries(self, tower_batches):
     """`train_step` (the same update), and what the summaries need from inside it.
@@ -518,12 +469,12 @@ class Trainer:
       tag -> tensor of `common.training.summary_tags`, the towers' loss
       terms and sparsity, their activations and the averaged gradients.
     """
-    return self._summary_step_fn(*self._check(tower_batches))
+    return self._train_step_fn(*self._check(tower_batches), True)
 
   def step_graph(self, tower_batches, summaries=False):
     """The traced graph of the step (`summaries`: of the summary step) for these batches."""
-    fn = self._summary_step_fn if summaries else self._train_step_fn
-    return fn.get_concrete_function(*self._check(tower_batches)).graph
+    return self._train_step_fn.get_concrete_function(
+        *self._check(tower_batches), summaries).graph
 
   def compute_gradients(self, tower_batches):
     """The averaged gradients at the current variables, without applying them.
@@ -535,5 +486,5 @@ class Trainer:
       (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
        order; tower total losses float32 [num_towers]).
     """
-    grads, tower_losses = self._compute_gradients_fn(*self._check(tower_batches))
+    grads, tower_losses, _, _ = self._compute_gradients_fn(*self._check(tower_batches))
     return dict(zip(model_spec.VARIABLE_NAMES, grads)), tower_losses

@@ -70,7 +70,7 @@ def _modern_logits(path, images):
   """Logits of the moving-average weights, restored the way modern eval does."""
   from cifar10_towers.modern import eval as modern_eval
   model, _ = modern_eval._restore_moving_averages(path)  # pylint: disable=protected-access
-  return model(tf.constant(images)).numpy()
+  return model.inference(tf.constant(images)).numpy()
 
 
 def test_round_trip_is_bit_for_bit(legacy_dir, tmp_path):

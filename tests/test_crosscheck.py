@@ -75,11 +75,11 @@ def test_fails_when_weight_decay_counted_twice(monkeypatch, two_towers):
   from cifar10_towers.modern import step as modern_train
   original = modern_train.tower_loss
 
-  def twice(model, images, labels, params=None):
+  def twice(model, images, labels, params=None, activation_hook=None):
     params = params or model.params()
     extra = tf_add_n([model_spec.weight_decay(params[layer.name][0], layer.wd)
                       for layer in model_spec.LAYERS if layer.wd is not None])
-    return original(model, images, labels, params) + extra
+    return original(model, images, labels, params, activation_hook) + extra
 
   monkeypatch.setattr(modern_train, 'tower_loss', twice)
   report = crosscheck.run(two_towers, batch_size=8, steps=2, seed=1)[0]['towers']

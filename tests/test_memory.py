@@ -178,40 +178,39 @@ def test_available_is_the_least_of_meminfo_and_cgroup_limits(
     assert re.search(source, where), where
 
 
-def test_without_a_figure_nothing_is_refused(synth_data_dir):
-  estimate = memory.check_training('legacy', CPU_PLAN, 10**6, synth_data_dir,
-                                   read_available=lambda: (None, None))
+def test_without_a_figure_nothing_is_refused(synth_data_dir, monkeypatch):
+  monkeypatch.setattr(memory, 'available', lambda: (None, None))
+  estimate = memory.check_training('legacy', CPU_PLAN, 10**6, synth_data_dir)
   assert estimate.host > 100 * GIB
 
 
-def test_gpu_plans_check_host_memory_only(synth_data_dir):
+def test_gpu_plans_check_host_memory_only(synth_data_dir, monkeypatch):
   """What fits the host on GPUs (activations there) is refused on CPU towers."""
   have = memory.estimate('legacy', 20000, 2, 1000, towers_on_host=False).host
-  fake = lambda: (have, 'a test')  # pylint: disable=unnecessary-lambda-assignment
-  memory.check_training('legacy', GPU_PLAN, 20000, synth_data_dir, fake)
+  monkeypatch.setattr(memory, 'available', lambda: (have, 'a test'))
+  memory.check_training('legacy', GPU_PLAN, 20000, synth_data_dir)
   with pytest.raises(memory.NotEnoughMemory, match=r'of memory \(estimate\)'):
-    memory.check_training('legacy', CPU_PLAN, 20000, synth_data_dir, fake)
+    memory.check_training('legacy', CPU_PLAN, 20000, synth_data_dir)
   with pytest.raises(memory.NotEnoughMemory, match=r'of host memory'):
-    memory.check_training('legacy', GPU_PLAN, 10**7, synth_data_dir, fake)
+    memory.check_training('legacy', GPU_PLAN, 10**7, synth_data_dir)
 
 
-def test_the_advice_fits(synth_data_dir):
+def test_the_advice_fits(synth_data_dir, monkeypatch):
   """The --batch_size and --num_gpus the message suggests pass the check."""
-  have = 6 * GIB
-  fake = lambda: (have, 'a test')  # pylint: disable=unnecessary-lambda-assignment
+  monkeypatch.setattr(memory, 'available', lambda: (6 * GIB, 'a test'))
   plan = devices.DevicePlan(tuple('/device:CPU:%d' % i for i in range(4)), 'cpu', 4)
   with pytest.raises(memory.NotEnoughMemory) as e:
-    memory.check_training('modern', plan, 4000, synth_data_dir, fake)
+    memory.check_training('modern', plan, 4000, synth_data_dir)
   match = re.search(r'Pass --batch_size (\d+) or less, or --num_gpus (\d+) or '
                     r'fewer\.$', str(e.value))
   assert match, str(e.value)
   batch, towers = int(match.group(1)), int(match.group(2))
-  memory.check_training('modern', plan, batch, synth_data_dir, fake)
+  memory.check_training('modern', plan, batch, synth_data_dir)
   smaller = devices.DevicePlan(plan.tower_devices[:towers], 'cpu', 4)
-  memory.check_training('modern', smaller, 4000, synth_data_dir, fake)
+  memory.check_training('modern', smaller, 4000, synth_data_dir)
+  monkeypatch.setattr(memory, 'available', lambda: (GIB // 2, 'a test'))
   with pytest.raises(memory.NotEnoughMemory, match='Not even batch 1 fits'):
-    memory.check_training('modern', plan, 4000, synth_data_dir,
-                          lambda: (GIB // 2, 'a test'))
+    memory.check_training('modern', plan, 4000, synth_data_dir)
 
 
 @pytest.mark.parametrize('impl', fs.TRAINERS)

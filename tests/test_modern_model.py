@@ -50,14 +50,14 @@ def test_loss_is_cross_entropy_plus_weight_decay_once(model):
   rng = np.random.default_rng(1)
   images = rng.standard_normal((6, 24, 24, 3)).astype(np.float32)
   labels = np.array([0, 1, 2, 3, 9, 5], np.int32)
-  logits = model(images).numpy().astype(np.float64)
+  logits = model.inference(images).numpy().astype(np.float64)
   assert logits.shape == (6, 10)
   log_softmax = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(
       1, keepdims=True)) - logits.max(1, keepdims=True)
   cross_entropy = -log_softmax[np.arange(6), labels].mean()
   decay = sum(0.004 * (getattr(model, name).weights.numpy().astype(np.float64) ** 2
                        ).sum() / 2 for name in ('local3', 'local4'))
-  loss = float(model.loss(model(images), labels))
+  loss = float(model.loss(model.inference(images), labels))
   np.testing.assert_allclose(loss, cross_entropy + decay, rtol=1e-6)
   # The weight decay is a large, visible part of the loss at initialization.
   assert decay > 1.0
@@ -67,4 +67,4 @@ def test_params_values_give_the_same_logits(model):
   images = np.random.default_rng(2).standard_normal((3, 24, 24, 3)).astype(np.float32)
   values = [tf.identity(v) for v in model.variable_list()]
   np.testing.assert_array_equal(model.inference(images, model.params(values)).numpy(),
-                                model(images).numpy())
+                                model.inference(images).numpy())

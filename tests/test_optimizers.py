@@ -82,16 +82,15 @@ def test_mirrored_strategy_applies_the_same_update(device_plan, name, clip_where
 def test_adam_without_bias_correction_fails(monkeypatch, device_plan):
   from cifar10_towers.modern import step as modern_step
 
-  def uncorrected(var, m, v, beta1_power, beta2_power, grad, lr, beta1, beta2,
-                  epsilon):
+  def uncorrected(var, grad, lr, spec, m, v, beta1_power, beta2_power):
     del beta1_power, beta2_power
     # Beta powers of 0: lr_t = lr * sqrt(1 - 0) / (1 - 0) = lr, no correction.
     return tf.raw_ops.ResourceApplyAdam(
         var=var.handle, m=m.handle, v=v.handle, beta1_power=tf.constant(0.0),
-        beta2_power=tf.constant(0.0), lr=lr, beta1=beta1, beta2=beta2,
-        epsilon=epsilon, grad=grad)
+        beta2_power=tf.constant(0.0), lr=lr, beta1=spec.adam_beta1,
+        beta2=spec.adam_beta2, epsilon=spec.adam_epsilon, grad=grad)
 
-  monkeypatch.setattr(modern_step, 'apply_adam', uncorrected)
+  monkeypatch.setitem(modern_step.UPDATES, 'adam', uncorrected)
   spec = optimizer_lib.Optimizer(name='adam', clip_norm=CLIP)
   report = crosscheck.run(_plan(device_plan, 2), batch_size=2, steps=2, seed=7,
                           optimizer=spec)[0]['towers']
