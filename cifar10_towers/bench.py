@@ -212,7 +212,7 @@ class Pacer:
 
 def _plan(num_gpus):
   from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
-  return devices.plan_devices(num_gpus, warn=lambda _: None)
+  return devices.plan_devices(num_gpus)
 
 
 def _train_config(spec, train_dir, max_steps):
@@ -254,8 +254,7 @@ def contend_training(spec, pacer):
   with tempfile.TemporaryDirectory(prefix='bench_train_') as train_dir:
     config = _train_config(spec, train_dir,
                            (spec['windows'] + 1) * spec['window_steps'])
-    trainer.train(config, plan, out=lambda _: None, warn=lambda _: None,
-                  on_step=on_step)
+    trainer.train(config, plan, on_step=on_step)
   if len(boundaries) != spec['windows'] + 1:
     raise BenchError('%s ran %d windows, expected %d'
                      % (spec['impl'], len(boundaries), spec['windows'] + 1))

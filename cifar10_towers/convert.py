@@ -193,7 +193,7 @@ def _check_directories(from_dir, to_dir):
                        '--from_dir as it is. %s' % (to_dir, target, from_dir, advice))
 
 
-def convert(from_dir, to_dir, warn=None):
+def convert(from_dir, to_dir):
   """Converts the newest checkpoint of `from_dir` into the other trainer's format.
 
   The newest checkpoint must be intact and the `checkpoint` state file
@@ -206,8 +206,6 @@ def convert(from_dir, to_dir, warn=None):
   Args:
     from_dir: str, a train_dir of either trainer (or upstream's).
     to_dir: str, a new or empty directory.
-    warn: optional callable(str), for what was passed over (an interrupted
-      save, a missing state file).
 
   Returns:
     (from_kind, to_kind, step, new checkpoint prefix).
@@ -219,7 +217,7 @@ def convert(from_dir, to_dir, warn=None):
   if not os.path.exists(from_dir):
     raise ConvertError('--from_dir %s does not exist; pass the train_dir you trained into.'
                        % from_dir)
-  contents = checkpoints.for_conversion(from_dir, warn)
+  contents = checkpoints.for_conversion(from_dir)
   if contents is None:
     raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
                        % from_dir)

@@ -26,6 +26,7 @@ anyone can re-check with their own code.
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 
@@ -36,6 +37,8 @@ from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
+
+logger = logging.getLogger(__name__)
 
 GRAD_RTOL = 1e-5  # contract 1 and 4: averaged gradients, relative to max|g|
 LOSS_RTOL = 1e-6  # contract 2: per-tower total losses
@@ -333,8 +336,7 @@ def modern_engines():
 
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
-        engines=('towers',), tolerances=None, progress=None,
-        optimizer=optimizer_lib.Optimizer()):
+        engines=('towers',), tolerances=None, optimizer=optimizer_lib.Optimizer()):
   """Runs the whole cross-check.
 
   Args:
@@ -350,7 +352,6 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
       makes the comparison N-way.
     tolerances: optional dict overriding GRAD_RTOL / LOSS_RTOL / FINAL_RTOL
       (keys 'grad_rtol', 'loss_rtol', 'final_rtol').
-    progress: optional callable(str) for progress lines.
     optimizer: common.optimizer.Optimizer both trainers use (default
       upstream's SGD, no clipping).
 
@@ -358,18 +359,17 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     (dict engine -> Report, images [N,B,24,24,3], labels [N,B], initial
      variables dict).
   """
-  progress = progress or (lambda _: None)
   images, labels = draw_batches(plan.num_towers, batch_size, seed, data_dir)
   init = initial_values(seed)
-  progress('legacy: %d tower(s) x %d images, %d steps...'
-           % (plan.num_towers, batch_size, steps))
+  logger.info('legacy: %d tower(s) x %d images, %d steps...', plan.num_towers, batch_size,
+              steps)
   legacy = _result(_legacy_run, plan, init, images, labels, steps, decay_steps,
                    optimizer)
   classes = modern_engines()
   reports = {}
   for engine in engines:
-    progress('modern (%s): %d tower(s) x %d images, %d steps...'
-             % (engine, plan.num_towers, batch_size, steps))
+    logger.info('modern (%s): %d tower(s) x %d images, %d steps...', engine, plan.num_towers,
+                batch_size, steps)
     modern = _result(functools.partial(_modern_run, classes[engine]), plan, init,
                      images, labels, steps, decay_steps, optimizer)
     reports[engine] = compare(legacy, modern, optimizer=optimizer,

@@ -35,6 +35,7 @@ cannot pull it from under an evaluation.
 """
 
 import collections
+import logging
 import os
 import re
 
@@ -42,6 +43,8 @@ import tensorflow as tf
 
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import errors
+
+logger = logging.getLogger(__name__)
 
 LEGACY = 'legacy'  # tf.compat.v1 Saver: keys are variable names, e.g. 'conv1/weights'
 MODERN = 'modern'  # tf.train.Checkpoint: keys like 'model/conv1/weights/.ATTRIBUTES/...'
@@ -229,7 +232,7 @@ def _on_disk(directory, basename):
   return found
 
 
-def _remove_temp_files(directory, basename, warn):
+def _remove_temp_files(directory, basename):
   """Removes the temp files of saves a kill interrupted; they are never read.
 
   Only TensorFlow's own temp names of this train_dir's checkpoints:
@@ -251,8 +254,8 @@ def _remove_temp_files(directory, basename, warn):
     except (tf.errors.OpError, OSError):
       pass
   if removed:
-    warn('removed %d temp file(s) of an interrupted save from %s.'
-         % (removed, directory))
+    logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
+                   directory)
 
 
 def _read_state(directory):
@@ -297,8 +300,7 @@ def _named_latest(directory):
   return named
 
 
-def resume_point(directory, warn=None,
-                 basename=config_lib.CHECKPOINT_BASENAME):
+def resume_point(directory, basename=config_lib.CHECKPOINT_BASENAME):
   """The checkpoint a run in `directory` resumes from: the newest intact one.
 
   See the module docstring. Every tensor of the chosen checkpoint is read
@@ -306,7 +308,6 @@ def resume_point(directory, warn=None,
 
   Args:
     directory: str, a train_dir.
-    warn: optional callable(str) for what was skipped and why.
     basename: str, checkpoint file name before '-<step>'.
 
   Returns:
@@ -319,19 +320,18 @@ def resume_point(directory, warn=None,
       (only the temp files of an interrupted save are removed, as on every
       call).
   """
-  warn = warn or (lambda _: None)
   if not tf.io.gfile.isdir(directory):
     return None
-  _remove_temp_files(directory, basename, warn)
+  _remove_temp_files(directory, basename)
   on_disk = _on_disk(directory, basename)
   named, state_problem = _read_state(directory)
   state_path = os.path.join(directory, STATE_FILE)
   if state_problem:
-    warn('%s is unreadable; resuming from the newest intact checkpoint found '
-         'on disk.' % state_path)
+    logger.warning('%s is unreadable; resuming from the newest intact checkpoint found '
+                   'on disk.', state_path)
   elif named is None and on_disk:
-    warn('%s has checkpoints but no `%s` state file; resuming from the newest '
-         'intact one found on disk.' % (directory, STATE_FILE))
+    logger.warning('%s has checkpoints but no `%s` state file; resuming from the newest '
+                   'intact one found on disk.', directory, STATE_FILE)
   named_step = step_of(named) if named else None
   # Newer than the named one: written by a run killed before it named them.
   for step in sorted(on_disk, reverse=True):
@@ -339,13 +339,12 @@ def resume_point(directory, warn=None,
       break
     problem = _problem(on_disk[step])
     if problem:
-      warn('ignoring %s: it is %s, left by an interrupted save; it will be '
-           'overwritten.' % (on_disk[step], problem))
+      logger.warning('ignoring %s: it is %s, left by an interrupted save; it will be '
+                     'overwritten.', on_disk[step], problem)
       continue
     if named is not None:
-      warn('%s is complete but was not yet recorded as the latest checkpoint '
-           '(the run writing it was interrupted); resuming from it.'
-           % on_disk[step])
+      logger.warning('%s is complete but was not yet recorded as the latest checkpoint '
+                     '(the run writing it was interrupted); resuming from it.', on_disk[step])
     return on_disk[step]
   if named is None:
     return None
@@ -359,9 +358,9 @@ def resume_point(directory, warn=None,
   if _is_gone(problem) and fallback is not None:
     # Deleted by hand, e.g. to go back to an older checkpoint: nothing of it
     # is left to protect.
-    warn('`%s` names %s as the latest checkpoint, but none of its files is '
-         'left in %s; resuming from %s, the newest intact one.'
-         % (STATE_FILE, name, directory, os.path.basename(fallback)))
+    logger.warning('`%s` names %s as the latest checkpoint, but none of its files is '
+                   'left in %s; resuming from %s, the newest intact one.',
+                   STATE_FILE, name, directory, os.path.basename(fallback))
     return fallback
   if fallback is None:
     advice = ('there is no intact older checkpoint; use another --train_dir, '
@@ -476,7 +475,7 @@ def skip_notes(found, directory, doing, unfinished=True):
   return notes
 
 
-def for_conversion(directory, warn=None):
+def for_conversion(directory):
   """The checkpoint `convert` converts: the latest, which must be intact.
 
   Unlike eval, convert passes over nothing that the state file (or its
@@ -485,8 +484,6 @@ def for_conversion(directory, warn=None):
 
   Args:
     directory: str, a train_dir of either trainer.
-    warn: optional callable(str), for an interrupted newer save ignored, or
-      a train_dir without a state file.
 
   Returns:
     Contents, or None when `directory` holds no checkpoint at all.
@@ -495,7 +492,6 @@ def for_conversion(directory, warn=None):
     CheckpointError: the state file is unreadable, or the latest checkpoint
       is damaged, incomplete or gone; one line naming the file and what to do.
   """
-  warn = warn or (lambda _: None)
   found = newest_intact(directory)
   intact = found.contents.path if found.contents else None
   if found.state_problem:
@@ -522,11 +518,10 @@ def for_conversion(directory, warn=None):
     raise CheckpointError('checkpoint %s is %s, and it is the latest checkpoint; '
                           'nothing was converted. %s' % (prefix, problem, advice))
   for prefix, problem in found.unfinished:
-    warn('ignoring %s: it is %s, left by an interrupted save.' % (prefix, problem))
+    logger.warning('ignoring %s: it is %s, left by an interrupted save.', prefix, problem)
   if intact and found.named is None:
-    warn('%s has no `%s` state file; converting %s, the newest intact '
-         'checkpoint found on disk.' % (directory, STATE_FILE,
-                                        os.path.basename(intact)))
+    logger.warning('%s has no `%s` state file; converting %s, the newest intact '
+                   'checkpoint found on disk.', directory, STATE_FILE, os.path.basename(intact))
   return found.contents
 
 

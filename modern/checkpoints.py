@@ -95,7 +95,7 @@ def checkpoint_object(state):
   return tf.train.Checkpoint(**objects)
 
 
-def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimizer()):
+def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
   """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
 
   The newest checkpoint that passes its checksums (`common.checkpoints`),
@@ -104,7 +104,6 @@ def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimize
   Args:
     train_dir: str.
     checkpoint: `checkpoint_object(trainer)`.
-    warn: callable taking one message (skipped damaged checkpoints).
     optimizer: common.optimizer.Optimizer of the run; a checkpoint of
       another optimizer is refused.
 
@@ -122,7 +121,7 @@ def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimize
       model, or of another optimizer.
     common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
   """
-  resume_from = checkpoints.resume_point(train_dir, warn)
+  resume_from = checkpoints.resume_point(train_dir)
   if not resume_from:
     checkpoints.replace_unreadable_state(train_dir, None)
     return None

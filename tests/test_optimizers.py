@@ -174,8 +174,7 @@ def adam_legacy_dir(tmp_path_factory, synth_data_dir, device_plan):
   config = config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=train_dir,
                                   num_gpus=2, batch_size=8, max_steps=4,
                                   save_every=100, optimizer=ADAM)
-  legacy_train.train(config, _plan(device_plan, 2), out=lambda _: None,
-                     warn=lambda _: None, num_threads=2)
+  legacy_train.train(config, _plan(device_plan, 2), num_threads=2)
   return train_dir
 
 
@@ -258,13 +257,11 @@ def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
   with pytest.raises(training.TrainingError,
                      match='trained with --optimizer adam; this run has '
                            '--optimizer sgd, which would drop'):
-    legacy_train.train(config(adam_legacy_dir, sgd), plan, out=lambda _: None,
-                       warn=lambda _: None, num_threads=1)
+    legacy_train.train(config(adam_legacy_dir, sgd), plan, num_threads=1)
   modern_dir = str(tmp_path / 'modern')
   convert.convert(adam_legacy_dir, modern_dir)
   with pytest.raises(training.TrainingError, match='Resume it with --optimizer adam'):
-    modern_train.train(config(modern_dir, sgd), plan, out=lambda _: None,
-                       warn=lambda _: None)
+    modern_train.train(config(modern_dir, sgd), plan)
   # The reverse: an SGD checkpoint resumed with Adam or momentum.
   init = crosscheck.initial_values(0)
   sgd_modern, sgd_legacy = str(tmp_path / 'sgd_modern'), str(tmp_path / 'sgd_legacy')
@@ -273,12 +270,11 @@ def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
   convert.write_modern(sgd_modern, init, init, 3)
   convert.write_legacy(sgd_legacy, init, init, 3)
   with pytest.raises(training.TrainingError, match='which would zero-fill'):
-    modern_train.train(config(sgd_modern, ADAM), plan, out=lambda _: None,
-                       warn=lambda _: None)
+    modern_train.train(config(sgd_modern, ADAM), plan)
   with pytest.raises(training.TrainingError, match='--optimizer sgd; this run has '
                                                    '--optimizer momentum'):
     legacy_train.train(config(sgd_legacy, optimizer_lib.Optimizer(name='momentum')),
-                       plan, out=lambda _: None, warn=lambda _: None, num_threads=1)
+                       plan, num_threads=1)
   # Nothing was written into the refused train_dirs.
   for train_dir in (sgd_legacy, sgd_modern):
     assert not [f for f in os.listdir(train_dir)
