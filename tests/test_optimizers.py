@@ -210,12 +210,11 @@ def _modern_losses(path, plan, images, labels, steps):
 
 def test_adam_round_trip_is_bit_for_bit_and_trains_on_the_same(
     adam_legacy_dir, tmp_path, device_plan):
-  from cifar10_towers.common import checkpoints
   modern_dir, back_dir = str(tmp_path / 'modern'), str(tmp_path / 'back')
   _, _, step, modern_path = convert.convert(adam_legacy_dir, modern_dir)
   assert step == 4
   _, _, _, back_path = convert.convert(modern_dir, back_dir)
-  original_path = checkpoints.latest(adam_legacy_dir)
+  original_path = tf.train.latest_checkpoint(adam_legacy_dir)
   original, back = _tensors(original_path), _tensors(back_path)
   # 10 weights, 10 averages, global_step, 20 Adam slots, 2 beta powers.
   assert len(original) == 43
