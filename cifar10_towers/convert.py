@@ -141,8 +141,7 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
     towers = legacy_train.build_towers(
         [(images, labels)], _host_plan(), 1,
         optimizer=optimizer_lib.Optimizer(name=optimizer))
-    variables = {v.op.name: v for v in tf1.trainable_variables()}
-    everything = {v.op.name: v for v in tf1.global_variables()}
+    variables = {v.op.name: v for v in tf1.global_variables()}
     saver = tf1.train.Saver(tf1.global_variables(), save_relative_paths=True)
     with tf1.Session(config=legacy_train.session_config(_host_plan())) as sess:
       sess.run(tf1.global_variables_initializer())
@@ -150,7 +149,7 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
         variables[name].load(values[name], sess)
         towers.ema.average(variables[name]).load(shadows[name], sess)
       for name, value in (slots or {}).items():
-        everything[name].load(value, sess)
+        variables[name].load(value, sess)
       towers.global_step.load(np.int64(step), sess)
       return saver.save(sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),
                         global_step=step)

@@ -64,10 +64,8 @@ def initial_values(seed):
   values = {}
   for layer in model_spec.LAYERS:
     w = rng.standard_normal(layer.weight_shape)
-    bad = np.abs(w) > 2.0
-    while bad.any():
+    while (bad := np.abs(w) > 2.0).any():
       w[bad] = rng.standard_normal(int(bad.sum()))
-      bad = np.abs(w) > 2.0
     values[layer.name + '/weights'] = (w * layer.stddev).astype(np.float32)
     values[layer.name + '/biases'] = np.full(layer.weight_shape[-1:],
                                              layer.bias_init, np.float32)
@@ -96,14 +94,12 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
     labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
     raw = synth.make_images(rng, labels)
   else:
-    images, labels = [], []
+    records = []
     for path in fmt.train_files(data_dir):
-      file_images, file_labels = fmt.read_records(path)
-      images.append(file_images)
-      labels.append(file_labels)
-      if sum(len(x) for x in labels) >= n:
+      records.append(fmt.read_records(path))
+      if sum(len(file_labels) for _, file_labels in records) >= n:
         break
-    raw, labels = np.concatenate(images), np.concatenate(labels)
+    raw, labels = (np.concatenate(parts) for parts in zip(*records))
     if len(labels) < n:
       raise fmt.DataError('%s holds %d training records; the cross-check needs '
                           '%d (num_gpus x batch_size).' % (data_dir, len(labels), n))

@@ -183,14 +183,9 @@ def read(path):
 
 def _on_disk(directory, basename):
   """{step: prefix} of the checkpoints with an .index file in `directory`."""
-  found = {}
-  pattern = os.path.join(directory, basename + '-*.index')
-  for index in tf.io.gfile.glob(pattern):
-    prefix = index[:-len('.index')]
-    step = step_of(prefix)
-    if step is not None:
-      found[step] = prefix
-  return found
+  indexes = tf.io.gfile.glob(os.path.join(directory, basename + '-*.index'))
+  prefixes = [index[:-len('.index')] for index in indexes]
+  return {step_of(prefix): prefix for prefix in prefixes if step_of(prefix) is not None}
 
 
 def _delete(path):
