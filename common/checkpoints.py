@@ -390,18 +390,14 @@ def skip_notes(found, directory, doing, unfinished=True):
   notes = []
   if found.state_problem:
     notes.append('%s is unreadable (%s); %s found on disk.'
-                 % (os.path.join(directory, STATE_FILE), found.state_problem,
-                    doing))
-  for prefix, problem in found.unfinished if unfinished else []:
-    notes.append('skipping %s: it is %s, and newer than the latest checkpoint '
-                 '`%s` names (a save in progress or interrupted).'
-                 % (prefix, problem, STATE_FILE))
+                 % (os.path.join(directory, STATE_FILE), found.state_problem, doing))
+  notes += ['skipping %s: it is %s, and newer than the latest checkpoint `%s` names (a save '
+            'in progress or interrupted).' % (prefix, problem, STATE_FILE)
+            for prefix, problem in (found.unfinished if unfinished else [])]
   for prefix, problem in found.skipped:
-    if _is_gone(problem):
-      notes.append('skipping %s: `%s` names it as the latest checkpoint, but it '
-                   'is %s; %s.' % (prefix, STATE_FILE, problem, doing))
-    else:
-      notes.append('skipping %s: it is %s; %s.' % (prefix, problem, doing))
+    why = ('`%s` names it as the latest checkpoint, but it is %s' % (STATE_FILE, problem)
+           if _is_gone(problem) else 'it is %s' % problem)
+    notes.append('skipping %s: %s; %s.' % (prefix, why, doing))
   return notes
 
 
