@@ -27,10 +27,21 @@ from cifar10_towers.common import version  # pylint: disable=wrong-import-positi
 MAX_TOWERS = devices.MAX_TOWERS
 
 
-def _warn(message):
+logger = logging.getLogger(__name__)
+
+
+def _configure_logging():
+  """What the library says (loggers under cifar10_towers) goes to the CLI's one handler, once.
+
+  common.progress.LogHandler: progress and metrics (below WARNING) to stdout,
+  diagnostics to stderr, each line as it was said.
+  """
   from cifar10_towers.common import progress  # pylint: disable=import-outside-toplevel
-  progress.end_line()  # after a log line left open on a terminal
-  click.echo(message, err=True)
+  package = logging.getLogger('cifar10_towers')
+  if not any(isinstance(h, progress.LogHandler) for h in package.handlers):
+    package.addHandler(progress.LogHandler())
+  package.setLevel(logging.INFO)
+  package.propagate = False  # said once, not again by a handler of the root logger
 
 
 def _first_line(error):
@@ -83,8 +94,8 @@ def _ensure_train_data(data_dir):
   # Fail before building a graph on sizes and label bytes; say which files
   # cannot be real data (all one image, one label, copies), and go on.
   for line in fmt.judge_files(paths):
-    _warn('Warning: %s. Training goes on; `%s` lists every problem.'
-          % (line, prog.command('data check --data_dir %s' % data_dir)))
+    logger.warning('Warning: %s. Training goes on; `%s` lists every problem.',
+                   line, prog.command('data check --data_dir %s' % data_dir))
   return fmt.num_examples(paths)
 
 
@@ -243,7 +254,7 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
       _check_multiworker_gpus(num_gpus)
     _ensure_train_data(data_dir)
     _say_if_generated(data_dir, 'Training')
-    plan = devices.plan_devices(num_gpus, warn=_warn)
+    plan = devices.plan_devices(num_gpus)
     from cifar10_towers.common import memory  # refuse what cannot fit, before building
     memory.check_training(impl, plan, batch_size, data_dir)
     config = config_lib.TrainConfig(
@@ -263,9 +274,8 @@ def _train(impl, num_gpus, data_dir, train_dir, batch_size, max_steps, log_every
     else:
       from cifar10_towers.modern import train as trainer
   from cifar10_towers.common import progress
-  from cifar10_towers.common import training
   try:
-    trainer.train(config, plan, out=progress.StepLines(training.is_log_line), warn=_warn)
+    trainer.train(config, plan)
   finally:
     progress.end_line()
 
@@ -351,6 +361,7 @@ def cli(ctx):
   and 128 + the signal's number; training saves the step it reached first.
   Every way a run ends, and its exit status: docs/ending.md.
   """
+  _configure_logging()
   ctx.meta[_COMMAND] = ctx.invoked_subcommand
   if ctx.invoked_subcommand not in _LOOP_COMMANDS:
     ctx.with_resource(ctx.meta[_STOP].raising())
@@ -527,17 +538,16 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
   from cifar10_towers.common import evaluation
   paths = fmt.eval_files(data_dir)
   for line in fmt.judge_files(paths):  # reads and validates every record
-    _warn('Warning: %s; a precision measured on it means nothing.' % line)
+    logger.warning('Warning: %s; a precision measured on it means nothing.', line)
   _say_if_generated(data_dir, 'Evaluating')
   available = fmt.num_examples(paths)
   if num_examples is not None and num_examples > available:
-    _warn('--num_examples %d is more than the %d records of the test set in '
-          '%s; evaluating all %d.' % (num_examples, available, data_dir,
-                                      available))
+    logger.warning('--num_examples %d is more than the %d records of the test set in '
+                   '%s; evaluating all %d.', num_examples, available, data_dir, available)
   evaluation.run(checkpoint_dir,
                  _evaluate_by_kind(data_dir, batch_size, num_examples,
                                    min(num_examples or available, available)),
-                 stop, out=click.echo, warn=_warn,
+                 stop,
                  interval_secs=None if run_once else eval_interval_secs,
                  eval_dir=eval_dir or _default_eval_dir(checkpoint_dir))
 
@@ -553,8 +563,8 @@ def _default_eval_dir(checkpoint_dir):
     probe = os.path.dirname(probe) or '.'
   if os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK):
     return eval_dir
-  _warn('%s cannot be written; precision @ 1 goes to %s for TensorBoard (pass '
-        '--eval_dir to choose).' % (checkpoint_dir, config_lib.DEFAULT_EVAL_DIR))
+  logger.warning('%s cannot be written; precision @ 1 goes to %s for TensorBoard (pass '
+                 '--eval_dir to choose).', checkpoint_dir, config_lib.DEFAULT_EVAL_DIR)
   return config_lib.DEFAULT_EVAL_DIR
 
 
@@ -566,7 +576,7 @@ def _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol
   reports, images, labels, init = crosscheck_lib.run(
       plan, batch_size=batch_size, steps=steps, seed=seed, data_dir=data_dir,
       decay_steps=decay_steps, engines=engines, tolerances=tolerances,
-      progress=click.echo, **({} if optimizer is None else {'optimizer': optimizer}))
+      **({} if optimizer is None else {'optimizer': optimizer}))
   for engine, report in reports.items():
     click.echo('legacy vs modern (%s):' % engine)
     click.echo(crosscheck_lib.format_report(report))
@@ -621,7 +631,7 @@ def crosscheck(num_gpus, batch_size, steps, seed, data_dir, decay_steps, dump, r
   optimizer = _optimizer_from(optimizer_options)
   if data_dir is not None:
     _ensure_train_data(data_dir)
-  plan = devices.plan_devices(num_gpus, warn=_warn)
+  plan = devices.plan_devices(num_gpus)
   engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
   _crosscheck(plan, batch_size, steps, seed, data_dir, decay_steps, dump, rtol,
               engines, optimizer)
@@ -662,7 +672,7 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
   if data_dir is not None:
     _ensure_train_data(data_dir)
   from cifar10_towers.common import devices
-  plan = devices.plan_devices(num_gpus, warn=_warn)  # before TensorFlow starts
+  plan = devices.plan_devices(num_gpus)  # before TensorFlow starts
   from cifar10_towers.towerprofile import run as profile_lib
   click.echo('Profiling %d step(s) of %s on %d tower(s) under TensorFlow\'s tracing...'
              % (steps, impl, num_gpus))
@@ -689,7 +699,7 @@ def convert(from_dir, to_dir):
   """
   click.echo('Converting the newest checkpoint of %s into %s...' % (from_dir, to_dir))
   from cifar10_towers import convert as convert_lib
-  from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir, warn=_warn)
+  from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir)
   optimizer = convert_lib.read_state(path)[4]
   click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
              'checkpoint (optimizer %s, its slots included): %s'
@@ -884,8 +894,8 @@ def _say_if_generated(data_dir, doing):
   from cifar10_towers.common import generated
   marker = generated.read(data_dir)
   if marker is not None:
-    _warn('%s on %s in %s, not on CIFAR-10 (%s).'
-          % (doing, generated.describe(marker), data_dir, generated.CIFAR10_RESULT))
+    logger.warning('%s on %s in %s, not on CIFAR-10 (%s).', doing,
+                   generated.describe(marker), data_dir, generated.CIFAR10_RESULT)
 
 
 @data.command()
@@ -934,7 +944,7 @@ def check(data_dir):
     click.echo('%s: %d records, ok' % (name, count))
   if problems:
     for problem in problems:
-      _warn(problem)
+      logger.warning(problem)
     if marker is not None:
       again = generated.command(marker)
       raise click.ClickException(

@@ -4,8 +4,9 @@ What moves: the 10 weights, their 10 moving averages, the global step and
 every slot of the optimizer (momentum's accumulators; Adam's m, v, beta1_power
 and beta2_power; plain SGD has none), bit for bit. Legacy names the slots as
 TF1's optimizers do ('conv1/weights/Adam'), modern keeps the same names under
-'optimizer/' (modern/checkpoints.py). Each side's checkpoint is written by that side's own code (legacy's
-graph and `Saver`, modern's `TrainState` and `CheckpointManager`), so the result is
+'optimizer/' (modern/checkpoints.py). Each side's checkpoint is written by that
+side's own code (legacy's graph and `Saver`, modern's `TrainState` and
+`CheckpointManager`), so the result is
 what that trainer would have saved itself, and it resumes or evaluates it
 without knowing it was converted.
 """
@@ -21,6 +22,7 @@ from cifar10_towers.common import devices
 from cifar10_towers.common import errors
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.modern import checkpoints as modern_checkpoints
 
 class ConvertError(errors.Failure):
   """A conversion cannot be done; the message says why and what to do."""
@@ -39,7 +41,6 @@ def _host_plan():
 def _key(kind, legacy_name):
   if kind == checkpoints.LEGACY:
     return legacy_name
-  from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   return modern_checkpoints.checkpoint_key(legacy_name)
 
 
@@ -77,40 +78,28 @@ def state_of(contents):
     ConvertError: it lacks a variable of this model, or has a wrong shape.
   """
   path, kind, tensors = contents
-  values, shadows = {}, {}
-  for name in model_spec.VARIABLE_NAMES:
-    for target, legacy_name in ((values, name), (shadows, '%s/%s' % (name, model_spec.EMA_SUFFIX))):
-      key = _key(kind, legacy_name)
-      if key not in tensors:
-        raise ConvertError('%s is a checkpoint of another model: it lacks %s; %s'
-                           % (path, legacy_name, _PASS_A_TRAIN_DIR))
-      value = tensors[key]
-      if value.shape != model_spec.variable_shape(name):
-        raise ConvertError('%s is a checkpoint of another model: it holds %s with '
-                           'shape %s, this model has %s; %s'
-                           % (path, legacy_name, list(value.shape),
-                              list(model_spec.variable_shape(name)), _PASS_A_TRAIN_DIR))
-      target[name] = value
-  if _key(kind, 'global_step') not in tensors:
-    raise ConvertError('%s has no global step (%s): it is not a checkpoint of a '
-                       'training run; %s' % (path, _key(kind, 'global_step'),
-                                              _PASS_A_TRAIN_DIR))
   optimizer = optimizer_lib.of_names(tensors, lambda name: _key(kind, name))
-  slots = {}
-  for name in optimizer_lib.slot_names(optimizer):
+  slot_names = optimizer_lib.slot_names(optimizer)
+  found = {}
+  for name, shape in modern_checkpoints.legacy_shapes(optimizer).items():
     key = _key(kind, name)
     if key not in tensors:
-      raise ConvertError('%s holds the state of optimizer %s without its %s: '
-                         'that state is incomplete; %s' % (path, optimizer, name,
-                                                           _PASS_A_TRAIN_DIR))
-    if tensors[key].shape != optimizer_lib.slot_shape(name):
-      raise ConvertError('%s is a checkpoint of another model: it holds %s with '
-                         'shape %s, this model has %s; %s'
-                         % (path, name, list(tensors[key].shape),
-                            list(optimizer_lib.slot_shape(name)), _PASS_A_TRAIN_DIR))
-    slots[name] = tensors[key]
-  return (kind, values, shadows, checkpoints.global_step(contents), optimizer,
-          slots)
+      why = ('has no global step (%s): it is not a checkpoint of a training run' % key
+             if name == 'global_step' else
+             'holds the state of optimizer %s without its %s: that state is incomplete'
+             % (optimizer, name) if name in slot_names else
+             'is a checkpoint of another model: it lacks %s' % name)
+      raise ConvertError('%s %s; %s' % (path, why, _PASS_A_TRAIN_DIR))
+    if tensors[key].shape != tuple(shape):
+      raise ConvertError('%s is a checkpoint of another model: it holds %s with shape %s, '
+                         'this model has %s; %s' % (path, name, list(tensors[key].shape),
+                                                    list(shape), _PASS_A_TRAIN_DIR))
+    found[name] = tensors[key]
+  names = model_spec.VARIABLE_NAMES
+  return (kind, {name: found[name] for name in names},
+          {name: found['%s/%s' % (name, model_spec.EMA_SUFFIX)] for name in names},
+          checkpoints.global_step(contents), optimizer,
+          {name: found[name] for name in slot_names})
 
 
 def write_modern(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
@@ -120,7 +109,6 @@ def write_modern(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
   `optimizer` names the optimizer whose `slots` (name -> array) are saved.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
   state = modern_step.TrainState(_host_plan(), decay_steps=1,
                                  optimizer=optimizer_lib.Optimizer(name=optimizer))
@@ -153,20 +141,15 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
     towers = legacy_train.build_towers(
         [(images, labels)], _host_plan(), 1,
         optimizer=optimizer_lib.Optimizer(name=optimizer))
-    variables = {v.op.name: v for v in tf1.trainable_variables()}
-    everything = {v.op.name: v for v in tf1.global_variables()}
-    slots = slots or {}
-    if set(slots) != set(optimizer_lib.slot_names(optimizer)):
-      raise ValueError('slots of %s: expected %s, got %s' % (
-          optimizer, optimizer_lib.slot_names(optimizer), sorted(slots)))
+    variables = {v.op.name: v for v in tf1.global_variables()}
     saver = tf1.train.Saver(tf1.global_variables(), save_relative_paths=True)
     with tf1.Session(config=legacy_train.session_config(_host_plan())) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(values[name], sess)
         towers.ema.average(variables[name]).load(shadows[name], sess)
-      for name, value in slots.items():
-        everything[name].load(value, sess)
+      for name, value in (slots or {}).items():
+        variables[name].load(value, sess)
       towers.global_step.load(np.int64(step), sess)
       return saver.save(sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),
                         global_step=step)
@@ -193,7 +176,7 @@ def _check_directories(from_dir, to_dir):
                        '--from_dir as it is. %s' % (to_dir, target, from_dir, advice))
 
 
-def convert(from_dir, to_dir, warn=None):
+def convert(from_dir, to_dir):
   """Converts the newest checkpoint of `from_dir` into the other trainer's format.
 
   The newest checkpoint must be intact and the `checkpoint` state file
@@ -206,8 +189,6 @@ def convert(from_dir, to_dir, warn=None):
   Args:
     from_dir: str, a train_dir of either trainer (or upstream's).
     to_dir: str, a new or empty directory.
-    warn: optional callable(str), for what was passed over (an interrupted
-      save, a missing state file).
 
   Returns:
     (from_kind, to_kind, step, new checkpoint prefix).
@@ -219,7 +200,7 @@ def convert(from_dir, to_dir, warn=None):
   if not os.path.exists(from_dir):
     raise ConvertError('--from_dir %s does not exist; pass the train_dir you trained into.'
                        % from_dir)
-  contents = checkpoints.for_conversion(from_dir, warn)
+  contents = checkpoints.for_conversion(from_dir)
   if contents is None:
     raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
                        % from_dir)

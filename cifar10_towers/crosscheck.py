@@ -26,6 +26,7 @@ anyone can re-check with their own code.
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 
@@ -37,6 +38,8 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 
+logger = logging.getLogger(__name__)
+
 GRAD_RTOL = 1e-5  # contract 1 and 4: averaged gradients, relative to max|g|
 LOSS_RTOL = 1e-6  # contract 2: per-tower total losses
 FINAL_RTOL = 1e-4  # contract 3: variables and moving averages after K steps
@@ -44,13 +47,9 @@ FINAL_RTOL = 1e-4  # contract 3: variables and moving averages after K steps
 
 def rel_diff(a, b):
   """max|a - b| / max|b| (0 when both are all zero)."""
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  scale = np.max(np.abs(b)) if b.size else 0.0
-  diff = np.max(np.abs(a - b)) if a.size else 0.0
-  if scale == 0.0:
-    return 0.0 if diff == 0.0 else np.inf
-  return float(diff / scale)
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  scale, diff = np.max(np.abs(b), initial=0.0), np.max(np.abs(a - b), initial=0.0)
+  return float(diff / scale) if scale else (0.0 if diff == 0.0 else np.inf)
 
 
 def initial_values(seed):
@@ -65,10 +64,8 @@ def initial_values(seed):
   values = {}
   for layer in model_spec.LAYERS:
     w = rng.standard_normal(layer.weight_shape)
-    bad = np.abs(w) > 2.0
-    while bad.any():
+    while (bad := np.abs(w) > 2.0).any():
       w[bad] = rng.standard_normal(int(bad.sum()))
-      bad = np.abs(w) > 2.0
     values[layer.name + '/weights'] = (w * layer.stddev).astype(np.float32)
     values[layer.name + '/biases'] = np.full(layer.weight_shape[-1:],
                                              layer.bias_init, np.float32)
@@ -97,14 +94,12 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
     labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
     raw = synth.make_images(rng, labels)
   else:
-    images, labels = [], []
+    records = []
     for path in fmt.train_files(data_dir):
-      file_images, file_labels = fmt.read_records(path)
-      images.append(file_images)
-      labels.append(file_labels)
-      if sum(len(x) for x in labels) >= n:
+      records.append(fmt.read_records(path))
+      if sum(len(file_labels) for _, file_labels in records) >= n:
         break
-    raw, labels = np.concatenate(images), np.concatenate(labels)
+    raw, labels = (np.concatenate(parts) for parts in zip(*records))
     if len(labels) < n:
       raise fmt.DataError('%s holds %d training records; the cross-check needs '
                           '%d (num_gpus x batch_size).' % (data_dir, len(labels), n))
@@ -141,7 +136,7 @@ class Report:
 
   @property
   def passed(self):
-    return all(measured <= tol for _, _, measured, tol in self.rows)
+    return not self.failures()
 
   def per_tower_identity_gap(self):
     """Max over variables and implementations of the identity rows not held
@@ -160,30 +155,21 @@ NOT_HELD = math.inf  # the tolerance of a row reported but not held to one
 def compare(legacy, modern, grad_rtol=GRAD_RTOL, loss_rtol=LOSS_RTOL,
             final_rtol=FINAL_RTOL, optimizer=optimizer_lib.Optimizer()):
   """Builds the Report rows of docs/equivalence.md §2 from two Results."""
-  rows = []
-  for name in model_spec.VARIABLE_NAMES:
-    rows.append(('1 averaged gradient', name,
-                 rel_diff(legacy.grads[name], modern.grads[name]), grad_rtol))
+  names = model_spec.VARIABLE_NAMES
+  groups = [('1 averaged gradient', 'grads', names, grad_rtol)]
   if optimizer.clips_averaged:
-    for name in model_spec.VARIABLE_NAMES:
-      rows.append(('1 clipped averaged gradient', name,
-                   rel_diff(legacy.applied[name], modern.applied[name]), grad_rtol))
-  for i, (a, b) in enumerate(zip(legacy.tower_losses, modern.tower_losses)):
-    rows.append(('2 tower loss', 'tower_%d' % i, rel_diff(a, b), loss_rtol))
-  for name in model_spec.VARIABLE_NAMES:
-    rows.append(('3 variable after K steps', name,
-                 rel_diff(legacy.final[name], modern.final[name]), final_rtol))
-  for name in model_spec.VARIABLE_NAMES:
-    rows.append(('3 moving average after K steps', name,
-                 rel_diff(legacy.final_ema[name], modern.final_ema[name]), final_rtol))
-  for name in optimizer.slot_names():
-    rows.append(('3 slot after K steps', name,
-                 rel_diff(legacy.final_slots[name], modern.final_slots[name]),
-                 final_rtol))
+    groups.append(('1 clipped averaged gradient', 'applied', names, grad_rtol))
+  groups += [('2 tower loss', 'tower_losses', range(len(legacy.tower_losses)), loss_rtol),
+             ('3 variable after K steps', 'final', names, final_rtol),
+             ('3 moving average after K steps', 'final_ema', names, final_rtol),
+             ('3 slot after K steps', 'final_slots', optimizer.slot_names(), final_rtol)]
+  rows = [(check, 'tower_%d' % key if field == 'tower_losses' else key,
+           rel_diff(getattr(legacy, field)[key], getattr(modern, field)[key]), tol)
+          for check, field, keys, tol in groups for key in keys]
   # Per-tower clipping breaks the identity by design: reported, not held.
   held = not optimizer.clips_per_tower
   for impl, result in (('legacy', legacy), ('modern', modern)):
-    for name in model_spec.VARIABLE_NAMES:
+    for name in names:
       rows.append(('4 identity (%s): N towers vs 1 on concat%s'
                    % (impl, '' if held else ' [per_tower]'), name,
                    rel_diff(result.applied[name], result.single_tower_grads[name]),
@@ -196,12 +182,10 @@ def format_report(report):
   lines = ['%-56s %-32s %11s %9s  %s' % ('check', 'variable / tower', 'rel diff',
                                         'tolerance', '')]
   for check, name, measured, tol in report.rows:
-    if tol == NOT_HELD:
-      lines.append('%-56s %-32s %11.3e %9s  %s' % (check, name, measured, '-',
-                                                    'not held'))
-      continue
-    lines.append('%-56s %-32s %11.3e %9.0e  %s'
-                 % (check, name, measured, tol, 'ok' if measured <= tol else 'FAIL'))
+    held = tol != NOT_HELD
+    lines.append('%-56s %-32s %11.3e %9s  %s' % (
+        check, name, measured, '%.0e' % tol if held else '-',
+        ('ok' if measured <= tol else 'FAIL') if held else 'not held'))
   gap = report.per_tower_identity_gap()
   if gap is not None:
     lines.append('Note: with --clip_where per_tower, N towers are NOT 1 tower on the '
@@ -222,32 +206,23 @@ def format_report(report):
 def write_evidence(path_dir, images, labels, init, report):
   """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2."""
   os.makedirs(path_dir, exist_ok=True)
+  names = model_spec.VARIABLE_NAMES
   arrays = {'images': images.astype(np.float32), 'labels': labels.astype(np.int32)}
-  for name in model_spec.VARIABLE_NAMES:
-    arrays['init/' + name] = init[name]
-    for impl, result in (('legacy', report.legacy), ('modern', report.modern)):
-      arrays['%s/grad/%s' % (impl, name)] = np.asarray(result.grads[name], np.float32)
-      arrays['%s/final/%s' % (impl, name)] = np.asarray(result.final[name], np.float32)
+  arrays.update(('init/' + name, init[name]) for name in names)
   for impl, result in (('legacy', report.legacy), ('modern', report.modern)):
     arrays[impl + '/tower_loss'] = np.asarray(result.tower_losses, np.float32)
+    groups = [('grad', result.grads, names), ('final', result.final, names),
+              ('slot', result.final_slots, report.optimizer.slot_names())]
     if report.optimizer.clips_averaged:
-      for name in model_spec.VARIABLE_NAMES:
-        arrays['%s/clipped_grad/%s' % (impl, name)] = np.asarray(
-            result.applied[name], np.float32)
-    for name in report.optimizer.slot_names():
-      arrays['%s/slot/%s' % (impl, name)] = np.asarray(result.final_slots[name],
-                                                       np.float32)
+      groups.append(('clipped_grad', result.applied, names))
+    for what, values, keys in groups:
+      arrays.update(('%s/%s/%s' % (impl, what, key), np.asarray(values[key], np.float32))
+                    for key in keys)
   path = os.path.join(path_dir, 'crosscheck.npz')
   tmp = path + '.tmp.npz'
   np.savez(tmp, **arrays)
   os.replace(tmp, path)
   return path
-
-
-def _single_tower(plan):
-  """The plan's first device alone, for the identity check."""
-  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
-  return devices.DevicePlan(plan.tower_devices[:1], plan.kind, plan.num_cpu_devices)
 
 
 def _legacy_run(plan, init, images, labels, steps, decay_steps, optimizer):
@@ -282,8 +257,8 @@ def _legacy_run(plan, init, images, labels, steps, decay_steps, optimizer):
       for _ in range(steps):
         sess.run(towers.train_op)
       final, final_ema, final_slots = sess.run([variables, shadows, slots])
-  return (grad_values, applied_values, np.asarray(losses), final, final_ema,
-          final_slots)
+  return Result(grad_values, np.asarray(losses), final, final_ema, None, applied_values,
+                final_slots)
 
 
 def _modern_run(build, plan, init, images, labels, steps, decay_steps, optimizer):
@@ -293,27 +268,28 @@ def _modern_run(build, plan, init, images, labels, steps, decay_steps, optimizer
   state.assign_variables(init)
   grads, losses = trainer.compute_gradients((images, labels))
   # What the step applies: the engine's own clipping of these gradients.
-  applied = dict(zip(grads, state.clip_averaged(list(grads.values()))))
-  grads = {name: g.numpy() for name, g in grads.items()}
-  applied = {name: np.asarray(g) for name, g in applied.items()}
-  losses = np.asarray(losses)
+  applied = _numpy(zip(grads, state.clip_averaged(list(grads.values()))))
+  grads, losses = _numpy(grads.items()), np.asarray(losses)
   for _ in range(steps):
     trainer.train_step((images, labels))
-  final = {name: v.numpy() for name, v in state.variables().items()}
-  final_ema = {name: v.numpy() for name, v in state.shadow_variables().items()}
-  final_slots = {name: v.numpy() for name, v in state.slot_variables().items()}
-  return grads, applied, losses, final, final_ema, final_slots
+  return Result(grads, losses, _numpy(state.variables().items()),
+                _numpy(state.shadow_variables().items()), None, applied,
+                _numpy(state.slot_variables().items()))
+
+
+def _numpy(pairs):
+  return {name: np.asarray(value) for name, value in pairs}
 
 
 def _result(run, plan, init, images, labels, steps, decay_steps, optimizer):
-  grads, applied, losses, final, final_ema, final_slots = run(
-      plan, init, images, labels, steps, decay_steps, optimizer)
+  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
+  result = run(plan, init, images, labels, steps, decay_steps, optimizer)
   n, b = labels.shape
-  single_applied = run(_single_tower(plan), init,
-                       images.reshape((1, n * b) + images.shape[2:]),
-                       labels.reshape(1, n * b), 0, decay_steps, optimizer)[1]
-  return Result(grads, losses, final, final_ema, single_applied, applied,
-                final_slots)
+  single_tower = devices.DevicePlan(plan.tower_devices[:1], plan.kind, plan.num_cpu_devices)
+  result.single_tower_grads = run(single_tower, init,
+                                  images.reshape((1, n * b) + images.shape[2:]),
+                                  labels.reshape(1, n * b), 0, decay_steps, optimizer).applied
+  return result
 
 
 def modern_engines():
@@ -325,16 +301,13 @@ def modern_engines():
   """
   from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
 
-  def builder(name):
-    return lambda plan, decay_steps, optimizer: engines.make(config_lib.TrainConfig(
-        num_gpus=plan.num_towers, strategy=name, optimizer=optimizer),
-                                                             plan).build(decay_steps)
-  return {name: builder(name) for name in ('towers', 'mirrored')}
+  return {name: lambda plan, decay_steps, optimizer, name=name: engines.make(
+      config_lib.TrainConfig(num_gpus=plan.num_towers, strategy=name, optimizer=optimizer),
+      plan).build(decay_steps) for name in ('towers', 'mirrored')}
 
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
-        engines=('towers',), tolerances=None, progress=None,
-        optimizer=optimizer_lib.Optimizer()):
+        engines=('towers',), tolerances=None, optimizer=optimizer_lib.Optimizer()):
   """Runs the whole cross-check.
 
   Args:
@@ -350,7 +323,6 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
       makes the comparison N-way.
     tolerances: optional dict overriding GRAD_RTOL / LOSS_RTOL / FINAL_RTOL
       (keys 'grad_rtol', 'loss_rtol', 'final_rtol').
-    progress: optional callable(str) for progress lines.
     optimizer: common.optimizer.Optimizer both trainers use (default
       upstream's SGD, no clipping).
 
@@ -358,18 +330,17 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     (dict engine -> Report, images [N,B,24,24,3], labels [N,B], initial
      variables dict).
   """
-  progress = progress or (lambda _: None)
   images, labels = draw_batches(plan.num_towers, batch_size, seed, data_dir)
   init = initial_values(seed)
-  progress('legacy: %d tower(s) x %d images, %d steps...'
-           % (plan.num_towers, batch_size, steps))
+  logger.info('legacy: %d tower(s) x %d images, %d steps...', plan.num_towers, batch_size,
+              steps)
   legacy = _result(_legacy_run, plan, init, images, labels, steps, decay_steps,
                    optimizer)
   classes = modern_engines()
   reports = {}
   for engine in engines:
-    progress('modern (%s): %d tower(s) x %d images, %d steps...'
-             % (engine, plan.num_towers, batch_size, steps))
+    logger.info('modern (%s): %d tower(s) x %d images, %d steps...', engine, plan.num_towers,
+                batch_size, steps)
     modern = _result(functools.partial(_modern_run, classes[engine]), plan, init,
                      images, labels, steps, decay_steps, optimizer)
     reports[engine] = compare(legacy, modern, optimizer=optimizer,

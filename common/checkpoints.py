@@ -19,6 +19,10 @@ complete and passes its checksums - the one the state file names, or a newer
 complete one a killed run wrote but did not get to name - and ignores
 incomplete newer files (they are overwritten when that step is saved again);
 the temp files of an interrupted save are removed.
+Our own code, because tf.train.latest_checkpoint alone would name a damaged
+checkpoint, miss a complete unnamed one and fail on a damaged state file:
+tests/test_faults_state.py (test_train, test_eval, test_convert_refuses) and
+tests/test_faults_checkpoints.py (test_resume_from_the_newest_intact_checkpoint).
 A checkpoint the state file names was complete when it was named, so if it is
 damaged now, something else damaged it (the disk, a copy, a hand): training
 then stops with an error naming it and the newest intact older checkpoint,
@@ -35,6 +39,7 @@ cannot pull it from under an evaluation.
 """
 
 import collections
+import logging
 import os
 import re
 
@@ -42,6 +47,8 @@ import tensorflow as tf
 
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import errors
+
+logger = logging.getLogger(__name__)
 
 LEGACY = 'legacy'  # tf.compat.v1 Saver: keys are variable names, e.g. 'conv1/weights'
 MODERN = 'modern'  # tf.train.Checkpoint: keys like 'model/conv1/weights/.ATTRIBUTES/...'
@@ -57,35 +64,6 @@ Contents = collections.namedtuple('Contents', [
     'kind',  # LEGACY or MODERN
     'tensors',  # dict checkpoint key -> numpy value: every tensor, checksums checked
 ])
-
-
-def latest(directory):
-  """The checkpoint prefix the state file of `directory` names, or None.
-
-  None also when the state file is missing or unreadable, or names files
-  that are gone; `newest_intact` says which of these it is.
-  """
-  try:
-    named = _named_latest(directory)
-  except CheckpointError:
-    return None
-  if named is None or not tf.io.gfile.exists(named + '.index'):
-    return None
-  return named
-
-
-def kind(path):
-  """LEGACY or MODERN for the checkpoint prefix `path`.
-
-  Raises:
-    CheckpointError: the checkpoint cannot be read (missing or corrupted).
-  """
-  try:
-    reader = tf.train.load_checkpoint(path)
-  except (tf.errors.OpError, ValueError) as e:
-    raise CheckpointError('cannot read checkpoint %s (%s); it is missing or '
-                          'corrupted.' % (path, reason(e))) from e
-  return MODERN if reader.has_tensor(OBJECT_GRAPH_KEY) else LEGACY
 
 
 STATE_FILE = 'checkpoint'  # TensorFlow's checkpoint state file in a train_dir
@@ -184,11 +162,6 @@ def _is_gone(problem):
   return problem is not None and problem.startswith(GONE)
 
 
-def _problem(path):
-  """What is wrong with a checkpoint's files, or None if it is intact."""
-  return _read(path)[1]
-
-
 def read(path):
   """Reads every tensor of a checkpoint, so that each one's checksum is checked.
 
@@ -208,59 +181,42 @@ def read(path):
   return contents
 
 
-def verify(path):
-  """Like `read`, for its checks only.
-
-  Raises:
-    CheckpointError: as `read`.
-  """
-  read(path)
-
-
 def _on_disk(directory, basename):
   """{step: prefix} of the checkpoints with an .index file in `directory`."""
-  found = {}
-  pattern = os.path.join(directory, basename + '-*.index')
-  for index in tf.io.gfile.glob(pattern):
-    prefix = index[:-len('.index')]
-    step = step_of(prefix)
-    if step is not None:
-      found[step] = prefix
-  return found
+  indexes = tf.io.gfile.glob(os.path.join(directory, basename + '-*.index'))
+  prefixes = [index[:-len('.index')] for index in indexes]
+  return {step_of(prefix): prefix for prefix in prefixes if step_of(prefix) is not None}
 
 
-def _remove_temp_files(directory, basename, warn):
+def _delete(path):
+  """Removes a file or a directory tree; True if it did."""
+  try:
+    (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
+    return True
+  except (tf.errors.OpError, OSError):
+    return False
+
+
+def _remove_temp_files(directory, basename):
   """Removes the temp files of saves a kill interrupted; they are never read.
 
   Only TensorFlow's own temp names of this train_dir's checkpoints:
   `<basename>-<step>.*.tempstate<digits>` and `<basename>-<step>_temp/`.
   """
   pattern = re.compile(r'^%s-\d+(\..*\.tempstate\d+|_temp)$' % re.escape(basename))
-  removed = 0
-  for name in tf.io.gfile.listdir(directory):
-    name = name.rstrip('/')
-    if not pattern.match(name):
-      continue
-    path = os.path.join(directory, name)
-    try:
-      if tf.io.gfile.isdir(path):
-        tf.io.gfile.rmtree(path)
-      else:
-        tf.io.gfile.remove(path)
-      removed += 1
-    except (tf.errors.OpError, OSError):
-      pass
+  removed = sum(_delete(os.path.join(directory, name.rstrip('/')))
+                for name in tf.io.gfile.listdir(directory) if pattern.match(name.rstrip('/')))
   if removed:
-    warn('removed %d temp file(s) of an interrupted save from %s.'
-         % (removed, directory))
+    logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
+                   directory)
 
 
 def _read_state(directory):
   """What the `checkpoint` state file of `directory` names as latest.
 
-  The Saver records absolute paths; the checkpoint is looked up by its base
-  name in `directory`, so a copied or moved train_dir resumes from its own
-  files, not the original's.
+  Upstream's Saver records absolute paths; the checkpoint is looked up by its
+  base name in `directory`, so a copied or moved train_dir resumes from its own
+  files (test_faults_checkpoints.py: state_file_of_a_moved_directory).
 
   Returns:
     (prefix inside `directory` or None, problem or None): (None, None) when
@@ -284,21 +240,7 @@ def _read_state(directory):
                       os.path.basename(state.model_checkpoint_path)), None
 
 
-def _named_latest(directory):
-  """The prefix the state file names as latest, inside `directory`, or None.
-
-  Raises:
-    CheckpointError: the state file exists but cannot be parsed (the caller
-      decides whether that is fatal).
-  """
-  named, problem = _read_state(directory)
-  if problem:
-    raise CheckpointError('%s is unreadable' % os.path.join(directory, STATE_FILE))
-  return named
-
-
-def resume_point(directory, warn=None,
-                 basename=config_lib.CHECKPOINT_BASENAME):
+def resume_point(directory, basename=config_lib.CHECKPOINT_BASENAME):
   """The checkpoint a run in `directory` resumes from: the newest intact one.
 
   See the module docstring. Every tensor of the chosen checkpoint is read
@@ -306,7 +248,6 @@ def resume_point(directory, warn=None,
 
   Args:
     directory: str, a train_dir.
-    warn: optional callable(str) for what was skipped and why.
     basename: str, checkpoint file name before '-<step>'.
 
   Returns:
@@ -319,49 +260,36 @@ def resume_point(directory, warn=None,
       (only the temp files of an interrupted save are removed, as on every
       call).
   """
-  warn = warn or (lambda _: None)
   if not tf.io.gfile.isdir(directory):
     return None
-  _remove_temp_files(directory, basename, warn)
-  on_disk = _on_disk(directory, basename)
-  named, state_problem = _read_state(directory)
-  state_path = os.path.join(directory, STATE_FILE)
-  if state_problem:
-    warn('%s is unreadable; resuming from the newest intact checkpoint found '
-         'on disk.' % state_path)
-  elif named is None and on_disk:
-    warn('%s has checkpoints but no `%s` state file; resuming from the newest '
-         'intact one found on disk.' % (directory, STATE_FILE))
-  named_step = step_of(named) if named else None
-  # Newer than the named one: written by a run killed before it named them.
-  for step in sorted(on_disk, reverse=True):
-    if named_step is not None and step <= named_step:
+  _remove_temp_files(directory, basename)
+  found = newest_intact(directory, basename)
+  fallback = found.contents and found.contents.path
+  named, problem = found.named, dict(found.skipped).get(found.named)
+  if found.state_problem:
+    logger.warning('%s is unreadable; resuming from the newest intact checkpoint found '
+                   'on disk.', os.path.join(directory, STATE_FILE))
+  elif named is None and (fallback or found.skipped):
+    logger.warning('%s has checkpoints but no `%s` state file; resuming from the newest '
+                   'intact one found on disk.', directory, STATE_FILE)
+  # Newer than the named one (or, with none named, any): left by an interrupted save.
+  for prefix, reason_ in found.unfinished + found.skipped:
+    if prefix == named:
       break
-    problem = _problem(on_disk[step])
-    if problem:
-      warn('ignoring %s: it is %s, left by an interrupted save; it will be '
-           'overwritten.' % (on_disk[step], problem))
-      continue
-    if named is not None:
-      warn('%s is complete but was not yet recorded as the latest checkpoint '
-           '(the run writing it was interrupted); resuming from it.'
-           % on_disk[step])
-    return on_disk[step]
-  if named is None:
-    return None
-  problem = _problem(named)
+    logger.warning('ignoring %s: it is %s, left by an interrupted save; it will be '
+                   'overwritten.', prefix, reason_)
   if problem is None:
-    return named
-  older = [on_disk[s] for s in sorted(on_disk, reverse=True)
-           if named_step is None or s < named_step]
-  fallback = next((p for p in older if _problem(p) is None), None)
+    if named and fallback != named:
+      logger.warning('%s is complete but was not yet recorded as the latest checkpoint '
+                     '(the run writing it was interrupted); resuming from it.', fallback)
+    return fallback
   name = os.path.basename(named)
   if _is_gone(problem) and fallback is not None:
     # Deleted by hand, e.g. to go back to an older checkpoint: nothing of it
     # is left to protect.
-    warn('`%s` names %s as the latest checkpoint, but none of its files is '
-         'left in %s; resuming from %s, the newest intact one.'
-         % (STATE_FILE, name, directory, os.path.basename(fallback)))
+    logger.warning('`%s` names %s as the latest checkpoint, but none of its files is '
+                   'left in %s; resuming from %s, the newest intact one.',
+                   STATE_FILE, name, directory, os.path.basename(fallback))
     return fallback
   if fallback is None:
     advice = ('there is no intact older checkpoint; use another --train_dir, '
@@ -380,7 +308,8 @@ def replace_unreadable_state(directory, prefix):
 
   For a trainer about to resume from `prefix` (None: to start from scratch)
   whose checkpoint manager reads the state file before its first save
-  (modern's CheckpointManager raises on an empty or non-text one). That save
+  (modern's CheckpointManager raises on an empty or non-text one:
+  test_faults_state.py, test_train with state_empty / state_not_text). That save
   rewrites the file anyway; this only does it first: naming `prefix`, or,
   without one, removing the file. A readable state file is left alone.
   """
@@ -461,22 +390,18 @@ def skip_notes(found, directory, doing, unfinished=True):
   notes = []
   if found.state_problem:
     notes.append('%s is unreadable (%s); %s found on disk.'
-                 % (os.path.join(directory, STATE_FILE), found.state_problem,
-                    doing))
-  for prefix, problem in found.unfinished if unfinished else []:
-    notes.append('skipping %s: it is %s, and newer than the latest checkpoint '
-                 '`%s` names (a save in progress or interrupted).'
-                 % (prefix, problem, STATE_FILE))
+                 % (os.path.join(directory, STATE_FILE), found.state_problem, doing))
+  notes += ['skipping %s: it is %s, and newer than the latest checkpoint `%s` names (a save '
+            'in progress or interrupted).' % (prefix, problem, STATE_FILE)
+            for prefix, problem in (found.unfinished if unfinished else [])]
   for prefix, problem in found.skipped:
-    if _is_gone(problem):
-      notes.append('skipping %s: `%s` names it as the latest checkpoint, but it '
-                   'is %s; %s.' % (prefix, STATE_FILE, problem, doing))
-    else:
-      notes.append('skipping %s: it is %s; %s.' % (prefix, problem, doing))
+    why = ('`%s` names it as the latest checkpoint, but it is %s' % (STATE_FILE, problem)
+           if _is_gone(problem) else 'it is %s' % problem)
+    notes.append('skipping %s: %s; %s.' % (prefix, why, doing))
   return notes
 
 
-def for_conversion(directory, warn=None):
+def for_conversion(directory):
   """The checkpoint `convert` converts: the latest, which must be intact.
 
   Unlike eval, convert passes over nothing that the state file (or its
@@ -485,8 +410,6 @@ def for_conversion(directory, warn=None):
 
   Args:
     directory: str, a train_dir of either trainer.
-    warn: optional callable(str), for an interrupted newer save ignored, or
-      a train_dir without a state file.
 
   Returns:
     Contents, or None when `directory` holds no checkpoint at all.
@@ -495,38 +418,26 @@ def for_conversion(directory, warn=None):
     CheckpointError: the state file is unreadable, or the latest checkpoint
       is damaged, incomplete or gone; one line naming the file and what to do.
   """
-  warn = warn or (lambda _: None)
   found = newest_intact(directory)
   intact = found.contents.path if found.contents else None
-  if found.state_problem:
-    advice = ('The newest intact checkpoint is %s: to convert it, move `%s` out '
-              'of %s and run again.' % (os.path.basename(intact), STATE_FILE,
-                                         directory)
-              if intact else 'No intact checkpoint is left in %s.' % directory)
-    raise CheckpointError('%s is unreadable (%s); nothing was converted. %s'
-                          % (os.path.join(directory, STATE_FILE),
-                             found.state_problem, advice))
-  if found.skipped:
-    prefix, problem = found.skipped[0]
-    name = os.path.basename(prefix)
-    if intact is None:
-      advice = 'No intact older checkpoint is left in %s.' % directory
-    elif _is_gone(problem):
-      advice = ('The newest intact one is %s: to convert it, move `%s` out of '
-                '%s and run again.' % (os.path.basename(intact), STATE_FILE,
-                                       directory))
+  if found.state_problem or found.skipped:
+    moved = '`%s`' % STATE_FILE
+    if found.state_problem:
+      what = '%s is unreadable (%s)' % (os.path.join(directory, STATE_FILE), found.state_problem)
     else:
-      advice = ('The newest intact one is %s: to convert it, move %s.* and `%s` '
-                'out of %s and run again.' % (os.path.basename(intact), name,
-                                              STATE_FILE, directory))
-    raise CheckpointError('checkpoint %s is %s, and it is the latest checkpoint; '
-                          'nothing was converted. %s' % (prefix, problem, advice))
+      prefix, problem = found.skipped[0]
+      what = 'checkpoint %s is %s, and it is the latest checkpoint' % (prefix, problem)
+      if not _is_gone(problem):
+        moved = '%s.* and %s' % (os.path.basename(prefix), moved)
+    advice = ('The newest intact checkpoint is %s: to convert it, move %s out of %s and run '
+              'again.' % (os.path.basename(intact), moved, directory) if intact
+              else 'No intact checkpoint is left in %s.' % directory)
+    raise CheckpointError('%s; nothing was converted. %s' % (what, advice))
   for prefix, problem in found.unfinished:
-    warn('ignoring %s: it is %s, left by an interrupted save.' % (prefix, problem))
+    logger.warning('ignoring %s: it is %s, left by an interrupted save.', prefix, problem)
   if intact and found.named is None:
-    warn('%s has no `%s` state file; converting %s, the newest intact '
-         'checkpoint found on disk.' % (directory, STATE_FILE,
-                                        os.path.basename(intact)))
+    logger.warning('%s has no `%s` state file; converting %s, the newest intact '
+                   'checkpoint found on disk.', directory, STATE_FILE, os.path.basename(intact))
   return found.contents
 
 
@@ -569,35 +480,6 @@ def check_fits(path, expected_shapes):
                                 len(expected_shapes)))
 
 
-def remove_partial(directory, step, basename=config_lib.CHECKPOINT_BASENAME):
-  """Removes what a failed save of `step` left behind, unless the state names it.
-
-  Only files of that one step are touched: `*.tempstate*` files, the
-  `<basename>-<step>_temp` directory and an unnamed `.index`/`.data-*` pair.
-  """
-  prefix = os.path.join(directory, '%s-%d' % (basename, step))
-  if tf.io.gfile.exists(os.path.join(directory, STATE_FILE)):
-    try:
-      state = tf.train.get_checkpoint_state(directory)
-    except (ValueError, UnicodeDecodeError, tf.errors.OpError):
-      state = None
-    if state is None:
-      return  # leave everything as it is when the state is unclear
-    named = {os.path.basename(p) for p in
-             [state.model_checkpoint_path] + list(state.all_model_checkpoint_paths)}
-    if os.path.basename(prefix) in named:
-      return
-  for path in tf.io.gfile.glob(prefix + '.*') + tf.io.gfile.glob(
-      prefix + '_temp'):
-    try:
-      if tf.io.gfile.isdir(path):
-        tf.io.gfile.rmtree(path)
-      else:
-        tf.io.gfile.remove(path)
-    except (tf.errors.OpError, OSError):
-      pass
-
-
 def write_failed(directory, what, error):
   """The CheckpointError for a write into train_dir that failed (e.g. disk full).
 
@@ -627,18 +509,24 @@ _NOT_WRITABLE = ('Permission denied', 'Operation not permitted',
 _NO_SPACE = ('No space left on device', 'Disk quota exceeded', 'File too large')
 
 
-def save_failed(directory, step, error,
-                basename=config_lib.CHECKPOINT_BASENAME):
+def save_failed(directory, step, error, basename=config_lib.CHECKPOINT_BASENAME):
   """The CheckpointError for a failed save of `step`; removes its partial files.
 
-  Args:
-    directory: str, the train_dir.
-    step: int, the step whose checkpoint could not be written.
-    error: the exception the writer raised (e.g. no space left on device).
-    basename: str, checkpoint file name before '-<step>'.
-
-  Returns:
-    CheckpointError, for the caller to raise (see `write_failed`).
+  Only files of that one step (`*.tempstate*`, `<basename>-<step>_temp/`, an
+  unnamed `.index`/`.data-*` pair), and only when the state file does not name
+  it and is readable (or absent). Returns the error for the caller to raise
+  (see `write_failed`).
   """
-  remove_partial(directory, step, basename)
+  prefix = os.path.join(directory, '%s-%d' % (basename, step))
+  named = set()
+  if tf.io.gfile.exists(os.path.join(directory, STATE_FILE)):
+    try:
+      state = tf.train.get_checkpoint_state(directory)
+      named = {os.path.basename(p) for p in
+               [state.model_checkpoint_path, *state.all_model_checkpoint_paths]}
+    except (AttributeError, ValueError, UnicodeDecodeError, tf.errors.OpError):
+      named = None  # the state is unclear: leave everything as it is
+  if named is not None and os.path.basename(prefix) not in named:
+    for path in tf.io.gfile.glob(prefix + '.*') + tf.io.gfile.glob(prefix + '_temp'):
+      _delete(path)
   return write_failed(directory, 'checkpoint %s-%d' % (basename, step), error)

@@ -8,12 +8,14 @@ except the variables' host, `/cpu:0`.
 """
 
 import dataclasses
-import sys
+import logging
 
 from cifar10_towers.common import errors
 
 VARIABLE_DEVICE = '/cpu:0'  # upstream keeps all variables on the CPU
 MAX_TOWERS = 64  # more logical devices than this is a typo, not a plan
+
+logger = logging.getLogger(__name__)
 
 
 class DeviceError(errors.Failure):
@@ -34,11 +36,7 @@ class DevicePlan:
     return len(self.tower_devices)
 
 
-def _warn(message):
-  print(message, file=sys.stderr)
-
-
-def plan_devices(num_gpus, warn=_warn):
+def plan_devices(num_gpus):
   """Chooses and, when needed, creates the devices for `num_gpus` towers.
 
   Must run before TensorFlow initializes its devices in this process to split
@@ -47,7 +45,6 @@ def plan_devices(num_gpus, warn=_warn):
 
   Args:
     num_gpus: int >= 1, number of towers.
-    warn: callable taking one message, for the stderr notice.
 
   Returns:
     DevicePlan.
@@ -64,8 +61,8 @@ def plan_devices(num_gpus, warn=_warn):
     return DevicePlan(tuple('/device:GPU:%d' % i for i in range(num_gpus)),
                       'gpu', 1)
   if num_gpus > 1 or gpus:
-    warn('%d tower(s) asked for, %d GPU(s) found: running the towers on %d '
-         'logical CPU devices.' % (num_gpus, len(gpus), num_gpus))
+    logger.warning('%d tower(s) asked for, %d GPU(s) found: running the towers on %d '
+                   'logical CPU devices.', num_gpus, len(gpus), num_gpus)
   cpu = tf.config.list_physical_devices('CPU')[0]
   configured = tf.config.get_logical_device_configuration(cpu)
   have = len(configured) if configured else 1

@@ -11,6 +11,7 @@ member names pointed. This version
   into place, so a failure at any point leaves `data_dir` as it was.
 """
 
+import contextlib
 import hashlib
 import http.client
 import os
@@ -94,18 +95,14 @@ def _fetch(url, data_dir, progress, timeout):
         with urllib.request.urlopen(url, timeout=timeout) as response:
           length = response.headers.get('Content-Length')
           total = int(length) if length and length.isdigit() else None
-          done = 0
-          if progress:
-            progress(done, total)
-          while True:
+          done, chunk = 0, None
+          while chunk != b'':
+            if progress:
+              progress(done, total)
             chunk = response.read(_CHUNK_BYTES)
-            if not chunk:
-              break
             out.write(chunk)
             digest.update(chunk)
             done += len(chunk)
-            if progress:
-              progress(done, total)
       except urllib.error.HTTPError as e:
         raise DownloadError('%s answered HTTP %d %s. %s'
                             % (url, e.code, e.reason, _offline_advice(data_dir))
@@ -134,10 +131,8 @@ def _fetch(url, data_dir, progress, timeout):
 
 
 def _remove(path):
-  try:
+  with contextlib.suppress(FileNotFoundError):
     os.remove(path)
-  except FileNotFoundError:
-    pass
 
 
 def _escapes(path):
@@ -160,40 +155,30 @@ def check_members(tar):
       device or FIFO, or is of an unknown type.
   """
   members = tar.getmembers()
-  symlinks = set()
+  symlinks = {posixpath.normpath(m.name.replace('\\', '/')) for m in members if m.issym()}
   for m in members:
-    if m.issym():
-      symlinks.add(posixpath.normpath(m.name.replace('\\', '/')))
-  for m in members:
-    name = m.name.replace('\\', '/')
-    if name.startswith('/') or (len(name) > 1 and name[1] == ':'):
-      raise DownloadError('refusing to unpack: archive member %r has an absolute '
-                          'path' % m.name)
+    name, link = m.name.replace('\\', '/'), m.linkname.replace('\\', '/')
     norm = posixpath.normpath(name)
-    if _escapes(norm):
-      raise DownloadError('refusing to unpack: archive member %r escapes the '
-                          'target directory through ".."' % m.name)
     parts = norm.split('/')
-    for i in range(1, len(parts)):
-      if '/'.join(parts[:i]) in symlinks:  # the OS would follow the link
-        raise DownloadError('refusing to unpack: archive member %r lies below '
-                            'the symbolic link %r' % (m.name, '/'.join(parts[:i])))
-    if m.ischr() or m.isblk() or m.isfifo():
-      raise DownloadError('refusing to unpack: archive member %r is a device or '
-                          'FIFO' % m.name)
-    if m.issym() or m.islnk():
-      link = m.linkname.replace('\\', '/')
-      if m.issym():  # relative to the directory holding the link
-        target = posixpath.join(posixpath.dirname(norm), link)
-      else:  # a hard link names another member, relative to the archive root
-        target = link
-      if link.startswith('/') or _escapes(posixpath.normpath(target)):
-        raise DownloadError('refusing to unpack: archive member %r is a link to '
-                            '%r, outside the target directory'
-                            % (m.name, m.linkname))
-    elif not (m.isfile() or m.isdir()):
-      raise DownloadError('refusing to unpack: archive member %r has the '
-                          'unsupported type %r' % (m.name, m.type))
+    below = [p for p in ('/'.join(parts[:i]) for i in range(1, len(parts))) if p in symlinks]
+    # A symlink points relative to its directory; a hard link names another member.
+    target = posixpath.join(posixpath.dirname(norm), link) if m.issym() else link
+    if name.startswith('/') or name[1:2] == ':':
+      why = 'has an absolute path'
+    elif _escapes(norm):
+      why = 'escapes the target directory through ".."'
+    elif below:  # the OS would follow the link
+      why = 'lies below the symbolic link %r' % below[0]
+    elif m.ischr() or m.isblk() or m.isfifo():
+      why = 'is a device or FIFO'
+    elif (m.issym() or m.islnk()) and (
+        link.startswith('/') or _escapes(posixpath.normpath(target))):
+      why = 'is a link to %r, outside the target directory' % m.linkname
+    elif not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+      why = 'has the unsupported type %r' % m.type
+    else:
+      continue
+    raise DownloadError('refusing to unpack: archive member %r %s' % (m.name, why))
   return members
 
 
@@ -210,10 +195,12 @@ def _extract(archive, data_dir, origin):
     try:
       with tarfile.open(archive, 'r:*') as tar:
         members = check_members(tar)
-        kwargs = {}
-        if hasattr(tarfile, 'data_filter'):  # Python >= 3.11.4: a second guard
-          kwargs['filter'] = 'data'
-        tar.extractall(work, members=members, **kwargs)
+        # tarfile's 'data' filter (Python >= 3.10.12 / 3.11.4) is a second guard, not the
+        # only one: it strips absolute names instead of refusing them, lets a member
+        # through an in-archive symlink, and is missing from older Pythons
+        # (test_download.py: test_unsafe_archive_refused_before_writing_anything).
+        tar.extractall(work, members=members,
+                       **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))
     except (tarfile.TarError, EOFError, OSError) as e:
       # Writing fails for reasons of the disk, not of the archive.
       message = (fmt.write_failure(data_dir, e, NEEDED_BYTES)

@@ -20,6 +20,7 @@ evaluated.
 import collections
 import datetime
 import errno
+import logging
 import os
 import tempfile
 
@@ -30,6 +31,8 @@ from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import prog
 from cifar10_towers.common import training
+
+logger = logging.getLogger(__name__)
 
 PRECISION_TAG = 'Precision @ 1'  # upstream's summary tag
 
@@ -179,8 +182,7 @@ def write_precision(eval_dir, precision, global_step):
   writer.close()
 
 
-def evaluate_newest(checkpoint_dir, evaluate, missing, out=print,
-                    eval_dir=None):
+def evaluate_newest(checkpoint_dir, evaluate, missing, eval_dir=None):
   """Evaluates the newest intact checkpoint of checkpoint_dir once.
 
   What `legacy.eval.evaluate` and `modern.eval.evaluate` do, each with its own
@@ -190,7 +192,6 @@ def evaluate_newest(checkpoint_dir, evaluate, missing, out=print,
     checkpoint_dir: str, a train_dir.
     evaluate: callable(contents) -> EvalCounts, the trainer's evaluator.
     missing: Exception to raise when checkpoint_dir has no intact checkpoint.
-    out: callable taking one line, for the result.
     eval_dir: optional str; when set, a 'Precision @ 1' point is written
       there for TensorBoard (`write_precision`).
 
@@ -205,27 +206,25 @@ def evaluate_newest(checkpoint_dir, evaluate, missing, out=print,
     raise missing
   counts = evaluate(found.contents)
   precision = counts.true_count / counts.total_count
-  out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
+  logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
   if eval_dir is not None:
     write_precision(eval_dir, precision, counts.global_step)
   return precision, counts.global_step
 
 
-def evaluate_each(checkpoint_dir, evaluate, out, warn, interval_secs,
-                  max_evals=None, eval_dir=None):
+def evaluate_each(checkpoint_dir, evaluate, interval_secs, max_evals=None, eval_dir=None):
   """`run` under a StopRequest: each new checkpoint once, until a signal.
 
   Args:
-    checkpoint_dir, out, warn, interval_secs, max_evals, eval_dir: as `run`.
+    checkpoint_dir, interval_secs, max_evals, eval_dir: as `run`.
     evaluate: callable(contents, should_stop), as `run`.
 
   Returns:
     list of (precision, global_step), one per checkpoint evaluated.
   """
   with training.StopRequest() as stop:
-    results = run(checkpoint_dir, evaluate, stop, out, warn,
-                  interval_secs=interval_secs, max_evals=max_evals,
-                  eval_dir=eval_dir)
+    results = run(checkpoint_dir, evaluate, stop, interval_secs=interval_secs,
+                  max_evals=max_evals, eval_dir=eval_dir)
   return [(r.precision, r.global_step) for r in results]
 
 
@@ -253,8 +252,7 @@ def _identity(contents):
   return contents.path, mtime
 
 
-def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
-        max_evals=None, eval_dir=None):
+def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval_dir=None):
   """Evaluates the newest intact checkpoint once, or each new one as it comes.
 
   Args:
@@ -264,8 +262,6 @@ def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
       for a checkpoint it cannot evaluate (e.g. of another model).
     stop: an entered common.training.StopRequest; a signal ends the run with
       a line saying what was evaluated.
-    out: callable(str) for results and progress (stdout).
-    warn: callable(str) for what was skipped (stderr).
     interval_secs: None to evaluate once; else seconds between looks for a
       new checkpoint.
     max_evals: optional int, stop after this many evaluations.
@@ -287,8 +283,7 @@ def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
     writer = PrecisionWriter(eval_dir)
     writer.check()
   try:
-    results = _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs,
-                   max_evals, writer)
+    results = _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer)
   except BaseException:
     if writer is not None:
       writer.close(quiet=True)  # the error on its way says what went wrong
@@ -298,8 +293,7 @@ def run(checkpoint_dir, evaluate, stop, out, warn, interval_secs=None,
   return results
 
 
-def _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs, max_evals,
-         writer):
+def _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer):
   once = interval_secs is None
   results, seen, said = [], set(), set()
   waiting = False
@@ -308,7 +302,7 @@ def _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs, max_evals,
   def say(note):
     if note not in said:
       said.add(note)
-      warn(note)
+      logger.warning(note)
 
   while not stop.requested and (max_evals is None or len(results) < max_evals):
     found = checkpoints.newest_intact(checkpoint_dir)
@@ -323,8 +317,8 @@ def _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs, max_evals,
         raise _nothing_to_evaluate(checkpoint_dir, found)
       if not waiting:
         damaged = found.skipped or found.state_problem
-        out('No %scheckpoint in %s yet; looking again every %g s.'
-            % ('intact ' if damaged else '', checkpoint_dir, interval_secs))
+        logger.info('No %scheckpoint in %s yet; looking again every %g s.',
+                    'intact ' if damaged else '', checkpoint_dir, interval_secs)
         waiting = True
       stop.wait(interval_secs)
       continue
@@ -340,7 +334,7 @@ def _run(checkpoint_dir, evaluate, stop, out, warn, interval_secs, max_evals,
     current = None
     seen.add(identity)
     precision = counts.true_count / counts.total_count
-    out(result_line(precision, counts.global_step, contents.path))
+    logger.info(result_line(precision, counts.global_step, contents.path))
     results.append(Evaluation(contents.path, precision, counts.global_step))
     if writer is not None:
       writer.write(precision, counts.global_step)

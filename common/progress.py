@@ -8,10 +8,12 @@ within a long stage (`update`, after each batch), a line at a quarter, half
 and three quarters of it, each only when EVERY_SECS have passed since the
 line before: a fast stage says one line, a slow one at most four.
 
-Like the other progress of the CLI (training's step lines and heartbeats),
-it goes to stdout, with the results; diagnostics go to stderr.
+Like the other progress of the CLI (training's step lines and heartbeats,
+logged through LogHandler), it goes to stdout, with the results;
+diagnostics go to stderr.
 """
 
+import logging
 import sys
 import time
 
@@ -110,13 +112,14 @@ def _isatty(stream):
     return False
 
 
-# --- training's log lines: one line rewritten in place on a terminal ---------
+# --- what the library says: the CLI's one log handler ---------------------
 
-_open_line = None  # the stream whose line a StepLines left open, or None
+IN_PLACE = {'in_place': True}  # `extra` of a training log line: rewritten in place on a terminal
+_open_line = None  # the stream whose line a log line left open, or None
 
 
 def end_line():
-  """Ends the line a StepLines left open on a terminal, so what follows starts on its own."""
+  """Ends the line a log line left open on a terminal, so what follows starts on its own."""
   global _open_line  # pylint: disable=global-statement
   stream, _open_line = _open_line, None
   if stream is not None:
@@ -127,27 +130,27 @@ def end_line():
       pass
 
 
-class StepLines:
-  """The `out` of a training run: its lines, with the log lines shown as progress.
+class LogHandler(logging.Handler):
+  """Records below WARNING (progress, metrics) to stdout, the others (diagnostics) to stderr.
 
-  On a terminal each log line (common.training.log_line: step, loss, speed,
-  step/max_steps, time left) replaces the one before, as Keras' fit draws
-  its bar line; any other line (a heartbeat, the last line) ends it first,
-  and so does anything said on stderr through common.ending or the CLI.
-  Elsewhere (a log, a pipe) every line is printed as it is, so the log keeps
-  upstream's lines for the scripts that parse them.
+  Each stream is looked up as a record comes, so that click's CliRunner and
+  pytest's capsys capture it. On a terminal each training log line (logged
+  with extra=IN_PLACE: step, loss, speed, step/max_steps, time left) replaces
+  the one before, as Keras' fit draws its bar line; any other line (a
+  heartbeat, a warning, the last line) ends it first, and so does the
+  ending line (common.ending). Elsewhere (a log, a pipe) every line is
+  printed as it is, so the log keeps upstream's lines for the scripts that
+  parse them. A failed write raises (no handleError): a closed stdout ends
+  a run as the closed stream it is (common.ending.stream_closed).
   """
 
-  def __init__(self, is_log_line, file=None):
-    self._is_log_line = is_log_line
-    self.file = sys.stdout if file is None else file
-    self.terminal = _isatty(self.file)
-
-  def __call__(self, line):
+  def emit(self, record):
     global _open_line  # pylint: disable=global-statement
-    if self.terminal and self._is_log_line(line):
-      click.echo('\r' + line + '\x1b[K', file=self.file, nl=False)  # \x1b[K: clear the rest
-      _open_line = self.file
+    stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+    line = self.format(record)
+    if getattr(record, 'in_place', False) and _isatty(stream):
+      click.echo('\r' + line + '\x1b[K', file=stream, nl=False)  # \x1b[K: clear the rest
+      _open_line = stream
       return
     end_line()
-    click.echo(line, file=self.file)
+    click.echo(line, file=stream)

@@ -3,11 +3,10 @@ progress lines during long waits, the TensorBoard tags, stop requests, divergenc
 
 import contextlib
 import datetime
+import logging
 import math
-import re
 import signal
 import socket
-import sys
 import threading
 import time
 
@@ -15,17 +14,11 @@ from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 
+logger = logging.getLogger(__name__)
+
 
 class TrainingError(errors.Failure):
   """Training cannot go on; the message names the step and what to do."""
-
-
-_LOG_LINE = re.compile(r'^\S+ \S+: step \d+, loss = ')
-
-
-def is_log_line(line):
-  """True for a line of `log_line`."""
-  return _LOG_LINE.match(line) is not None
 
 
 def log_line(step, loss, examples_per_sec, sec_per_batch, max_steps=None):
@@ -97,13 +90,12 @@ class Heartbeat:
   """A context: while its block runs past HEARTBEAT_AFTER seconds, one line every HEARTBEAT_EVERY.
 
   The lines come from a thread of its own, as the main thread is inside
-  TensorFlow. `message(seconds)` makes each line from the seconds waited so
-  far; an exception in it (e.g. a session closed under a stop) ends the
-  heartbeat quietly.
+  TensorFlow. `message(seconds)` makes each line (logged as progress) from the
+  seconds waited so far; an exception in it (e.g. a session closed under a
+  stop) ends the heartbeat quietly.
   """
 
-  def __init__(self, out, message, after=None, every=None):
-    self._out = out
+  def __init__(self, message, after=None, every=None):
     self._message = message
     self._after = HEARTBEAT_AFTER if after is None else after
     self._every = HEARTBEAT_EVERY if every is None else every
@@ -126,7 +118,7 @@ class Heartbeat:
     wait = self._after
     while not self._done.wait(wait):
       try:
-        self._out(self._message(int(time.monotonic() - self._start)))
+        logger.info(self._message(int(time.monotonic() - self._start)))
       except Exception:  # pylint: disable=broad-except
         return
       self.beats += 1
@@ -358,9 +350,7 @@ class StopRequest:
   last_signal = None
   _active = None  # the outermost entered StopRequest's _State, or None
 
-  def __init__(self, warn=None):
-    """Args: warn: callable(str) for the forced-exit line; default stderr."""
-    self._warn = warn
+  def __init__(self):
     self._state = None
     self._owner = False
 
@@ -368,7 +358,7 @@ class StopRequest:
     if StopRequest._active is not None:
       self._state = StopRequest._active  # nested: share the outer request
       return self
-    self._state = _State(self._warn or stderr)
+    self._state = _State()
     self._owner = True
     StopRequest.last_signal = None
     if threading.current_thread() is threading.main_thread():
@@ -413,7 +403,7 @@ class StopRequest:
     state = self._state
     if state.event.is_set():
       with state.running:
-        _run_callback(callback, state.signal_name, state.warn)
+        _run_callback(callback, state.signal_name)
     with state.lock:
       state.callbacks.append(callback)
     try:
@@ -446,23 +436,17 @@ class StopRequest:
       state.raising -= 1
 
 
-def stderr(message):
-  """Prints one diagnostic line to stderr (the trainers' default `warn`)."""
-  print(message, file=sys.stderr, flush=True)
-
-
-def _run_callback(callback, name, warn):
+def _run_callback(callback, name):
   try:
     callback(name)
   except Exception as e:  # pylint: disable=broad-except
-    warn('while stopping: %s: %s' % (type(e).__name__, e))
+    logger.warning('while stopping: %s: %s', type(e).__name__, e)
 
 
 class _State:
   """What one stop request holds; the handlers and the watcher thread share it."""
 
-  def __init__(self, warn):
-    self.warn = warn
+  def __init__(self):
     self.event = threading.Event()
     self.lock = threading.Lock()
     self.running = threading.Lock()  # held while while_blocked callbacks run
@@ -549,7 +533,7 @@ class _State:
       with self.lock:
         callbacks = list(self.callbacks)
       for callback in reversed(callbacks):
-        _run_callback(callback, name, self.warn)
+        _run_callback(callback, name)
 
 
 def exit_status(signal_name):

@@ -12,7 +12,6 @@ from cifar10_towers.common import checkpoints
 from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import evaluation
 from cifar10_towers.common import hparams
-from cifar10_towers.common import training
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
 
@@ -153,13 +152,12 @@ def _load(sess, variables_to_restore, contents):
 
 
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
-             num_examples=None, out=print, eval_dir=None):
+             num_examples=None, eval_dir=None):
   """Evaluates the newest intact checkpoint of checkpoint_dir once.
 
   Args:
     checkpoint_dir: str, the train_dir of `legacy.train.train`.
     data_dir, batch_size, num_examples: as `eval_once`.
-    out: callable taking one line, for the result.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
       there for TensorBoard (`common.evaluation.write_precision`).
 
@@ -175,25 +173,20 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
       checkpoint_dir,
       lambda contents: evaluate_contents(contents, data_dir, batch_size,
                                          num_examples),
-      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'legacy')),
-      out, eval_dir)
+      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'legacy')), eval_dir)
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
-                  num_examples=None, out=print, eval_dir=None,
-                  interval_secs=300, max_evals=None,
-                  warn=training.stderr):
+                  num_examples=None, eval_dir=None, interval_secs=300, max_evals=None):
   """Evaluates each new checkpoint of checkpoint_dir once, as it appears.
 
   Looks every `interval_secs` seconds until a stop signal (or until
   `max_evals` checkpoints were evaluated); see `common.evaluation.run`.
 
   Args:
-    checkpoint_dir, data_dir, batch_size, num_examples, out, eval_dir: as
-      for `evaluate`.
+    checkpoint_dir, data_dir, batch_size, num_examples, eval_dir: as for `evaluate`.
     interval_secs: float, seconds between looks at checkpoint_dir.
     max_evals: optional int, stop after this many evaluations.
-    warn: callable taking one line, for the checkpoints skipped.
 
   Returns:
     list of (precision, global_step), one per checkpoint evaluated.
@@ -202,4 +195,4 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
       checkpoint_dir,
       lambda contents, should_stop: evaluate_contents(
           contents, data_dir, batch_size, num_examples, should_stop),
-      out, warn, interval_secs, max_evals, eval_dir)
+      interval_secs, max_evals, eval_dir)

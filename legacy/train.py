@@ -11,6 +11,7 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 
 import collections
 import contextlib
+import logging
 import time
 
 import tensorflow.compat.v1 as tf
@@ -25,9 +26,12 @@ from cifar10_towers.common import lock
 from cifar10_towers.common import lrn as lrn_lib
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
+from cifar10_towers.common import progress
 from cifar10_towers.common import training
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
+
+logger = logging.getLogger(__name__)
 
 Towers = collections.namedtuple('Towers', [
     'train_op',  # one synchronous step: average, apply, then moving average
@@ -293,15 +297,12 @@ def session_config(plan, log_device_placement=False):
   return proto
 
 
-def train(config, plan, out=print, warn=training.stderr,
-          num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None):
+def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None):
   """Trains until `global_step == config.max_steps`, resuming if possible.
 
   Args:
     config: common.config.TrainConfig.
     plan: common.devices.DevicePlan with `config.num_gpus` tower devices.
-    out: callable taking one line, for progress (stdout).
-    warn: callable taking one line, for diagnostics (stderr).
     num_threads: int, input preprocessing threads (upstream: 16).
     on_step: optional callable(step, seconds, images) after every step: the
       global step reached, the step's wall seconds, and the images it
@@ -346,16 +347,14 @@ def train(config, plan, out=print, warn=training.stderr,
           plan, config.log_device_placement)) as sess:
         with stop.raising():
           step = _restore_or_initialize(sess, graph_parts, config.train_dir,
-                                        out, warn, config.optimizer)
+                                        config.optimizer)
         if step >= config.max_steps:
-          warn(training.nothing_to_train(step, config.max_steps,
-                                         config.train_dir))
+          logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
           return step
         fill = hparams.min_queue_examples(examples_per_epoch)
-        out('Filling the queue with %d CIFAR images before starting to train. '
-            'This may take a while.' % fill)
-        return _train_loop(sess, config, graph_parts, step, stop, out, warn,
-                           on_step, fill)
+        logger.info('Filling the queue with %d CIFAR images before starting to train. '
+                    'This may take a while.', fill)
+        return _train_loop(sess, config, graph_parts, step, stop, on_step, fill)
 
 
 def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
@@ -420,8 +419,7 @@ def build_train_graph(config, plan, decay_steps,
   return TrainGraph(towers, saver, towers.summary_op, init_op, close_queues, queue_size)
 
 
-def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,
-                           optimizer=optimizer_lib.Optimizer()):
+def _restore_or_initialize(sess, graph_parts, train_dir, optimizer=optimizer_lib.Optimizer()):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
   A train_dir of the upstream script resumes too: its `global_step` is
@@ -435,7 +433,7 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,
       another optimizer than `optimizer` (common.optimizer.Optimizer).
   """
   # The newest checkpoint that passes its checksums (see common.checkpoints).
-  checkpoint = checkpoints.resume_point(train_dir, warn)
+  checkpoint = checkpoints.resume_point(train_dir)
   sess.run(graph_parts.init_op)
   if checkpoint is None:
     return 0
@@ -476,11 +474,10 @@ def _restore_or_initialize(sess, graph_parts, train_dir, out, warn,
         'its checkpoints away.' % (checkpoint, checkpoints.reason(e))) from e
   step = int(sess.run(graph_parts.towers.global_step))
   if upstream:
-    out('Resuming an upstream train_dir from %s at global step %d (float32 '
-        'global_step); new checkpoints are named by the global step.'
-        % (checkpoint, step))
+    logger.info('Resuming an upstream train_dir from %s at global step %d (float32 '
+                'global_step); new checkpoints are named by the global step.', checkpoint, step)
   else:
-    out('Resuming from %s at global step %d.' % (checkpoint, step))
+    logger.info('Resuming from %s at global step %d.', checkpoint, step)
   return step
 
 
@@ -510,8 +507,7 @@ def _first_step_progress(sess, graph_parts, fill):
   return message
 
 
-def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
-                fill=0):
+def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   """Runs the steps with the queue threads, and always stops them.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
@@ -563,10 +559,10 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
         start_time = time.time()
         # The first step waits for the shuffle queue to fill: tens of seconds,
         # said on stdout past training.HEARTBEAT_AFTER.
-        progress = (training.Heartbeat(out, _first_step_progress(sess, graph_parts, fill))
-                    if step == first_step else contextlib.nullcontext())
+        heartbeat = (training.Heartbeat(_first_step_progress(sess, graph_parts, fill))
+                     if step == first_step else contextlib.nullcontext())
         try:
-          with progress:
+          with heartbeat:
             results = sess.run(fetches)
         except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
           if not stop.requested:
@@ -586,7 +582,7 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
         if step % config.log_every == 0:
           # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
           # Steps writing summaries or checkpoints count only their step (training.LogWindow).
-          out(window.line(step, loss_value, config.max_steps))
+          logger.info(window.line(step, loss_value, config.max_steps), extra=progress.IN_PLACE)
         if on_step is not None:
           on_step(step, duration, images_per_step)
         if write_summary:
@@ -615,8 +611,8 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
       if summary_writer is not None:
         summary_writer.close()
     except (RuntimeError, OSError) as e:  # e.g. disk full; checkpoints decide
-      warn('could not write the last TensorBoard summaries to %s (%s).'
-           % (config.train_dir, str(e).strip().splitlines()[0]))
+      logger.warning('could not write the last TensorBoard summaries to %s (%s).',
+                     config.train_dir, str(e).strip().splitlines()[0])
   if error is not None:
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
@@ -631,6 +627,6 @@ def _train_loop(sess, config, graph_parts, step, stop, out, warn, on_step,
     ending.say(training.stopped_line(stop.signal_name, step,
                                      '%s-%d' % (config.checkpoint_prefix(), step)))
   else:
-    out(training.finished_line(config.train_dir, '%s-%d' % (config.checkpoint_prefix(),
-                                                             step), config.data_dir))
+    logger.info(training.finished_line(
+        config.train_dir, '%s-%d' % (config.checkpoint_prefix(), step), config.data_dir))
   return step

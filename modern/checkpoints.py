@@ -41,14 +41,6 @@ from cifar10_towers.common import training
 MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
 EMA_SUFFIX = model_spec.EMA_SUFFIX  # legacy's shadow-variable name suffix
 
-# Checkpoint attribute names (the first component of every checkpoint key).
-_CKPT_GLOBAL_STEP = 'global_step'
-_CKPT_MODEL = 'model'
-_CKPT_EMA = 'ema'
-_CKPT_OPTIMIZER = 'optimizer'
-_CKPT_VALUE = '.ATTRIBUTES/VARIABLE_VALUE'
-
-
 class StepSaver:
   """Saves a training state's checkpoint at most once per global step.
 
@@ -88,14 +80,13 @@ class StepSaver:
 
 def checkpoint_object(state):
   """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring."""
-  objects = {_CKPT_GLOBAL_STEP: state.global_step, _CKPT_MODEL: state.model,
-             _CKPT_EMA: state.ema}
+  objects = dict(global_step=state.global_step, model=state.model, ema=state.ema)
   if state.slots is not None:  # SGD's checkpoints stay as they were
-    objects[_CKPT_OPTIMIZER] = state.slots
+    objects['optimizer'] = state.slots
   return tf.train.Checkpoint(**objects)
 
 
-def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimizer()):
+def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
   """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
 
   The newest checkpoint that passes its checksums (`common.checkpoints`),
@@ -104,7 +95,6 @@ def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimize
   Args:
     train_dir: str.
     checkpoint: `checkpoint_object(trainer)`.
-    warn: callable taking one message (skipped damaged checkpoints).
     optimizer: common.optimizer.Optimizer of the run; a checkpoint of
       another optimizer is refused.
 
@@ -122,7 +112,7 @@ def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimize
       model, or of another optimizer.
     common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
   """
-  resume_from = checkpoints.resume_point(train_dir, warn)
+  resume_from = checkpoints.resume_point(train_dir)
   if not resume_from:
     checkpoints.replace_unreadable_state(train_dir, None)
     return None
@@ -146,7 +136,8 @@ def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimize
       optimizer.name)
   if refusal:
     raise training.TrainingError(refusal)
-  checkpoints.check_fits(resume_from, checkpoint_shapes(optimizer.name))
+  checkpoints.check_fits(resume_from, {checkpoint_key(name): shape for name, shape in
+                                      legacy_shapes(optimizer.name).items()})
   try:
     checkpoint.restore(resume_from).assert_existing_objects_matched()
   except (AssertionError, ValueError, tf.errors.OpError) as e:
@@ -160,19 +151,13 @@ def restore_latest(train_dir, checkpoint, warn, optimizer=optimizer_lib.Optimize
   return resume_from
 
 
-def checkpoint_shapes(optimizer=optimizer_lib.SGD):
-  """Dict checkpoint key -> shape of everything a training checkpoint must hold.
-
-  Args:
-    optimizer: the optimizer's name ('sgd', 'momentum', 'adam'): its slots too.
-  """
-  shapes = {checkpoint_key('global_step'): ()}
+def legacy_shapes(optimizer=optimizer_lib.SGD):
+  """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
+  shapes = {'global_step': ()}
   for name in model_spec.VARIABLE_NAMES:
-    shapes[checkpoint_key(name)] = model_spec.variable_shape(name)
-    shapes[checkpoint_key('%s/%s' % (name, EMA_SUFFIX))] = (
-        model_spec.variable_shape(name))
-  for name in optimizer_lib.slot_names(optimizer):
-    shapes[checkpoint_key(name)] = optimizer_lib.slot_shape(name)
+    shapes[name] = shapes['%s/%s' % (name, EMA_SUFFIX)] = model_spec.variable_shape(name)
+  shapes.update((name, optimizer_lib.slot_shape(name))
+                for name in optimizer_lib.slot_names(optimizer))
   return shapes
 
 
@@ -191,14 +176,15 @@ def checkpoint_key(legacy_name):
   Raises:
     KeyError: the name is none of these.
   """
+  layer, _, last = legacy_name.rpartition('/')
   if legacy_name == 'global_step':
-    return '%s/%s' % (_CKPT_GLOBAL_STEP, _CKPT_VALUE)
-  if legacy_name in model_spec.VARIABLE_NAMES:
-    return '%s/%s/%s' % (_CKPT_MODEL, legacy_name, _CKPT_VALUE)
-  suffix = '/' + EMA_SUFFIX
-  if legacy_name.endswith(suffix) and (
-      legacy_name[:-len(suffix)] in model_spec.VARIABLE_NAMES):
-    return '%s/%s/%s' % (_CKPT_EMA, legacy_name[:-len(suffix)], _CKPT_VALUE)
-  if any(legacy_name in optimizer_lib.slot_names(o) for o in optimizer_lib.NAMES):
-    return '%s/%s/%s' % (_CKPT_OPTIMIZER, legacy_name, _CKPT_VALUE)
-  raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)
+    node = legacy_name
+  elif legacy_name in model_spec.VARIABLE_NAMES:
+    node = 'model/' + legacy_name
+  elif last == EMA_SUFFIX and layer in model_spec.VARIABLE_NAMES:
+    node = 'ema/' + layer
+  elif any(legacy_name in optimizer_lib.slot_names(o) for o in optimizer_lib.NAMES):
+    node = 'optimizer/' + legacy_name
+  else:
+    raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)
+  return node + '/.ATTRIBUTES/VARIABLE_VALUE'

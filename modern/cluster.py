@@ -23,6 +23,7 @@ second, bounded by `modern.engines` as a backstop.
 import dataclasses
 import errno
 import json
+import logging
 import os
 import socket
 import threading
@@ -30,6 +31,8 @@ import time
 
 from cifar10_towers.common import errors
 from cifar10_towers.common import training
+
+logger = logging.getLogger(__name__)
 
 TF_CONFIG = 'TF_CONFIG'  # the environment variable naming the cluster
 HELLO = 'cifar10-towers multiworker hello'  # first word of the start-up handshake
@@ -386,7 +389,7 @@ def _say_hello(cluster, index):
   return hello is not None and _check_hello(cluster, address, hello, index) == index
 
 
-def rendezvous(cluster, listener, timeout, warn):
+def rendezvous(cluster, listener, timeout):
   """Returns once every other worker has said hello; closes `listener`.
 
   Each worker calls it with its own listening socket (`listen`). A worker
@@ -398,7 +401,6 @@ def rendezvous(cluster, listener, timeout, warn):
     cluster: Cluster.
     listener: socket from `listen(cluster)`.
     timeout: seconds to wait for all (--startup_timeout).
-    warn: callable(str) for the one line saying what this worker waits for.
 
   Raises:
     StartupError: a peer did not answer within `timeout` (the message names
@@ -409,8 +411,8 @@ def rendezvous(cluster, listener, timeout, warn):
     pending = set(range(cluster.num_workers)) - {cluster.worker_index}
     if not pending:
       return
-    warn('%s: waiting up to %d s (--startup_timeout) for %s.'
-         % (cluster.name(), timeout, names(cluster, pending)))
+    logger.warning('%s: waiting up to %d s (--startup_timeout) for %s.', cluster.name(), timeout,
+                   names(cluster, pending))
     deadline = time.monotonic() + timeout
     while True:
       seen, errors = answering.results()

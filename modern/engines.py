@@ -26,6 +26,7 @@ all workers.
 
 import contextlib
 import faulthandler
+import logging
 import os
 import shutil
 import signal
@@ -46,6 +47,8 @@ from cifar10_towers.common import training
 from cifar10_towers.modern import cluster as cluster_lib
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import step as step_lib
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -78,7 +81,7 @@ class Engine:
     """The step object (see `trainer`)."""
     raise NotImplementedError
 
-  def start(self, decay_steps, warn):  # pylint: disable=unused-argument
+  def start(self, decay_steps):
     """Builds the step; with peers, meets them first. Nothing is written."""
     self.trainer = self.build(decay_steps)
 
@@ -130,7 +133,7 @@ class Engine:
   def close(self):
     """Called when the run ends, however it ends."""
 
-  def watching(self, stop, save, warn):  # pylint: disable=unused-argument
+  def watching(self, stop, save):  # pylint: disable=unused-argument
     """Context for the run after the start: watches the waits for peers."""
     return contextlib.nullcontext()
 
@@ -144,11 +147,11 @@ class Engine:
   def barrier(self):
     """Returns when every process has reached it."""
 
-  def lost_peers(self, error, step, first_step, save, stop, warn):
+  def lost_peers(self, error, step, first_step, save, stop):
     """After a `peer_errors` error: what the run ends with (see MultiWorker)."""
     raise error
 
-  def report_stop(self, stopped_by, step, path, out, warn):  # pylint: disable=unused-argument
+  def report_stop(self, stopped_by, step, path):
     """Says how the run ended after a stop request (`stopped_by`, a signal name)."""
     ending.say(training.stopped_line(stopped_by, step, path))  # on stderr
 
@@ -505,7 +508,7 @@ class MultiWorker(Engine):
                           worker_index=self.worker_index,
                           optimizer=self.config.optimizer)
 
-  def start(self, decay_steps, warn):
+  def start(self, decay_steps):
     """Meets the other workers, then starts TensorFlow's engine on this one.
 
     Raises:
@@ -517,7 +520,7 @@ class MultiWorker(Engine):
     started = time.monotonic()
     cluster_lib.check_hosts(cluster)
     cluster_lib.rendezvous(cluster, cluster_lib.listen(cluster),
-                           config.startup_timeout, warn)
+                           config.startup_timeout)
     seconds = max(STARTUP_BACKSTOP_MIN_SECS,
                   config.startup_timeout - (time.monotonic() - started))
     # TensorFlow's start-up has no deadline of its own and installs its own
@@ -566,7 +569,7 @@ class MultiWorker(Engine):
     return super().dataset().with_options(options)
 
   @contextlib.contextmanager
-  def watching(self, stop, save, warn):
+  def watching(self, stop, save):
     def save_completed(step, first_step):
       """The chief saves the last step completed in this run, if any."""
       if not self.is_chief or step is None or step <= first_step:
@@ -581,7 +584,7 @@ class MultiWorker(Engine):
         return None
 
     self._save_completed = save_completed
-    self._watchdog = PeerWatchdog(self.cluster, warn, save_completed, self.close)
+    self._watchdog = PeerWatchdog(self.cluster, save_completed, self.close)
     try:
       # A stop request while the main thread waits for the peers in C++: the
       # watchdog ends that wait if it goes on.
@@ -603,7 +606,7 @@ class MultiWorker(Engine):
   def barrier(self):
     self.trainer.barrier()
 
-  def lost_peers(self, error, step, first_step, save, stop, warn):
+  def lost_peers(self, error, step, first_step, save, stop):
     """After a wait for the peers failed in this thread: saves what it can, says so.
 
     Returns:
@@ -617,8 +620,8 @@ class MultiWorker(Engine):
     step = step if step is not None else int(self.trainer.state.global_step.numpy())
     name = self.cluster.name()
     if stop.requested:
-      warn('%s: stopped by %s at global step %d while waiting for the other '
-           'workers; %s' % (name, stop.signal_name, step, _saved(saved).lower()))
+      logger.warning('%s: stopped by %s at global step %d while waiting for the other '
+                     'workers; %s', name, stop.signal_name, step, _saved(saved).lower())
       return step
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     reason = lines[0] if lines else type(error).__name__
@@ -632,7 +635,7 @@ class MultiWorker(Engine):
         '%s lost its peers at global step %d (%s: %s). %s %s'
         % (name, step, type(error).__name__, reason, _saved(saved), _RESTART)) from error
 
-  def report_stop(self, stopped_by, step, path, out, warn):
+  def report_stop(self, stopped_by, step, path):
     name = self.cluster.name()
     if not self.is_chief:
       # Its own copy is removed at the end: the chief's is the one kept.
@@ -679,9 +682,8 @@ class PeerWatchdog:
   STOP_GRACE_SECS = 2.0  # a step or barrier still waiting this long after a stop is hung
   STOP_LIMIT_SECS = 6.0  # after a stop, no wait goes on past this
 
-  def __init__(self, cluster, warn, save_completed, cleanup, exit=ending.exit_now):  # pylint: disable=redefined-builtin
+  def __init__(self, cluster, save_completed, cleanup, exit=ending.exit_now):  # pylint: disable=redefined-builtin
     self._cluster = cluster
-    self._warn = warn
     self._save_completed = save_completed
     self._cleanup = cleanup
     self._exit = exit
@@ -755,7 +757,7 @@ class PeerWatchdog:
             saved = self._save_completed(step, first_step)
           except Exception:  # pylint: disable=broad-except
             saved = None
-          self._warn(message(saved))
+          logger.warning(message(saved))
           self._cleanup()
         finally:
           self._exit(status)

@@ -6,18 +6,18 @@ test record is classified once.
 """
 
 import datetime
+import logging
 
 import tensorflow as tf
 
 from cifar10_towers.common import checkpoints
 from cifar10_towers.common import evaluation
 from cifar10_towers.common import hparams
-from cifar10_towers.common import training
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import model as model_lib
 from cifar10_towers.modern import checkpoints as ckpt_lib
 
-
+logger = logging.getLogger(__name__)
 EvalError = evaluation.EvalError  # one class, common to both evaluators
 
 
@@ -98,13 +98,12 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   return evaluation.EvalCounts(true_count, total, global_step)
 
 
-def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
-                        out=print):
+def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None):
   """Precision @ 1 of the moving averages saved in one checkpoint.
 
   Args:
     path: str, a checkpoint prefix, e.g. '<train_dir>/model.ckpt-1000'.
-    data_dir, batch_size, num_examples, out: as `evaluate`.
+    data_dir, batch_size, num_examples: as `evaluate`.
 
   Returns:
     (precision float, global step int, number of test records evaluated int).
@@ -119,12 +118,12 @@ def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examp
     raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
   counts = evaluate_contents(contents, data_dir, batch_size, num_examples)
   precision = counts.true_count / counts.total_count
-  out('%s: precision @ 1 = %.3f' % (datetime.datetime.now(), precision))
+  logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
   return precision, counts.global_step, counts.total_count
 
 
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
-             out=print, eval_dir=None):
+             eval_dir=None):
   """Precision @ 1 of the newest intact checkpoint's moving averages on the test set.
 
   Args:
@@ -133,7 +132,6 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
     batch_size: int, images per evaluation batch.
     num_examples: optional int, evaluate only the first this many test
       records; default every record, each exactly once.
-    out: callable(str) for the result line.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
       there for TensorBoard (`common.evaluation.write_precision`).
 
@@ -149,13 +147,11 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
       checkpoint_dir,
       lambda contents: evaluate_contents(contents, data_dir, batch_size,
                                          num_examples),
-      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'modern')),
-      out, eval_dir)
+      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'modern')), eval_dir)
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
-                  interval_secs=300, out=print, max_evals=None, warn=training.stderr,
-                  eval_dir=None):
+                  interval_secs=300, max_evals=None, eval_dir=None):
   """Evaluates each new checkpoint, looking every interval_secs (upstream's loop).
 
   Runs until a stop signal (or `max_evals` evaluations); waits for the
@@ -163,11 +159,9 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_e
   `common.evaluation.run`.
 
   Args:
-    checkpoint_dir, data_dir, batch_size, num_examples, out, eval_dir: as
-      `evaluate`.
+    checkpoint_dir, data_dir, batch_size, num_examples, eval_dir: as `evaluate`.
     interval_secs: float, seconds between looks.
     max_evals: optional int, stop after this many evaluations.
-    warn: callable(str) for the checkpoints skipped.
 
   Returns:
     list of (precision, global_step), one per evaluated checkpoint.
@@ -176,4 +170,4 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_e
       checkpoint_dir,
       lambda contents, should_stop: evaluate_contents(
           contents, data_dir, batch_size, num_examples, should_stop),
-      out, warn, interval_secs, max_evals, eval_dir)
+      interval_secs, max_evals, eval_dir)

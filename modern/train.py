@@ -8,6 +8,7 @@ engine also keeps several worker processes together where there are any.
 """
 
 import contextlib
+import logging
 import time
 
 import numpy as np
@@ -20,11 +21,14 @@ from cifar10_towers.common import ending
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lock
 from cifar10_towers.common import model_spec
+from cifar10_towers.common import progress
 from cifar10_towers.common import training
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
 
 TOWER_NAME = hparams.TOWER_NAME
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -77,28 +81,24 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
       tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
 
 
-def _silent(_):
-  pass
-
-
-def _first_step_progress(out, first, what):
-  """During the first step, a heartbeat line saying `what` it waits for past 5 s."""
-  if not first:
+def _first_step_progress(engine, first, what):
+  """During the chief's first step, a heartbeat line saying `what` it waits for past 5 s."""
+  if not (first and engine.is_chief):  # progress comes from the chief
     return contextlib.nullcontext()
-  return training.Heartbeat(out, lambda seconds: '%s... %d s' % (what, seconds))
+  return training.Heartbeat(lambda seconds: '%s... %d s' % (what, seconds))
 
 
-def _write_graph(writer, engine, batches, summaries, warn):
+def _write_graph(writer, engine, batches, summaries):
   """The traced step's graph, for TensorBoard's graph tab."""
   try:
     with writer.as_default():
       tf.summary.graph(engine.step_graph(batches, summaries))
   except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-    warn('could not write the graph to TensorBoard summaries in %s (%s).'
-         % (engine.write_dir, str(e).strip().splitlines()[0]))
+    logger.warning('could not write the graph to TensorBoard summaries in %s (%s).',
+                   engine.write_dir, str(e).strip().splitlines()[0])
 
 
-def train(config, plan, out=print, warn=training.stderr, on_step=None):
+def train(config, plan, on_step=None):
   """Trains until global_step == config.max_steps, resuming from train_dir.
 
   With config.strategy's engine (modern.engines). With several workers
@@ -110,8 +110,6 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
   Args:
     config: common.config.TrainConfig.
     plan: common.devices.DevicePlan with config.num_gpus tower devices.
-    out: callable(str) for progress lines (stdout).
-    warn: callable(str) for diagnostics (stderr).
     on_step: optional callable(step, seconds, images) after every step: the
       global step reached, the step's wall seconds, and the images it
       trained on over all replicas (bench paces itself with it).
@@ -136,7 +134,6 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
     raise ValueError('the device plan has %d towers, config.num_gpus is %d'
                      % (plan.num_towers, config.num_gpus))
   engine = engines.make(config, plan)
-  out = out if engine.is_chief else _silent  # progress comes from the chief
   with training.StopRequest() as stop:
     # Until the first step nothing is written: a stop ends the run at once.
     with stop.raising():
@@ -154,29 +151,28 @@ def train(config, plan, out=print, warn=training.stderr, on_step=None):
         with stop.raising():
           if config.seed is not None:
             tf.random.set_seed(config.seed)
-          engine.start(decay_steps, warn)
+          engine.start(decay_steps)
           if config.log_device_placement:
             tf.debugging.set_log_device_placement(True)
           state = engine.trainer.state
           checkpoint = ckpt_lib.checkpoint_object(state)
           # Only the chief restores; the others take its state (engine.broadcast).
-          resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint, warn,
+          resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint,
                                                  config.optimizer)
                          if engine.is_chief else None)
           manager = tf.train.CheckpointManager(  # after restore_latest: see there
               checkpoint, engine.write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
               checkpoint_name=config_lib.CHECKPOINT_BASENAME)
         save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
-        with engine.watching(stop, save, warn):
-          return _train_loop(config, engine, save, resume_from, decay_steps,
-                             stop, out, warn, on_step,
+        with engine.watching(stop, save):
+          return _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
                              examples_per_epoch // engine.num_workers)
     finally:
       engine.close()
 
 
-def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
-                on_step, examples_per_worker=0):
+def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
+                examples_per_worker=0):
   """The steps, with log lines, summaries and checkpoints, until max_steps or a stop.
 
   A stop request (`stop`, a common.training.StopRequest) ends the loop at the
@@ -200,10 +196,10 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
       engine.broadcast()
     step = first_step = int(state.global_step.numpy())
     if resume_from:
-      out('Resuming from %s at global step %d.' % (resume_from, step))
+      logger.info('Resuming from %s at global step %d.', resume_from, step)
       save.last_saved = step
     if step >= config.max_steps:
-      warn(training.nothing_to_train(step, config.max_steps, config.train_dir))
+      logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
       return step
     with stop.raising() if engine.num_workers == 1 else contextlib.nullcontext():
       iterator = iter(engine.dataset())
@@ -221,13 +217,13 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
       with (stop.raising() if first and engine.num_workers == 1
             else contextlib.nullcontext()):
         fetch_time = time.time()
-        with _first_step_progress(out, first, 'Filling the shuffle buffer with '
+        with _first_step_progress(engine, first, 'Filling the shuffle buffer with '
                                   '%d examples' % hparams.min_queue_examples(
                                       examples_per_worker)):
           batches = next(iterator)
         start_time = time.time()
         with engine.waiting('the step', step, first=first), _first_step_progress(
-            out, first, 'Building and tracing the step (first step)'):
+            engine, first, 'Building and tracing the step (first step)'):
           if write_summary:
             tower_losses, agreed, summaries = engine.summary_step(batches, stop)
           else:
@@ -246,11 +242,12 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
                  extra=first or write_summary)
       if writer is None:
         writer = tf.summary.create_file_writer(engine.write_dir)
-        _write_graph(writer, engine, batches, write_summary, warn)
-      if step % config.log_every == 0:
+        _write_graph(writer, engine, batches, write_summary)
+      if step % config.log_every == 0 and engine.is_chief:  # progress comes from the chief
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
         # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
-        out(window.line(step, float(tower_losses.mean()), config.max_steps))
+        logger.info(window.line(step, float(tower_losses.mean()), config.max_steps),
+                    extra=progress.IN_PLACE)
       if on_step is not None:
         on_step(step, duration, engine.global_batch_size)
       if step % config.summary_every == 0:
@@ -271,13 +268,13 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
     try:
       writer.flush()
     except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-      warn('could not write the last TensorBoard summaries to %s (%s).'
-           % (engine.write_dir, str(e).strip().splitlines()[0]))
+      logger.warning('could not write the last TensorBoard summaries to %s (%s).',
+                     engine.write_dir, str(e).strip().splitlines()[0])
     # Synchronization point: no worker leaves before all have saved.
     with engine.waiting('the final barrier', step):
       engine.barrier()
   except engine.peer_errors as e:
-    return engine.lost_peers(e, step, first_step, save, stop, warn)
+    return engine.lost_peers(e, step, first_step, save, stop)
   except Exception as e:  # pylint: disable=broad-except
     if step is None:  # before the first broadcast: nothing to keep
       raise
@@ -288,7 +285,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, out, warn,
   if not stopped_by and engine.stops_here(stop, None):
     stopped_by = stop.signal_name  # the stop came during the last save
   if stopped_by:
-    engine.report_stop(stopped_by, step, path, out, warn)
-  else:
-    out(training.finished_line(config.train_dir, path, config.data_dir))
+    engine.report_stop(stopped_by, step, path)
+  elif engine.is_chief:
+    logger.info(training.finished_line(config.train_dir, path, config.data_dir))
   return step

@@ -26,10 +26,17 @@ NUM_LOGICAL_DEVICES = 4  # enough for every multi-tower test
 
 
 @pytest.fixture(scope='session', autouse=True)
-def device_plan():
+def cli_logging():
+  """The library's log lines reach stdout and stderr as under the CLI (capsys reads them)."""
+  from cifar10_towers import cli
+  cli._configure_logging()  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope='session', autouse=True)
+def device_plan(cli_logging):  # pylint: disable=redefined-outer-name,unused-argument
   """Splits the CPU into 4 logical devices before any test starts TensorFlow."""
   from cifar10_towers.common import devices
-  return devices.plan_devices(NUM_LOGICAL_DEVICES, warn=lambda _: None)
+  return devices.plan_devices(NUM_LOGICAL_DEVICES)
 
 
 @pytest.fixture(scope='session', autouse=True)

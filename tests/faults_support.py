@@ -8,6 +8,7 @@ reuses the test session's 4 logical CPU devices.
 
 import atexit
 import hashlib
+import logging
 import os
 import re
 import queue
@@ -25,6 +26,32 @@ CLI = os.path.join(ROOT, 'cli.py')
 TRAINERS = ('legacy', 'modern')
 # Small and fast: every run of a trainer in these tests uses these.
 FAST_FLAGS = ('--batch_size', '8', '--log_every', '1', '--summary_every', '1000')
+
+
+class Logged(logging.Handler):
+  """A context: the lines the library logs inside it, as the CLI splits them.
+
+  `out`: below WARNING (stdout under the CLI); `err`: the others (stderr).
+  `then(line)`, if given, runs after each line (e.g. to send a signal).
+  """
+
+  def __init__(self, then=None):
+    super().__init__()
+    self.out, self.err, self._then = [], [], then
+
+  def emit(self, record):
+    line = record.getMessage()
+    (self.out if record.levelno < logging.WARNING else self.err).append(line)
+    if self._then is not None:
+      self._then(line)
+
+  def __enter__(self):
+    logging.getLogger('cifar10_towers').addHandler(self)
+    return self
+
+  def __exit__(self, *exc):
+    logging.getLogger('cifar10_towers').removeHandler(self)
+    return False
 
 
 def cli_env(extra=None):
@@ -204,14 +231,13 @@ def trained_dir(impl, data_dir):
     config = config_lib.TrainConfig(
         data_dir=data_dir, train_dir=path, num_gpus=1, batch_size=8,
         max_steps=2, save_every=1, log_every=100, summary_every=1000, seed=0)
-    plan = devices.plan_devices(1, warn=lambda _: None)
+    plan = devices.plan_devices(1)
     if impl == 'legacy':
       from cifar10_towers.legacy import train
-      train.train(config, plan, out=lambda _: None, warn=lambda _: None,
-                  num_threads=2)
+      train.train(config, plan, num_threads=2)
     else:
       from cifar10_towers.modern import train
-      train.train(config, plan, out=lambda _: None, warn=lambda _: None)
+      train.train(config, plan)
     for name in os.listdir(path):  # keep the checkpoints only
       if name.startswith('events.out.tfevents'):
         os.remove(os.path.join(path, name))

@@ -38,8 +38,7 @@ def legacy_dir(tmp_path_factory, synth_data_dir, device_plan):
   config = config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=train_dir,
                                   num_gpus=2, batch_size=8, max_steps=6,
                                   save_every=100)
-  legacy_train.train(config, _plan(device_plan, 2), out=lambda _: None,
-                     warn=lambda _: None, num_threads=2)
+  legacy_train.train(config, _plan(device_plan, 2), num_threads=2)
   return train_dir
 
 
@@ -78,11 +77,11 @@ def test_round_trip_is_bit_for_bit(legacy_dir, tmp_path):
   kind, to_kind, step, modern_path = convert.convert(legacy_dir, modern_dir)
   assert (kind, to_kind, step) == (checkpoints.LEGACY, checkpoints.MODERN, 6)
   assert os.path.basename(modern_path) == 'model.ckpt-6'
-  assert checkpoints.kind(checkpoints.latest(modern_dir)) == checkpoints.MODERN
+  assert checkpoints.read(tf.train.latest_checkpoint(modern_dir)).kind == checkpoints.MODERN
   kind, to_kind, step, back_path = convert.convert(modern_dir, back_dir)
   assert (kind, to_kind, step) == (checkpoints.MODERN, checkpoints.LEGACY, 6)
 
-  original = _checkpoint_tensors(checkpoints.latest(legacy_dir))
+  original = _checkpoint_tensors(tf.train.latest_checkpoint(legacy_dir))
   restored = _checkpoint_tensors(back_path)
   assert set(restored) == set(original)
   assert len(original) == 21  # 10 weights, 10 moving averages, global_step
@@ -101,13 +100,13 @@ def test_converted_checkpoint_evaluates_the_same(legacy_dir, synth_data_dir, tmp
   modern_dir = str(tmp_path / 'modern')
   _, _, _, modern_path = convert.convert(legacy_dir, modern_dir)
   images, _ = _eval_images(synth_data_dir)
-  legacy_logits = _legacy_logits(checkpoints.latest(legacy_dir), images)
+  legacy_logits = _legacy_logits(tf.train.latest_checkpoint(legacy_dir), images)
   modern_logits = _modern_logits(modern_path, images)
   np.testing.assert_allclose(modern_logits, legacy_logits, rtol=0, atol=1e-6)
   legacy_precision, legacy_step = legacy_eval.evaluate(
-      legacy_dir, synth_data_dir, batch_size=64, out=lambda _: None)
+      legacy_dir, synth_data_dir, batch_size=64)
   modern_precision, modern_step = modern_eval.evaluate(
-      modern_dir, synth_data_dir, batch_size=64, out=lambda _: None)
+      modern_dir, synth_data_dir, batch_size=64)
   assert legacy_step == modern_step == 6
   assert modern_precision == legacy_precision
 
@@ -117,16 +116,16 @@ def test_training_continues_from_converted(legacy_dir, synth_data_dir, tmp_path,
   from cifar10_towers.modern import train as modern_train
   modern_dir = str(tmp_path / 'modern')
   convert.convert(legacy_dir, modern_dir)
-  lines = []
   config = config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=modern_dir,
                                   num_gpus=2, batch_size=8, max_steps=8,
                                   log_every=1)
-  final = modern_train.train(config, _plan(device_plan, 2), out=lines.append,
-                             warn=lambda _: None)
+  with fs.Logged() as logged:
+    final = modern_train.train(config, _plan(device_plan, 2))
+  lines = logged.out
   assert final == 8
   assert any('global step 6' in line for line in lines), lines
   assert not any('step 1,' in line for line in lines), lines
-  assert os.path.basename(checkpoints.latest(modern_dir)) == 'model.ckpt-8'
+  assert os.path.basename(tf.train.latest_checkpoint(modern_dir)) == 'model.ckpt-8'
 
 
 def test_refuses_non_empty_target_and_leaves_it(legacy_dir, tmp_path):

@@ -26,6 +26,7 @@ from cifar10_towers.modern import inputs
 from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.modern import step as modern_step
 from cifar10_towers.modern import train
+import faults_support as fs
 
 # docs/equivalence.md §2 tolerances.
 GRAD_REL_TOL = 1e-5  # averaged gradients: max|a - b| <= 1e-5 * max|b|, per variable
@@ -133,8 +134,7 @@ def test_mirrored_checkpoints_have_the_towers_layout(initial_values, tmp_path,
   _assert_close({k: v.numpy() for k, v in towers.state.shadow_variables().items()},
                 {k: v.numpy() for k, v in mirrored.state.shadow_variables().items()},
                 0.0, 'restored average')
-  _, step, count = eval_lib.evaluate_checkpoint(path, synth_data_dir,
-                                                out=lambda _: None)
+  _, step, count = eval_lib.evaluate_checkpoint(path, synth_data_dir)
   assert (step, count) == (1, 300)
 
 
@@ -150,15 +150,17 @@ def test_train_with_the_mirrored_strategy_saves_and_resumes(synth_data_dir, tmp_
   settings = dict(data_dir=synth_data_dir, train_dir=str(train_dir), num_gpus=2,
                   batch_size=8, log_every=5, summary_every=5, save_every=5, seed=1,
                   strategy='mirrored')
-  lines = []
   config = config_lib.TrainConfig(max_steps=10, **settings)
-  assert train.train(config, _plan(2), out=lines.append, warn=lines.append) == 10
+  with fs.Logged() as logged:
+    assert train.train(config, _plan(2)) == 10
+  lines = logged.out + logged.err
   assert [l for l in lines if ': step ' in l and 'examples/sec' in l][-1].split(
       ': step ')[1].startswith('10, loss = ')
   assert tf.train.latest_checkpoint(str(train_dir)) == str(train_dir / 'model.ckpt-10')
-  lines = []
   config = config_lib.TrainConfig(max_steps=15, **settings)
-  assert train.train(config, _plan(2), out=lines.append, warn=lines.append) == 15
+  with fs.Logged() as logged:
+    assert train.train(config, _plan(2)) == 15
+  lines = logged.out + logged.err
   assert 'Resuming from %s at global step 10.' % (train_dir / 'model.ckpt-10') in lines
   path = tf.train.latest_checkpoint(str(train_dir))
   assert tf.train.load_variable(path, modern_checkpoints.checkpoint_key('global_step')) == 15

@@ -90,7 +90,7 @@ def _worker_main(in_path, out_path, local_batches):
   """
   sys.path.insert(0, ROOT)
   from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
-  plan = devices.plan_devices(1, warn=lambda _: None)
+  plan = devices.plan_devices(1)
   from cifar10_towers.modern import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
   cluster = cluster_lib.resolve_cluster()  # from TF_CONFIG
@@ -260,8 +260,7 @@ def test_three_workers_train_together_and_the_chief_keeps_the_checkpoints(
   # The non-chief's temporary dir is gone; only the chief's files remain.
   assert not any(name.startswith('workertemp_') for name in os.listdir(train_dir))
   # eval reads the chief's dir.
-  precision, step = eval_lib.evaluate(str(train_dir), synth_data_dir,
-                                      out=lambda _: None)
+  precision, step = eval_lib.evaluate(str(train_dir), synth_data_dir)
   assert step == 20 and 0.0 <= precision <= 1.0
 
 

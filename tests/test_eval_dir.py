@@ -94,10 +94,8 @@ def test_the_loop_writes_each_checkpoint_as_it_comes(synth_data_dir, tmp_path):
                                          NUM_EXAMPLES, should_stop)
 
   eval_dir = str(tmp_path / 'eval')
-  lines = []
-  results = evaluation.run(train_dir, evaluate, fs.ScriptedStop(save),
-                           lines.append, lines.append, interval_secs=1, max_evals=2,
-                           eval_dir=eval_dir)
+  results = evaluation.run(train_dir, evaluate, fs.ScriptedStop(save), interval_secs=1,
+                           max_evals=2, eval_dir=eval_dir)
   assert [r.global_step for r in results] == [1, 2]
   assert fs.precision_points(eval_dir) == [
       (r.global_step, pytest.approx(r.precision)) for r in results]

@@ -134,10 +134,10 @@ def _evaluator(impl, synth_data_dir, during=None):
 
 
 def _run(train_dir, evaluate, looks, warnings):
-  lines = []
-  results = evaluation.run(train_dir, evaluate, looks, lines.append,
-                           warnings.append, interval_secs=1, max_evals=2)
-  return [(r.global_step, os.path.basename(r.path)) for r in results], lines
+  with fs.Logged() as logged:
+    results = evaluation.run(train_dir, evaluate, looks, interval_secs=1, max_evals=2)
+  warnings.extend(logged.err)
+  return [(r.global_step, os.path.basename(r.path)) for r in results], logged.out
 
 
 @pytest.mark.parametrize('impl', fs.TRAINERS)

@@ -393,23 +393,25 @@ def _cluster(hosts, index):
 def test_workers_meet_whichever_starts_first():
   from cifar10_towers.modern import cluster  # pylint: disable=import-outside-toplevel
   hosts = _loopback(fs.free_ports(3))
-  lines, errors = [], []
+  errors = []
 
   def worker(index, delay):
     time.sleep(delay)
     me = _cluster(hosts, index)
     try:
-      cluster.rendezvous(me, cluster.listen(me), 20, lines.append)
+      cluster.rendezvous(me, cluster.listen(me), 20)
     except Exception as e:  # pylint: disable=broad-except
       errors.append(e)
 
   threads = [threading.Thread(target=worker, args=(i, d))
              for i, d in ((2, 0.0), (0, 0.5), (1, 1.5))]
   start = time.monotonic()
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join(30)
+  with fs.Logged() as logged:
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join(30)
+  lines = logged.err
   assert not errors
   assert time.monotonic() - start < 10
   assert len(lines) == 3 and all(WAITING in line for line in lines)
@@ -434,7 +436,7 @@ def test_a_worker_listed_at_the_wrong_index_is_named():
 
   def run(me, listener):
     try:
-      cluster.rendezvous(me, listener, 5, lambda _: None)
+      cluster.rendezvous(me, listener, 5)
     except cluster.StartupError as e:
       errors.append(str(e))
 
@@ -557,19 +559,19 @@ class _Ending:
     self.exited.set()
 
 
-def _watchdog(ending):
+def _watchdog(ending, monkeypatch):
   from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(engines.logger, 'warning', ending.warn)  # the line it says
   return engines.PeerWatchdog(
-      _cluster(_loopback([1, 2]), 0), ending.warn,
-      ending.save_completed, ending.cleanup, exit=ending.exit)
+      _cluster(_loopback([1, 2]), 0), ending.save_completed, ending.cleanup, exit=ending.exit)
 
 
 @pytest.mark.parametrize('saved', [SAVED, None, RuntimeError('the save failed')],
                          ids=['saved', 'nothing saved', 'the save raised'])
 @pytest.mark.parametrize('stop', [False, True], ids=['peer timeout', 'stop request'])
-def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved):
+def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved, monkeypatch):
   ending = _Ending(saved)
-  watchdog = _watchdog(ending)
+  watchdog = _watchdog(ending, monkeypatch)
   try:
     with watchdog.guard(60, 'the start-up', 5, '--startup_timeout'):
       pass  # the first wait, at the run's first step
@@ -610,10 +612,10 @@ def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved):
   assert 'Restart every worker with the same flags' in message
 
 
-def test_the_watchdog_leaves_a_stop_alone_when_the_waits_end_in_time():
+def test_the_watchdog_leaves_a_stop_alone_when_the_waits_end_in_time(monkeypatch):
   """A stop rides on the next step's vote: waits that end within the grace are left alone."""
   ending = _Ending(SAVED)
-  watchdog = _watchdog(ending)
+  watchdog = _watchdog(ending, monkeypatch)
   from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
   # The 4 steps end before STOP_LIMIT_SECS (see the next test).
   assert 4 * engines.PeerWatchdog.STOP_GRACE_SECS / 2 < engines.PeerWatchdog.STOP_LIMIT_SECS
@@ -628,10 +630,10 @@ def test_the_watchdog_leaves_a_stop_alone_when_the_waits_end_in_time():
   assert ending.calls == []
 
 
-def test_the_watchdog_ends_a_stop_that_never_takes_effect():
+def test_the_watchdog_ends_a_stop_that_never_takes_effect(monkeypatch):
   """Past STOP_LIMIT_SECS after a stop, even waits that each end in time are cut."""
   ending = _Ending(None)
-  watchdog = _watchdog(ending)
+  watchdog = _watchdog(ending, monkeypatch)
   try:
     watchdog.stop_requested('SIGINT')
     since = time.monotonic()

@@ -55,7 +55,7 @@ def _reached(step):
 
 
 def _global_step(path):
-  key = ('global_step' if checkpoints.kind(path) == checkpoints.LEGACY
+  key = ('global_step' if checkpoints.read(path).kind == checkpoints.LEGACY
          else 'global_step/.ATTRIBUTES/VARIABLE_VALUE')
   return int(tf.train.load_variable(path, key))
 
@@ -159,7 +159,7 @@ def test_the_first_run_finishes_as_if_alone(two_runs, pair):
   assert _steps_logged(out) == list(range(1, PAIR_STEPS + 1))  # each step once
   final = os.path.join(train_dir, 'model.ckpt-%d' % PAIR_STEPS)
   assert checkpoints.resume_point(train_dir) == final
-  assert checkpoints.kind(final) == (checkpoints.LEGACY if pair[0] == 'legacy'
+  assert checkpoints.read(final).kind == (checkpoints.LEGACY if pair[0] == 'legacy'
                                      else checkpoints.MODERN)
   assert _global_step(final) == PAIR_STEPS
   names = os.listdir(train_dir)

@@ -265,7 +265,7 @@ def _convert_message(damage, train_dir):
   moved = 'model\\.ckpt-2\\.\\* and `checkpoint`' if damage.where == 'latest' \
       else '`checkpoint`'
   return (r'Error: checkpoint %s is %s, and it is the latest checkpoint; nothing '
-          r'was converted\. The newest intact one is model\.ckpt-1: to convert it, '
+          r'was converted\. The newest intact checkpoint is model\.ckpt-1: to convert it, '
           r'move %s out of %s and run again\.'
           % (re.escape(_ckpt(train_dir, 2)), damage.fact, moved,
              re.escape(train_dir)))

@@ -64,9 +64,9 @@ def crafted(tmp_path_factory):
 
 def test_evaluate_counts_every_record_once(crafted):
   data_dir, checkpoint_dir = crafted
-  lines = []
-  precision, step = legacy_eval.evaluate(checkpoint_dir, data_dir,
-                                         batch_size=128, out=lines.append)
+  with fs.Logged() as logged:
+    precision, step = legacy_eval.evaluate(checkpoint_dir, data_dir, batch_size=128)
+  lines = logged.out
   # 76 of the 300 labels are 3. Upstream's wrap-around would have counted
   # 384 records, 87 of them 3s.
   assert precision == 76 / 300
@@ -89,19 +89,17 @@ def test_eval_once_counts(crafted):
 def test_evaluate_writes_precision_summary(crafted, tmp_path):
   data_dir, checkpoint_dir = crafted
   eval_dir = str(tmp_path / 'eval')
-  legacy_eval.evaluate(checkpoint_dir, data_dir, out=lambda _: None,
-                       eval_dir=eval_dir)
+  legacy_eval.evaluate(checkpoint_dir, data_dir, eval_dir=eval_dir)
   assert fs.precision_points(eval_dir) == [(7, pytest.approx(76 / 300))]
 
 
 def test_evaluate_loop_evaluates_a_checkpoint_once(crafted):
   data_dir, checkpoint_dir = crafted
-  lines = []
-  results = legacy_eval.evaluate_loop(checkpoint_dir, data_dir,
-                                      out=lines.append, interval_secs=0.01,
-                                      max_evals=1)
+  with fs.Logged() as logged:
+    results = legacy_eval.evaluate_loop(checkpoint_dir, data_dir, interval_secs=0.01,
+                                        max_evals=1)
   assert results == [(76 / 300, 7)]
-  assert 'global step 7' in lines[0]
+  assert 'global step 7' in logged.out[0]
 
 
 def test_no_checkpoint_is_an_eval_error(crafted, tmp_path):

@@ -15,6 +15,7 @@ from cifar10_towers.modern import eval as eval_lib
 from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.modern import step as modern_step
 from cifar10_towers.modern import train
+import faults_support as fs
 
 
 def _config(synth_data_dir, train_dir, **kwargs):
@@ -25,7 +26,7 @@ def _config(synth_data_dir, train_dir, **kwargs):
 
 
 def _plan(num_towers):
-  return devices.plan_devices(num_towers, warn=lambda _: None)
+  return devices.plan_devices(num_towers)
 
 
 def _summary_tags(train_dir):
@@ -47,9 +48,10 @@ def _steps_logged(lines):
 @pytest.mark.slow
 def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path):
   train_dir = tmp_path / 'train'  # created by train()
-  lines, warnings = [], []
   config = _config(synth_data_dir, train_dir, max_steps=20)
-  assert train.train(config, _plan(2), out=lines.append, warn=warnings.append) == 20
+  with fs.Logged() as logged:
+    assert train.train(config, _plan(2)) == 20
+  lines = logged.out
   assert _steps_logged(lines) == [10, 20]
   assert all('examples/sec' in l for l in lines[:-1])
   assert lines[-1] == ('Done: the newest checkpoint is %s. Evaluate it: python cli.py eval '
@@ -61,9 +63,10 @@ def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path):
       ('total_loss', 10), ('total_loss', 20), ('learning_rate', 20), ('tower_1/total_loss', 20),
       ('conv1/weights', 10), ('conv1/weights/ExponentialMovingAverage', 20)}
 
-  lines = []
   config = _config(synth_data_dir, train_dir, max_steps=30)
-  assert train.train(config, _plan(2), out=lines.append, warn=warnings.append) == 30
+  with fs.Logged() as logged:
+    assert train.train(config, _plan(2)) == 30
+  lines = logged.out
   assert 'Resuming from %s at global step 20.' % (train_dir / 'model.ckpt-20') in lines
   assert _steps_logged(lines) == [30]  # 10 more steps, not 30
   path = tf.train.latest_checkpoint(str(train_dir))
@@ -75,35 +78,35 @@ def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path):
   raw = tf.train.load_variable(path, modern_checkpoints.checkpoint_key('local4/weights'))
   assert not np.array_equal(ema, raw)
 
-  assert train.train(config, _plan(2), out=lines.append, warn=warnings.append) == 30
-  assert any('nothing to train' in w for w in warnings)
+  with logged:
+    assert train.train(config, _plan(2)) == 30
+  assert any('nothing to train' in w for w in logged.err)
 
-  lines = []
-  precision, step, count = eval_lib.evaluate_checkpoint(
-      path, synth_data_dir, batch_size=128, out=lines.append)
+  with fs.Logged() as logged:
+    precision, step, count = eval_lib.evaluate_checkpoint(path, synth_data_dir, batch_size=128)
+  lines = logged.out
   assert (step, count) == (30, 300)  # every test record exactly once
   assert 0.0 <= precision <= 1.0
   assert re.fullmatch(r'.*: precision @ 1 = \d\.\d{3}', lines[0])
-  assert eval_lib.evaluate(str(train_dir), synth_data_dir, out=lines.append) == (precision, 30)
-  assert eval_lib.evaluate_checkpoint(path, synth_data_dir, 64, num_examples=100,
-                                      out=lines.append)[2] == 100
+  assert eval_lib.evaluate(str(train_dir), synth_data_dir) == (precision, 30)
+  assert eval_lib.evaluate_checkpoint(path, synth_data_dir, 64, num_examples=100)[2] == 100
   assert eval_lib.evaluate_loop(str(train_dir), synth_data_dir, interval_secs=0,
-                                out=lines.append, max_evals=1) == [(precision, 30)]
+                                max_evals=1) == [(precision, 30)]
 
 
 @pytest.mark.slow
 def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data_dir, tmp_path,
                                                                      capsys):
-  lines, handler_before = [], signal.getsignal(signal.SIGINT)
+  handler_before = signal.getsignal(signal.SIGINT)
 
-  def out(line):
-    lines.append(line)
+  def then(line):
     if ': step 5,' in line:
       os.kill(os.getpid(), signal.SIGINT)  # like Ctrl-C
 
   config = _config(synth_data_dir, tmp_path, num_gpus=1, batch_size=8, max_steps=1000,
                    log_every=5)
-  step = train.train(config, _plan(1), out=out)
+  with fs.Logged(then):
+    step = train.train(config, _plan(1))
   assert step == 5  # the signal came after step 5; no further step started
   assert capsys.readouterr().err.splitlines()[-1] == (
       'Stopped by SIGINT at global step 5; saved %s. The same command resumes from '
@@ -121,7 +124,7 @@ def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir,
   manager.save(checkpoint_number=3)
   config = _config(synth_data_dir, tmp_path, num_gpus=1, batch_size=4, max_steps=10)
   with pytest.raises(training.TrainingError, match='at step 4 in tower 0'):
-    train.train(config, _plan(1), out=lambda _: None)
+    train.train(config, _plan(1))
   assert tf.train.latest_checkpoint(str(tmp_path)) == str(tmp_path / 'model.ckpt-3')
 
 

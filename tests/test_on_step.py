@@ -18,8 +18,7 @@ def test_on_step_sees_every_step_with_all_towers_images(impl, synth_data_dir,
       summary_every=100, seed=1)
   calls = []
   extra = {'num_threads': 2} if impl == 'legacy' else {}
-  step = trainer.train(config, devices.plan_devices(2, warn=lambda _: None),
-                       out=lambda _: None, warn=lambda _: None,
+  step = trainer.train(config, devices.plan_devices(2),
                        on_step=lambda *args: calls.append(args), **extra)
   assert step == 4
   assert [c[0] for c in calls] == [1, 2, 3, 4]

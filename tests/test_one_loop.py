@@ -72,8 +72,9 @@ def test_towers_and_mirrored_run_through_the_one_loop(synth_data_dir, tmp_path,
     train_dir = tmp_path / strategy
     config = config_lib.TrainConfig(num_gpus=2, strategy=strategy,
                                     **_settings(synth_data_dir, train_dir))
-    lines = []
-    assert train.train(config, plan, out=lines.append, warn=lines.append) == 4
+    with fs.Logged() as logged:
+      assert train.train(config, plan) == 4
+    lines = logged.out + logged.err
     assert sum(': step ' in line for line in lines) == 2, lines
     assert tf.train.latest_checkpoint(str(train_dir)) == str(train_dir / 'model.ckpt-4')
     _check_summaries(train_dir, 2, activations=strategy == 'towers')

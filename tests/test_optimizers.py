@@ -173,8 +173,7 @@ def adam_legacy_dir(tmp_path_factory, synth_data_dir, device_plan):
   config = config_lib.TrainConfig(data_dir=synth_data_dir, train_dir=train_dir,
                                   num_gpus=2, batch_size=8, max_steps=4,
                                   save_every=100, optimizer=ADAM)
-  legacy_train.train(config, _plan(device_plan, 2), out=lambda _: None,
-                     warn=lambda _: None, num_threads=2)
+  legacy_train.train(config, _plan(device_plan, 2), num_threads=2)
   return train_dir
 
 
@@ -210,12 +209,11 @@ def _modern_losses(path, plan, images, labels, steps):
 
 def test_adam_round_trip_is_bit_for_bit_and_trains_on_the_same(
     adam_legacy_dir, tmp_path, device_plan):
-  from cifar10_towers.common import checkpoints
   modern_dir, back_dir = str(tmp_path / 'modern'), str(tmp_path / 'back')
   _, _, step, modern_path = convert.convert(adam_legacy_dir, modern_dir)
   assert step == 4
   _, _, _, back_path = convert.convert(modern_dir, back_dir)
-  original_path = checkpoints.latest(adam_legacy_dir)
+  original_path = tf.train.latest_checkpoint(adam_legacy_dir)
   original, back = _tensors(original_path), _tensors(back_path)
   # 10 weights, 10 averages, global_step, 20 Adam slots, 2 beta powers.
   assert len(original) == 43
@@ -257,13 +255,11 @@ def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
   with pytest.raises(training.TrainingError,
                      match='trained with --optimizer adam; this run has '
                            '--optimizer sgd, which would drop'):
-    legacy_train.train(config(adam_legacy_dir, sgd), plan, out=lambda _: None,
-                       warn=lambda _: None, num_threads=1)
+    legacy_train.train(config(adam_legacy_dir, sgd), plan, num_threads=1)
   modern_dir = str(tmp_path / 'modern')
   convert.convert(adam_legacy_dir, modern_dir)
   with pytest.raises(training.TrainingError, match='Resume it with --optimizer adam'):
-    modern_train.train(config(modern_dir, sgd), plan, out=lambda _: None,
-                       warn=lambda _: None)
+    modern_train.train(config(modern_dir, sgd), plan)
   # The reverse: an SGD checkpoint resumed with Adam or momentum.
   init = crosscheck.initial_values(0)
   sgd_modern, sgd_legacy = str(tmp_path / 'sgd_modern'), str(tmp_path / 'sgd_legacy')
@@ -272,12 +268,11 @@ def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
   convert.write_modern(sgd_modern, init, init, 3)
   convert.write_legacy(sgd_legacy, init, init, 3)
   with pytest.raises(training.TrainingError, match='which would zero-fill'):
-    modern_train.train(config(sgd_modern, ADAM), plan, out=lambda _: None,
-                       warn=lambda _: None)
+    modern_train.train(config(sgd_modern, ADAM), plan)
   with pytest.raises(training.TrainingError, match='--optimizer sgd; this run has '
                                                    '--optimizer momentum'):
     legacy_train.train(config(sgd_legacy, optimizer_lib.Optimizer(name='momentum')),
-                       plan, out=lambda _: None, warn=lambda _: None, num_threads=1)
+                       plan, num_threads=1)
   # Nothing was written into the refused train_dirs.
   for train_dir in (sgd_legacy, sgd_modern):
     assert not [f for f in os.listdir(train_dir)

@@ -18,7 +18,7 @@ SPLIT_TOLERANCE = 0.10  # categories must add up to the measured step within 10%
 
 @pytest.fixture(scope='module')
 def plan():
-  return devices.plan_devices(2, warn=lambda _: None)
+  return devices.plan_devices(2)
 
 
 @pytest.fixture(scope='module', params=['legacy', 'modern'])

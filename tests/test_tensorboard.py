@@ -57,10 +57,10 @@ def _train(impl, synth_data_dir, train_dir, monkeypatch):
       data_dir=synth_data_dir, train_dir=str(train_dir), num_gpus=2,
       batch_size=4, max_steps=4, log_every=4, summary_every=2, save_every=100,
       seed=1)
-  lines = []
   extra = {'num_threads': 2} if impl == 'legacy' else {}
-  assert trainer.train(config, devices.plan_devices(2, warn=lambda _: None),
-                       out=lines.append, warn=lines.append, **extra) == 4
+  with fs.Logged() as logged:
+    assert trainer.train(config, devices.plan_devices(2), **extra) == 4
+  lines = logged.out + logged.err
   assert len(calls) == 2, calls  # steps 2 and 4 wrote summaries, slowly
   tags, graph, acc = fs.read_tags(train_dir)
   return tags, graph, acc, lines
@@ -213,14 +213,14 @@ def test_log_window_means_over_plain_steps():
 
 
 def test_heartbeat_is_silent_when_fast_and_beats_when_slow():
-  lines = []
-  with training.Heartbeat(lines.append, lambda s: 'waiting %d' % s, after=0.3,
-                          every=0.2):
+  with fs.Logged() as logged, training.Heartbeat(lambda s: 'waiting %d' % s, after=0.3,
+                                                 every=0.2):
     pass
-  assert lines == []
-  with training.Heartbeat(lines.append, lambda s: 'waiting %d' % s, after=0.1,
-                          every=0.2) as beat:
+  assert logged.out == []
+  with fs.Logged() as logged, training.Heartbeat(lambda s: 'waiting %d' % s, after=0.1,
+                                                 every=0.2) as beat:
     time.sleep(0.65)
+  lines = logged.out
   assert beat.beats == len(lines) >= 2, lines
   assert all(l.startswith('waiting ') for l in lines)
 
