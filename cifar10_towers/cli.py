@@ -5,6 +5,7 @@ Progress and metrics go to stdout, diagnostics to stderr.
 """
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -114,9 +115,10 @@ def _check_train_dir(train_dir):
 def _ensure_train_data(data_dir):
   """Finds the training data, downloading CIFAR-10 when it is missing (as upstream did).
 
-  Returns:
-    int, the number of training examples on disk.
+  Does nothing for data_dir None: generated data (crosscheck, profile).
   """
+  if data_dir is None:
+    return
   from cifar10_towers.common import cifar10_format as fmt
   from cifar10_towers.common import download
   # Like upstream, download only when cifar-10-batches-bin/ is not there at
@@ -141,7 +143,7 @@ def _ensure_train_data(data_dir):
   for line in fmt.judge_files(paths):
     logger.warning('Warning: %s. Training goes on; `%s` lists every problem.',
                    line, prog.command('data check --data_dir %s' % data_dir))
-  return fmt.num_examples(paths)
+  fmt.num_examples(paths)  # each file a whole number of records
 
 
 def _download(data_dir):
@@ -227,9 +229,7 @@ def _optimizer_from(options):
   typo such as `--adam_beta1` with `--optimizer momentum` is not lost.
   """
   optimizer = optimizer_lib.Optimizer(**{
-      name: options.pop(name) for name in ('name', 'learning_rate', 'momentum', 'adam_beta1',
-                                           'adam_beta2', 'adam_epsilon', 'clip_norm',
-                                           'clip_where')})
+      field.name: options.pop(field.name) for field in dataclasses.fields(optimizer_lib.Optimizer)})
   for name in _given('momentum', 'adam_beta1', 'adam_beta2', 'adam_epsilon'):
     needs = name.split('_')[0]  # momentum, or adam for the adam_* flags
     if optimizer.name != needs:
@@ -243,7 +243,7 @@ def _optimizer_from(options):
 def _train(impl, run_crosscheck, **options):
   """`legacy` and `modern`: checks what it can before TensorFlow, then trains."""
   optimizer = _optimizer_from(options)
-  stop = click.get_current_context().meta[_STOP]
+  stop = click.get_current_context().obj
   # Until the first step nothing is written, so there a stop ends the run at
   # once (training.Stopped, which _Group.invoke reports).
   with stop.raising():
@@ -272,7 +272,6 @@ def _train(impl, run_crosscheck, **options):
 # Set to 1, a failure also prints its traceback (its causes included) before
 # its one line; otherwise no TensorFlow op, node block or traceback is shown.
 DEBUG_ENV = 'CIFAR10_TOWERS_DEBUG'
-_STOP = 'cifar10_towers.stop'  # ctx.meta key of the command's StopRequest
 _COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data synth')
 # Commands that own a loop and answer a stop at its boundaries, saying what
 # they kept; every other command ends at once (training.Stopped), its writers
@@ -297,7 +296,7 @@ class _Group(click.Group):
   """
 
   def invoke(self, ctx):
-    stop = ctx.meta[_STOP] = ctx.with_resource(training.StopRequest())
+    stop = ctx.obj = ctx.with_resource(training.StopRequest())  # every command's ctx.obj
     try:
       super().invoke(ctx)  # `cli` below enters stop.raising() where it applies
     except (errors.Failure, OSError) as e:
@@ -345,7 +344,7 @@ def cli(ctx):
   _configure_logging()
   ctx.meta[_COMMAND] = ctx.invoked_subcommand
   if ctx.invoked_subcommand not in _LOOP_COMMANDS:
-    ctx.with_resource(ctx.meta[_STOP].raising())
+    ctx.with_resource(ctx.obj.raising())
 
 
 @cli.command()
@@ -439,7 +438,8 @@ def modern(**options):
          'Default: <checkpoint_dir>/eval, so `tensorboard --logdir <checkpoint_dir>` shows '
          'training and precision together; %s if the checkpoint_dir cannot be written.'
          % config_lib.DEFAULT_EVAL_DIR, envvar='CIFAR10_EVAL_DIR')
-def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
+@click.pass_obj
+def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_once,
                  eval_interval_secs, eval_dir):
   """Print precision @ 1 on the test set with the moving-average weights.
 
@@ -447,9 +447,8 @@ def eval_command(checkpoint_dir, data_dir, num_examples, batch_size, run_once,
   then, without --run_once, each new one as training writes it, until Ctrl-C.
   Each precision also goes to --eval_dir for TensorBoard.
   """
-  # A signal while TensorFlow loads or a batch runs is a request to stop
+  # A signal while TensorFlow loads or a batch runs is a request to `stop`
   # (_Group), answered with one line and 128 + its number.
-  stop = click.get_current_context().meta[_STOP]
   from cifar10_towers.common import checkpoints
   from cifar10_towers.common import cifar10_format as fmt
   from cifar10_towers.common import evaluation
@@ -511,13 +510,12 @@ def _crosscheck(plan, optimizer, strategy, batch_size, steps=5, seed=0, data_dir
   if dump:
     path = crosscheck_lib.write_evidence(dump, images, labels, init, reports[engines[0]])
     click.echo('Evidence written to %s.' % path)
-  failed = {engine: r for engine, r in reports.items() if not r.passed}
+  failed = ['%d of %d figures of legacy vs %s' % (len(r.failures()), len(r.rows), engine)
+            for engine, r in reports.items() if not r.passed]
   if failed:
     raise click.ClickException(
         'cross-check failed: %s outside the contract (rows marked FAIL above); '
-        'legacy and modern do not compute the same thing.'
-        % ', '.join('%d of %d figures of legacy vs %s' % (
-            len(r.failures()), len(r.rows), engine) for engine, r in failed.items()))
+        'legacy and modern do not compute the same thing.' % ', '.join(failed))
 
 
 # `crosscheck` and `profile`: N towers, two by default.
@@ -551,8 +549,7 @@ def crosscheck(num_gpus, strategy, **options):
   with --clip_norm the clipped averaged gradient.
   """
   optimizer = _optimizer_from(options)
-  if options['data_dir'] is not None:
-    _ensure_train_data(options['data_dir'])
+  _ensure_train_data(options['data_dir'])
   _crosscheck(devices.plan_devices(num_gpus), optimizer, strategy, **options)
 
 
@@ -581,8 +578,7 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
   if misplace_tower is not None and misplace_tower >= num_gpus:
     raise click.BadParameter('must be below --num_gpus (%d), got %d'
                              % (num_gpus, misplace_tower), param_hint='--misplace_tower')
-  if data_dir is not None:
-    _ensure_train_data(data_dir)
+  _ensure_train_data(data_dir)
   plan = devices.plan_devices(num_gpus)  # before TensorFlow starts
   from cifar10_towers.towerprofile import run as profile_lib
   click.echo('Profiling %d step(s) of %s on %d tower(s) under TensorFlow\'s tracing...'
@@ -611,16 +607,16 @@ def convert(from_dir, to_dir):
   from cifar10_towers import convert as convert_lib
   from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir)
   optimizer = convert_lib.read_state(path)[4]
-  click.echo('Converted the %s checkpoint of %s at global step %d to a %s '
-             'checkpoint (optimizer %s, its slots included): %s'
-             % (from_kind, from_dir, step, to_kind, optimizer, path))
   # A resume with another --optimizer is refused: say which one it needs.
-  click.echo('Continue with `%s`.' % prog.command('%s --train_dir %s%s' % (
-      to_kind, to_dir, '' if optimizer == 'sgd' else ' --optimizer %s' % optimizer)))
+  again = '' if optimizer == 'sgd' else ' --optimizer %s' % optimizer
+  click.echo('Converted the %s checkpoint of %s at global step %d to a %s checkpoint '
+             '(optimizer %s, its slots included): %s\nContinue with `%s`.' % (
+                 from_kind, from_dir, step, to_kind, optimizer, path,
+                 prog.command('%s --train_dir %s%s' % (to_kind, to_dir, again))))
 
 
-def _comma_list(convert, allowed=None, bound=None):
-  """A click callback turning 'a,b' into a tuple, each item checked."""
+def _comma_list(convert, allowed, refusal):
+  """A click callback turning 'a,b' into a tuple; refusal % item if an item is not allowed."""
 
   def callback(ctx, param, value):  # pylint: disable=unused-argument
     items = []  # each item once, in the order given
@@ -631,10 +627,8 @@ def _comma_list(convert, allowed=None, bound=None):
       except ValueError:
         raise click.BadParameter('%r is not a valid item of a comma-separated '
                                  'list, e.g. %s.' % (text, param.default)) from None
-      if allowed is not None and item not in allowed:
-        raise click.BadParameter('%r is not one of %s.' % (item, ', '.join(allowed)))
-      if bound is not None and not bound[0] <= item <= bound[1]:
-        raise click.BadParameter('%r is not between %d and %d.' % (item, *bound))
+      if item not in allowed:
+        raise click.BadParameter(refusal % item)
       if item not in items:
         items.append(item)
     return tuple(items)
@@ -644,10 +638,11 @@ def _comma_list(convert, allowed=None, bound=None):
 
 @cli.command()
 @_option('--impl impls', None, 'legacy,modern', 'Trainers to measure, comma-separated.',
-         callback=_comma_list(str, allowed=('legacy', 'modern')))
+         callback=_comma_list(str, ('legacy', 'modern'), '%r is not one of legacy, modern.'))
 @_option('--num_gpus', None, '1,2', 'Tower counts, comma-separated; without GPUs the CPU is '
          'split into that many logical devices.',
-         callback=_comma_list(int, bound=(1, devices.MAX_TOWERS)))
+         callback=_comma_list(int, range(1, devices.MAX_TOWERS + 1),
+                              '%%r is not between 1 and %d.' % devices.MAX_TOWERS))
 @_batch_size('Images per tower per step.')
 @_data_dir('CIFAR-10 data to train on; default: generated data of CIFAR-10\'s size in a '
            'temporary directory.', None, None)
@@ -734,12 +729,12 @@ def _generate(data_dir, generator, force, write):
   """
   from cifar10_towers.common import generated
   marker = generated.read(data_dir)
+  what = ('data not marked as generated (CIFAR-10, or your own)' if marker is None
+          else generated.describe(marker))
   replacing = ''
   if marker is not None and marker['generator'] == generator:
-    replacing = ', replacing the %s there' % generated.describe(marker)
+    replacing = ', replacing the %s there' % what
   elif marker is not None or generated.holds_data(data_dir):
-    what = ('data not marked as generated (CIFAR-10, or your own)' if marker is None
-            else generated.describe(marker))
     if not force:
       raise click.ClickException(
           '%s holds %s; left it as it is. Pass --force to replace it with '
@@ -807,15 +802,15 @@ def check(data_dir):
     click.echo('%s: %d records, ok' % (name, count))
   for problem in problems:
     logger.warning(problem)
-  if problems and marker is not None:
-    raise click.ClickException('%d problem(s) in %s (%s). Regenerate it (`%s`).' % (
-        len(problems), data_dir, generated.describe(marker), generated.command(marker)
-        or prog.command('data %s --data_dir %s' % (marker['generator'], data_dir))))
-  if problems:
+  if problems and marker is None:
     raise click.ClickException(
         '%d problem(s) in %s. Re-download (`%s`) or regenerate (`%s`).'
         % (len(problems), data_dir, prog.command('data download'),
            prog.command('data synth --force')))
+  if problems:
+    raise click.ClickException('%d problem(s) in %s (%s). Regenerate it (`%s`).' % (
+        len(problems), data_dir, generated.describe(marker), generated.command(marker)
+        or prog.command('data %s --data_dir %s' % (marker['generator'], data_dir))))
   click.echo('%s: all %d files are valid%s.' % (
       data_dir, len(counts),
       '' if marker is None else ' %s, not CIFAR-10' % generated.describe(marker)))
