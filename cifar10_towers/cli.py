@@ -243,10 +243,9 @@ def _optimizer_from(options):
 def _train(impl, run_crosscheck, **options):
   """`legacy` and `modern`: checks what it can before TensorFlow, then trains."""
   optimizer = _optimizer_from(options)
-  stop = click.get_current_context().obj
   # Until the first step nothing is written, so there a stop ends the run at
   # once (training.Stopped, which _Group.invoke reports).
-  with stop.raising():
+  with click.get_current_context().obj.raising():
     _check_train_dir(options['train_dir'])
     if impl == 'modern':
       _check_distribution(run_crosscheck=run_crosscheck, **options)
@@ -257,7 +256,7 @@ def _train(impl, run_crosscheck, **options):
     from cifar10_towers.common import memory  # refuse what cannot fit, before building
     memory.check_training(impl, plan, config.batch_size, config.data_dir)
     if run_crosscheck:
-      _crosscheck(plan, optimizer, config.strategy, config.batch_size,
+      _crosscheck(plan, optimizer, config.strategy, batch_size=config.batch_size,
                   seed=config.seed or 0, data_dir=config.data_dir)
     if impl == 'legacy':
       from cifar10_towers.legacy import train as trainer
@@ -496,15 +495,16 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
                  interval_secs=None if run_once else eval_interval_secs, eval_dir=eval_dir)
 
 
-def _crosscheck(plan, optimizer, strategy, batch_size, steps=5, seed=0, data_dir=None,
-                decay_steps=2, dump=None, rtol=None):
-  """Runs the cross-check, prints its tables; ClickException (exit 1) if it fails."""
+def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
+  """Runs the cross-check, prints its tables; ClickException (exit 1) if it fails.
+
+  run_args: crosscheck.run's batch_size, steps, seed, data_dir, decay_steps.
+  """
   from cifar10_towers import crosscheck as crosscheck_lib
   engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
   reports, images, labels, init = crosscheck_lib.run(
-      plan, batch_size=batch_size, steps=steps, seed=seed, data_dir=data_dir,
-      decay_steps=decay_steps, engines=engines, optimizer=optimizer,
-      tolerances=None if rtol is None else {'grad_rtol': rtol})
+      plan, engines=engines, optimizer=optimizer,
+      tolerances=None if rtol is None else {'grad_rtol': rtol}, **run_args)
   for engine, report in reports.items():
     click.echo('legacy vs modern (%s):\n%s' % (engine, crosscheck_lib.format_report(report)))
   if dump:
@@ -592,10 +592,10 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 
 
 @cli.command()
-@_option('--from_dir', _DIR, None,
-         'A train_dir of either trainer; its newest checkpoint is converted.', required=True)
-@_option('--to_dir', click.Path(), None, 'A new or empty directory, outside --from_dir, for '
-         'the other trainer\'s checkpoint.', required=True)
+@click.option('--from_dir', type=_DIR, required=True,  # no default: required is checked
+              help='A train_dir of either trainer; its newest checkpoint is converted.')
+@click.option('--to_dir', type=click.Path(), required=True, help='A new or empty directory, '
+              'outside --from_dir, for the other trainer\'s checkpoint.')
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
 
