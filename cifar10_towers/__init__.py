@@ -1,4 +1,4 @@
-"""cifar10-towers: the classic TF CIFAR-10 multi-GPU trainer, its TF2 rewrite, and the proof they agree.
+"""cifar10-towers: the TF CIFAR-10 multi-GPU trainer, its TF2 rewrite, and the proof they agree.
 
 One package namespace: cifar10_towers.legacy, .modern, .common, .towerprofile,
 and the commands' modules .cli, .crosscheck, .convert and .bench. An install
