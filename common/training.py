@@ -134,25 +134,22 @@ class Heartbeat:
     self._after = HEARTBEAT_AFTER if after is None else after
     self._every = HEARTBEAT_EVERY if every is None else every
     self._done = threading.Event()
-    self._thread = None
+    self._thread = threading.Thread(target=self._run, name='heartbeat', daemon=True)
     self.beats = 0  # lines printed
 
   def __enter__(self):
-    self._start = time.monotonic()
-    self._thread = threading.Thread(target=self._run, name='heartbeat', daemon=True)
     self._thread.start()
     return self
 
   def __exit__(self, *exc):
     self._done.set()
     self._thread.join()
-    return False
 
   def _run(self):
-    wait = self._after
+    start, wait = time.monotonic(), self._after
     while not self._done.wait(wait):
       try:
-        logger.info(self._message(int(time.monotonic() - self._start)))
+        logger.info(self._message(int(time.monotonic() - start)))
       except Exception:  # pylint: disable=broad-except
         return
       self.beats += 1
