@@ -278,19 +278,15 @@ def _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer):
   results, seen, said = [], set(), set()
   waiting = False
   current = None  # the checkpoint being evaluated, for the stop line
-
-  def say(note):
-    if note not in said:
-      said.add(note)
-      logger.warning(note)
-
   while not stop.requested and (max_evals is None or len(results) < max_evals):
     found = checkpoints.newest_intact(checkpoint_dir)
     # A loop beside a trainer sees its saves in progress: those go unsaid.
     for note in checkpoints.skip_notes(found, checkpoint_dir,
                                        'evaluating the newest intact checkpoint',
                                        unfinished=once):
-      say(note)
+      if note not in said:
+        said.add(note)
+        logger.warning(note)
     contents = found.contents
     if contents is None:
       if once:

@@ -96,12 +96,10 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       coord = tf.train.Coordinator()
       threads = tf.train.start_queue_runners(sess=sess, coord=coord)
       true_count = total_count = 0
-      stopped = False
       try:
         while total_count < num_examples and not coord.should_stop():
           if should_stop and should_stop():
-            stopped = True
-            break
+            return None
           predictions = sess.run(top_k_op)
           # Only the first num_examples records count.
           predictions = predictions[:num_examples - total_count]
@@ -113,8 +111,6 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
         pass  # the epoch is over: every record was seen once
       finally:
         inputs.stop_queue_threads(sess, coord, threads, close_queues)
-  if stopped:
-    return None
   if total_count != num_examples:
     raise EvalError('evaluated %d of %d test records from %s; the input '
                     'ended early.' % (total_count, num_examples, data_dir))
