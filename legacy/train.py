@@ -26,7 +26,6 @@ from cifar10_towers.common import lock
 from cifar10_towers.common import lrn as lrn_lib
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
-from cifar10_towers.common import progress
 from cifar10_towers.common import training
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
