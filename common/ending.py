@@ -16,7 +16,7 @@ from cifar10_towers.common import stderr_filter
 
 
 def say(line):
-  """Writes the one ending line of a run to the real stderr (past the noise filter); never raises."""
+  """Writes a run's one ending line to the real stderr (past the noise filter); never raises."""
   progress.end_line()  # on a fresh line, after a log line left open on a terminal
   stderr_filter.say(line)
 

@@ -18,6 +18,7 @@ evaluated.
 """
 
 import collections
+import contextlib
 import datetime
 import errno
 import logging
@@ -59,14 +60,16 @@ class EvalDirError(errors.Failure):
 
 
 class PrecisionWriter:
-  """Writes 'Precision @ 1' to eval_dir at each checkpoint's global step.
+  """A context writing 'Precision @ 1' to eval_dir at each checkpoint's global step.
 
-  One event file per writer, opened at the first point and flushed after each,
-  so TensorBoard shows a point as soon as its evaluation ends. Event files
-  already in eval_dir are kept: a new writer adds its own file beside them,
-  and TensorBoard shows the points of all of them as one series.
-  Every failure to write is an EvalDirError; nothing outside eval_dir is
-  touched.
+  Entering creates eval_dir if missing and proves a file can be made in it;
+  leaving closes the event file (quietly when an error is on its way, which
+  says what went wrong). One event file per writer, opened at the first
+  point and flushed after each, so TensorBoard shows a point as soon as its
+  evaluation ends. Event files already in eval_dir are kept: a new writer
+  adds its own file beside them, and TensorBoard shows the points of all of
+  them as one series. Every failure to write is an EvalDirError; nothing
+  outside eval_dir is touched.
   """
   # Deviation from upstream: eval_dir is never deleted; new points are added.
   # Deviation from upstream: upstream also wrote the model's summaries by
@@ -76,23 +79,18 @@ class PrecisionWriter:
     self.eval_dir = eval_dir
     self._writer = None
 
-  def check(self):
-    """Creates eval_dir if missing and proves a file can be made in it.
-
-    Raises:
-      EvalDirError: a file is in the way, or eval_dir is not writable.
-    """
+  def __enter__(self):
     in_the_way = _file_in_the_way(self.eval_dir)
     if in_the_way is not None:
-      raise self._error('%s is a file, not a directory' % in_the_way,
-                        'Move that file')
+      raise self._error('%s is a file, not a directory' % in_the_way, 'Move that file')
     try:
       os.makedirs(self.eval_dir, exist_ok=True)
       # An unnamed file, gone when closed: eval_dir is left as it was.
       with tempfile.TemporaryFile(dir=self.eval_dir):
         pass
     except OSError as e:
-      raise self._error(e.strerror or str(e), _advice(e.strerror or '')) from None
+      raise self._error(e.strerror or str(e)) from None
+    return self
 
   def write(self, precision, global_step):
     """Adds one point, flushed to disk.
@@ -115,33 +113,31 @@ class PrecisionWriter:
               os.remove(path)
           except OSError:
             pass
-        cause = checkpoints.reason(e).rsplit('; ', 1)[-1]
-        raise self._error(cause, _advice(cause)) from None
+        raise self._error(e) from None
     try:
       with self._writer.as_default():
         tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
       self._writer.flush()
     except (tf.errors.OpError, OSError) as e:
-      cause = checkpoints.reason(e).rsplit('; ', 1)[-1]
-      raise self._error(cause, _advice(cause)) from None
+      raise self._error(e) from None
 
-  def close(self, quiet=False):
-    """Closes the event file; quiet: ignore a failure (another error is on its way)."""
+  def __exit__(self, exc_type, *exc):
     if self._writer is not None:
-      writer, self._writer = self._writer, None
       try:
-        writer.close()
+        self._writer.close()
       except (tf.errors.OpError, OSError) as e:
-        if quiet:
-          return
-        cause = checkpoints.reason(e).rsplit('; ', 1)[-1]
-        raise self._error(cause, _advice(cause)) from None
+        if exc_type is None:
+          raise self._error(e) from None
+    return False
 
-  def _error(self, cause, advice):
+  def _error(self, cause, advice=None):
+    """EvalDirError of `cause` (a line, or the exception saying it)."""
+    if isinstance(cause, Exception):
+      cause = checkpoints.reason(cause).rsplit('; ', 1)[-1]
     return EvalDirError(
         'could not write %s to --eval_dir %s (%s). %s, or pass another '
         '--eval_dir; the checkpoints are untouched.'
-        % (PRECISION_TAG, self.eval_dir, cause, advice))
+        % (PRECISION_TAG, self.eval_dir, cause, advice or _advice(cause)))
 
 
 def _event_files(directory):
@@ -172,14 +168,8 @@ def _advice(cause):
 
 def write_precision(eval_dir, precision, global_step):
   """One 'Precision @ 1' point in eval_dir (created if missing); see PrecisionWriter."""
-  writer = PrecisionWriter(eval_dir)
-  writer.check()
-  try:
+  with PrecisionWriter(eval_dir) as writer:
     writer.write(precision, global_step)
-  except BaseException:
-    writer.close(quiet=True)
-    raise
-  writer.close()
 
 
 def evaluate_newest(checkpoint_dir, evaluate, missing, eval_dir=None):
@@ -278,19 +268,9 @@ def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval
       intact checkpoint; the message says why and what to do.
     EvalDirError: eval_dir cannot be written.
   """
-  writer = None
-  if eval_dir is not None:
-    writer = PrecisionWriter(eval_dir)
-    writer.check()
-  try:
-    results = _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer)
-  except BaseException:
-    if writer is not None:
-      writer.close(quiet=True)  # the error on its way says what went wrong
-    raise
-  if writer is not None:
-    writer.close()
-  return results
+  with (PrecisionWriter(eval_dir) if eval_dir is not None
+        else contextlib.nullcontext()) as writer:
+    return _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer)
 
 
 def _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer):
@@ -298,19 +278,15 @@ def _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer):
   results, seen, said = [], set(), set()
   waiting = False
   current = None  # the checkpoint being evaluated, for the stop line
-
-  def say(note):
-    if note not in said:
-      said.add(note)
-      logger.warning(note)
-
   while not stop.requested and (max_evals is None or len(results) < max_evals):
     found = checkpoints.newest_intact(checkpoint_dir)
     # A loop beside a trainer sees its saves in progress: those go unsaid.
     for note in checkpoints.skip_notes(found, checkpoint_dir,
                                        'evaluating the newest intact checkpoint',
                                        unfinished=once):
-      say(note)
+      if note not in said:
+        said.add(note)
+        logger.warning(note)
     contents = found.contents
     if contents is None:
       if once:

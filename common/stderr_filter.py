@@ -34,6 +34,7 @@ KNOWN = re.compile('|'.join([
 # has been passed on when the reader reaches it.
 _SYNC = b'\x00cifar10-towers stderr filter: sync\x00'
 _END = b'\x00cifar10-towers stderr filter: end\x00'
+_MARKS = re.compile(re.escape(_SYNC) + b'|' + re.escape(_END))
 _state = None  # _Filter while installed
 _lock = threading.Lock()
 
@@ -57,14 +58,10 @@ class _Filter:
         if not chunk:
           break
         pending += chunk
-        while True:
-          marks = [(pending.find(m), m) for m in (_SYNC, _END) if m in pending]
-          if not marks:
-            break
-          at, mark = min(marks)
-          self._pass(pending[:at], whole=True)
-          pending = pending[at + len(mark):]
-          if mark == _END:
+        while mark := _MARKS.search(pending):
+          self._pass(pending[:mark.start()], whole=True)
+          pending = pending[mark.end():]
+          if mark.group() == _END:
             return
           self.synced.set()
         *lines, pending = pending.split(b'\n')

@@ -13,6 +13,7 @@ import time
 from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
+from cifar10_towers.common import progress
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,39 @@ class LogWindow:
     return log_line(step, loss, examples_per_sec, sec_per_batch, max_steps)
 
 
+class StepLog:
+  """What both training loops do after each step: upstream's log line every
+  `log_every` steps (LogWindow's means) and the `on_step` hook.
+
+  Args:
+    config: common.config.TrainConfig (log_every, max_steps).
+    images: int, the images of one step over all replicas.
+    on_step: optional callable(step, seconds, images) after every step (bench
+      paces itself with it).
+    speaks: bool, this process logs the lines (with peers, the chief alone).
+  """
+
+  def __init__(self, config, images, on_step=None, speaks=True):
+    self.window = LogWindow()
+    self._config, self._images, self._on_step, self._speaks = config, images, on_step, speaks
+
+  def add(self, step, loss, seconds, extra, step_seconds=None):
+    """Step `step` done: its loss, its seconds for the line (`extra`: see
+    LogWindow) and, if other, for `on_step`."""
+    self.window.add(seconds, self._images, extra)
+    if step % self._config.log_every == 0 and self._speaks:
+      logger.info(self.window.line(step, loss, self._config.max_steps),
+                  extra=progress.IN_PLACE)
+    if self._on_step is not None:
+      self._on_step(step, seconds if step_seconds is None else step_seconds, self._images)
+
+
+def summaries_lost(write_dir, error):
+  """Warns that the last TensorBoard summaries are lost (e.g. disk full; checkpoints decide)."""
+  logger.warning('could not write the last TensorBoard summaries to %s (%s).',
+                 write_dir, str(error).strip().splitlines()[0])
+
+
 # Long waits (the first step: the shuffle queue or buffer filling, the step
 # being traced) say what they are doing after this many seconds, then again
 # every HEARTBEAT_EVERY; a wait shorter than that prints nothing.
@@ -100,25 +134,22 @@ class Heartbeat:
     self._after = HEARTBEAT_AFTER if after is None else after
     self._every = HEARTBEAT_EVERY if every is None else every
     self._done = threading.Event()
-    self._thread = None
+    self._thread = threading.Thread(target=self._run, name='heartbeat', daemon=True)
     self.beats = 0  # lines printed
 
   def __enter__(self):
-    self._start = time.monotonic()
-    self._thread = threading.Thread(target=self._run, name='heartbeat', daemon=True)
     self._thread.start()
     return self
 
   def __exit__(self, *exc):
     self._done.set()
     self._thread.join()
-    return False
 
   def _run(self):
-    wait = self._after
+    start, wait = time.monotonic(), self._after
     while not self._done.wait(wait):
       try:
-        logger.info(self._message(int(time.monotonic() - self._start)))
+        logger.info(self._message(int(time.monotonic() - start)))
       except Exception:  # pylint: disable=broad-except
         return
       self.beats += 1
@@ -278,6 +309,15 @@ def finished_line(train_dir, path, data_dir):
                                 % (train_dir, data_dir))))
 
 
+def report_end(signal_name, step, path, config):
+  """The last line of a run at `step`, `path` saved: stopped by `signal_name`
+  (the ending line, on stderr), or done (None)."""
+  if signal_name:
+    ending.say(stopped_line(signal_name, step, path))
+  else:
+    logger.info(finished_line(config.train_dir, path, config.data_dir))
+
+
 def nothing_to_train(step, max_steps, train_dir):
   """The line of a run whose train_dir already holds max_steps steps."""
   return ('Global step %d in %s already reached max_steps %d; nothing to train '
@@ -316,7 +356,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in (
 
 
 class StopRequest:
-  """A stop signal (STOP_SIGNALS) as a request to stop: a flag at step boundaries, and at once where blocked.
+  """A stop signal (STOP_SIGNALS) as a request to stop: a flag at step boundaries,
+  and at once where blocked.
 
   Use as a context manager around everything a signal should stop cleanly. The
   loop checks `requested` at each step boundary and stops there with a
@@ -344,48 +385,45 @@ class StopRequest:
   thread it installs nothing.
   """
 
-  SIGNALS = STOP_SIGNALS
   # The signal that stopped the last loop in this process ('SIGINT',
   # 'SIGUSR1', ...), or None; the CLI turns it into the exit status 128 + number.
   last_signal = None
-  _active = None  # the outermost entered StopRequest's _State, or None
+  _active = None  # the outermost entered StopRequest, or None
 
   def __init__(self):
-    self._state = None
-    self._owner = False
+    self.event = threading.Event()
+    self.lock = threading.Lock()
+    self.running = threading.Lock()  # held while while_blocked callbacks run
+    self.signal_name = None  # the signal's name ('SIGINT', ...) once requested
+    self.callbacks = []  # while_blocked callbacks, innermost last
+    self.raising_depth = 0  # depth of `raising` blocks (main thread only)
+    self._raised = False  # a `raising` block has raised Stopped
+    self._previous = {}  # signal -> its handler before `install`
+    self._watcher = None
 
   def __enter__(self):
     if StopRequest._active is not None:
-      self._state = StopRequest._active  # nested: share the outer request
-      return self
-    self._state = _State()
-    self._owner = True
+      return StopRequest._active  # nested: share the outer request
     StopRequest.last_signal = None
     if threading.current_thread() is threading.main_thread():
-      self._state.install()
-    StopRequest._active = self._state
+      self._install()
+    StopRequest._active = self
     return self
 
   def __exit__(self, *exc):
-    if self._owner:
+    if StopRequest._active is self:
       StopRequest._active = None
-      self._state.uninstall()
-      self._owner = False
+      self._uninstall()
     return False
 
   @property
   def requested(self):
-    """True once a signal (or `request`) asked to stop."""
-    return self._state is not None and self._state.event.is_set()
-
-  @property
-  def signal_name(self):
-    """The signal's name ('SIGINT', 'SIGUSR1', ...) once requested; None before."""
-    return self._state.signal_name if self._state else None
+    """True once a signal asked to stop."""
+    return self.event.is_set()
 
   def wait(self, timeout):
     """Sleeps up to `timeout` seconds, waking early on a stop; True if one came."""
-    return self._state.event.wait(timeout)
+    return self.event.wait(timeout)
 
   @contextlib.contextmanager
   def while_blocked(self, callback):
@@ -400,18 +438,17 @@ class StopRequest:
     block: leaving it waits for a callback still running, so the callback
     may use what the block's owner closes after the block (a Session).
     """
-    state = self._state
-    if state.event.is_set():
-      with state.running:
-        _run_callback(callback, state.signal_name)
-    with state.lock:
-      state.callbacks.append(callback)
+    if self.event.is_set():
+      with self.running:
+        _run_callback(callback, self.signal_name)
+    with self.lock:
+      self.callbacks.append(callback)
     try:
       yield
     finally:
-      with state.lock:
-        state.callbacks.remove(callback)
-      with state.running:  # a callback started before the removal has ended
+      with self.lock:
+        self.callbacks.remove(callback)
+      with self.running:  # a callback started before the removal has ended
         pass
 
   @contextlib.contextmanager
@@ -426,85 +463,55 @@ class StopRequest:
     as soon as a call into C++ returns. Raises at entry if a stop came
     before. Blocks nest; outside the main thread nothing is raised.
     """
-    state = self._state
-    if state.event.is_set():
-      raise Stopped(state.signal_name)
-    state.raising += 1
+    if self.event.is_set():
+      raise Stopped(self.signal_name)
+    self.raising_depth += 1
     try:
       yield
     finally:
-      state.raising -= 1
+      self.raising_depth -= 1
 
-
-def _run_callback(callback, name):
-  try:
-    callback(name)
-  except Exception as e:  # pylint: disable=broad-except
-    logger.warning('while stopping: %s: %s', type(e).__name__, e)
-
-
-class _State:
-  """What one stop request holds; the handlers and the watcher thread share it."""
-
-  def __init__(self):
-    self.event = threading.Event()
-    self.lock = threading.Lock()
-    self.running = threading.Lock()  # held while while_blocked callbacks run
-    self.signal_name = None
-    self.callbacks = []  # while_blocked callbacks, innermost last
-    self.raising = 0  # depth of `raising` blocks (main thread only)
-    self._received = 0  # signals the watcher has seen
-    self._raised = False  # a `raising` block has raised Stopped
-    self._previous_handlers = {}
-    self._previous_wakeup_fd = -1
-    self._reader = self._writer = None
-    self._watcher = None
-
-  def install(self):
-    for sig in StopRequest.SIGNALS:
-      if signal.getsignal(sig) == signal.SIG_IGN:  # nohup: it stays ignored
-        continue
-      self._previous_handlers[sig] = signal.signal(sig, self._handle)
+  def _install(self):
+    for sig in STOP_SIGNALS:
+      if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
+        self._previous[sig] = signal.signal(sig, self._handle)
     self._reader, self._writer = socket.socketpair()
-    self._reader.setblocking(True)
     self._writer.setblocking(False)
     self._previous_wakeup_fd = signal.set_wakeup_fd(
         self._writer.fileno(), warn_on_full_buffer=False)
-    self._watcher = threading.Thread(target=self._watch, name='stop-request',
-                                     daemon=True)
+    self._watcher = threading.Thread(target=self._watch, name='stop-request', daemon=True)
     self._watcher.start()
 
-  def uninstall(self):
-    if self._watcher is None and not self._previous_handlers:
+  def _uninstall(self):
+    if self._watcher is None:
       return
     signal.set_wakeup_fd(self._previous_wakeup_fd)
-    for sig, handler in self._previous_handlers.items():
+    for sig, handler in self._previous.items():
       # None: a handler not set from Python, i.e. the default.
       signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-    self._previous_handlers.clear()
     self._writer.close()  # the watcher's recv returns b'': it ends
     self._watcher.join(timeout=5)
     self._reader.close()
     self._watcher = None
 
-  def stop(self, name):
+  def _stop(self, signum):
+    name = signal.Signals(signum).name
+    StopRequest.last_signal = StopRequest.last_signal or name
     with self.lock:
-      if self.signal_name is None:
-        self.signal_name = name
+      self.signal_name = self.signal_name or name
       self.event.set()
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
     # The main thread's handler: marks the request, and raises in a
     # `raising` block (the watcher counts signals and runs callbacks; it saw
     # this one already or is about to).
-    name = signal.Signals(signum).name
-    StopRequest.last_signal = StopRequest.last_signal or name
-    self.stop(name)
-    if self.raising and not self._raised:  # once: not again in its unwinding
+    self._stop(signum)
+    if self.raising_depth and not self._raised:  # once: not again in its unwinding
       self._raised = True
       raise Stopped(self.signal_name)
 
   def _watch(self):
+    received = 0
     while True:
       try:
         data = self._reader.recv(64)
@@ -512,17 +519,13 @@ class _State:
         return
       if not data:
         return
-      for signum in data:
-        if signum not in [int(s) for s in StopRequest.SIGNALS]:
-          continue
-        self._received += 1
+      for signum in (s for s in data if s in STOP_SIGNALS):
+        received += 1
         name = signal.Signals(signum).name
-        if self._received > 1:
-          ending.exit_now(128 + signum, '%s again: stopping at once, without '
-                          'saving; the steps since the last checkpoint are '
-                          'lost.' % name)
-        StopRequest.last_signal = StopRequest.last_signal or name
-        self.stop(name)
+        if received > 1:
+          ending.exit_now(128 + signum, '%s again: stopping at once, without saving; the '
+                          'steps since the last checkpoint are lost.' % name)
+        self._stop(signum)
         # On a thread of their own, so that this one stays free to end the
         # process on a second signal even if a callback blocks.
         threading.Thread(target=self._run_callbacks, args=(name,),
@@ -534,6 +537,13 @@ class _State:
         callbacks = list(self.callbacks)
       for callback in reversed(callbacks):
         _run_callback(callback, name)
+
+
+def _run_callback(callback, name):
+  try:
+    callback(name)
+  except Exception as e:  # pylint: disable=broad-except
+    logger.warning('while stopping: %s: %s', type(e).__name__, e)
 
 
 def exit_status(signal_name):

@@ -16,19 +16,7 @@ from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
 
 
-EvalCounts = evaluation.EvalCounts  # (true_count, total_count, global_step)
-
-
 EvalError = evaluation.EvalError  # one class, common to both evaluators
-
-
-
-def _read(checkpoint_path):
-  """The checkpoint's Contents; EvalError if it cannot be read whole."""
-  try:
-    return checkpoints.read(checkpoint_path)
-  except checkpoints.CheckpointError as e:
-    raise EvalError('cannot read checkpoint %s: %s' % (checkpoint_path, e)) from e
 
 
 def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -43,15 +31,18 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
       records (in file order); None or more than the file holds means all.
 
   Returns:
-    EvalCounts.
+    common.evaluation.EvalCounts.
 
   Raises:
     common.cifar10_format.DataError: the test file is missing or malformed.
     EvalError: the checkpoint cannot be read, is a modern one, or does not
       hold this model's moving averages.
   """
-  return evaluate_contents(_read(checkpoint_path), data_dir, batch_size,
-                           num_examples)
+  try:
+    contents = checkpoints.read(checkpoint_path)
+  except checkpoints.CheckpointError as e:
+    raise EvalError('cannot read checkpoint %s: %s' % (checkpoint_path, e)) from e
+  return evaluate_contents(contents, data_dir, batch_size, num_examples)
 
 
 def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -75,11 +66,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
         '%s is a modern (tf.train.Checkpoint) checkpoint; evaluate it with '
         'the modern evaluator.' % contents.path)
   available = cifar10_format.num_examples(cifar10_format.eval_files(data_dir))
-  if num_examples is not None and num_examples < 1:
-    raise ValueError('num_examples must be >= 1, got %d' % num_examples)
   num_examples = min(num_examples or available, available)
-  should_stop = should_stop or (lambda: False)
-  progress = progress or (lambda records_done: None)
 
   with tf.Graph().as_default() as graph:
     # One epoch in file order (one reader thread), the last batch smaller.
@@ -109,45 +96,38 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       coord = tf.train.Coordinator()
       threads = tf.train.start_queue_runners(sess=sess, coord=coord)
       true_count = total_count = 0
-      stopped = False
       try:
         while total_count < num_examples and not coord.should_stop():
-          if should_stop():
-            stopped = True
-            break
+          if should_stop and should_stop():
+            return None
           predictions = sess.run(top_k_op)
           # Only the first num_examples records count.
           predictions = predictions[:num_examples - total_count]
           true_count += int(predictions.sum())
           total_count += len(predictions)
-          progress(total_count)
+          if progress:
+            progress(total_count)
       except tf.errors.OutOfRangeError:
         pass  # the epoch is over: every record was seen once
       finally:
         inputs.stop_queue_threads(sess, coord, threads, close_queues)
-  if stopped:
-    return None
   if total_count != num_examples:
     raise EvalError('evaluated %d of %d test records from %s; the input '
                     'ended early.' % (total_count, num_examples, data_dir))
-  return EvalCounts(true_count, total_count, global_step)
+  return evaluation.EvalCounts(true_count, total_count, global_step)
 
 
 def _load(sess, variables_to_restore, contents):
   """Loads each variable from its checkpoint key (its shadow's name)."""
   for key, variable in sorted(variables_to_restore.items()):
-    if key not in contents.tensors:
-      raise EvalError(
-          '%s does not hold the moving averages of this model (no %s). Point '
-          '--checkpoint_dir at a train_dir written by `legacy`.'
-          % (contents.path, key))
-    value = contents.tensors[key]
-    if tuple(value.shape) != tuple(variable.shape.as_list()):
-      raise EvalError(
-          '%s does not hold the moving averages of this model (%s has shape %s, '
-          'this model %s). Point --checkpoint_dir at a train_dir written by '
-          '`legacy`.' % (contents.path, key, list(value.shape),
-                         variable.shape.as_list()))
+    value = contents.tensors.get(key)
+    shape = variable.shape.as_list()
+    if value is None or list(value.shape) != shape:
+      problem = ('no %s' % key if value is None else
+                 '%s has shape %s, this model %s' % (key, list(value.shape), shape))
+      raise EvalError('%s does not hold the moving averages of this model (%s). Point '
+                      '--checkpoint_dir at a train_dir written by `legacy`.'
+                      % (contents.path, problem))
     variable.load(value, sess)
 
 

@@ -36,13 +36,15 @@ def read_cifar10(filename_queue):
       uint8image: uint8 [32, 32, 3] (height, width, depth).
       height, width, depth: 32, 32, 3.
   """
-  reader = tf.FixedLengthRecordReader(
-      record_bytes=cifar10_format.RECORD_BYTES,
-      header_bytes=0, footer_bytes=0)
-  key, value = reader.read(filename_queue)
+  key, value = _reader().read(filename_queue)
   uint8image, label = preprocess.decode_record(value)
   return CIFAR10Record(key, label, uint8image, cifar10_format.HEIGHT,
                        cifar10_format.WIDTH, cifar10_format.DEPTH)
+
+
+def _reader():
+  return tf.FixedLengthRecordReader(record_bytes=cifar10_format.RECORD_BYTES,
+                                    header_bytes=0, footer_bytes=0)
 
 
 def _generate_image_and_label_batch(image, label, min_queue_examples,
@@ -70,19 +72,14 @@ def _generate_image_and_label_batch(image, label, min_queue_examples,
       `allow_smaller_final_batch`).
     labels: int32 [batch_size] (or [None]).
   """
-  capacity = min_queue_examples + 3 * batch_size
+  kwargs = dict(batch_size=batch_size, num_threads=num_threads,
+                capacity=min_queue_examples + 3 * batch_size,
+                allow_smaller_final_batch=allow_smaller_final_batch, enqueue_many=enqueue_many)
   if shuffle:
     images, label_batch = tf.train.shuffle_batch(
-        [image, label], batch_size=batch_size, num_threads=num_threads,
-        capacity=capacity, min_after_dequeue=min_queue_examples, seed=seed,
-        allow_smaller_final_batch=allow_smaller_final_batch,
-        enqueue_many=enqueue_many)
+        [image, label], min_after_dequeue=min_queue_examples, seed=seed, **kwargs)
   else:
-    images, label_batch = tf.train.batch(
-        [image, label], batch_size=batch_size, num_threads=num_threads,
-        capacity=capacity,
-        allow_smaller_final_batch=allow_smaller_final_batch,
-        enqueue_many=enqueue_many)
+    images, label_batch = tf.train.batch([image, label], **kwargs)
 
   # Display the training images in the visualizer.
   tf.summary.image('images', images)
@@ -119,10 +116,7 @@ def distorted_inputs(data_dir, batch_size,
     # with them) and enqueues them together; upstream ran the Session once
     # per image, and that per-run overhead was most of the input's CPU time
     # (docs/performance.md).
-    reader = tf.FixedLengthRecordReader(
-        record_bytes=cifar10_format.RECORD_BYTES,
-        header_bytes=0, footer_bytes=0)
-    _, records = reader.read_up_to(filename_queue, RECORDS_PER_READ)
+    _, records = _reader().read_up_to(filename_queue, RECORDS_PER_READ)
     uint8images, labels = preprocess.decode_records(records)
     float_images = preprocess.distort_images(uint8images)
 
@@ -156,10 +150,7 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
   Raises:
     common.cifar10_format.DataError: a data file is missing or malformed.
   """
-  if eval_data:
-    filenames = cifar10_format.eval_files(data_dir)
-  else:
-    filenames = cifar10_format.train_files(data_dir)
+  filenames = (cifar10_format.eval_files if eval_data else cifar10_format.train_files)(data_dir)
   num_examples_per_epoch = cifar10_format.num_examples(filenames)
 
   with tf.name_scope('input'):
@@ -192,14 +183,21 @@ def close_queue_ops():
           for qr in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)]
 
 
-def stop_queue_threads(sess, coord, threads, close_queues):
-  """Stops and joins every queue-runner thread; re-raises what they raised."""
-  coord.request_stop()
-  # Closing with cancel_pending_enqueues wakes enqueue threads blocked on a
-  # full queue, so none of them outlives the session.
-  for close in close_queues:
+def close_queues(sess, close_ops):
+  """Runs each op of `close_queue_ops`, in the order given; a queue closed already is no error.
+
+  Closing with cancel_pending_enqueues wakes enqueue threads blocked on a
+  full queue, so none of them outlives the session.
+  """
+  for close in close_ops:
     try:
       sess.run(close)
-    except tf.errors.OpError:
+    except (tf.errors.OpError, RuntimeError):  # RuntimeError: the session is closed
       pass
+
+
+def stop_queue_threads(sess, coord, threads, close_ops):
+  """Stops and joins every queue-runner thread; re-raises what they raised."""
+  coord.request_stop()
+  close_queues(sess, close_ops)
   coord.join(threads, stop_grace_period_secs=STOP_GRACE_PERIOD_SECS)

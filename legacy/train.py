@@ -26,7 +26,6 @@ from cifar10_towers.common import lock
 from cifar10_towers.common import lrn as lrn_lib
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
-from cifar10_towers.common import progress
 from cifar10_towers.common import training
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
@@ -49,7 +48,6 @@ Towers = collections.namedtuple('Towers', [
 TrainGraph = collections.namedtuple('TrainGraph', [
     'towers',  # Towers
     'saver',  # tf.train.Saver of all global variables
-    'summary_op',  # Towers.summary_op
     'init_op',  # initializes global and local variables
     'close_queues',  # ops closing each queue, cancelling pending enqueues
     'queue_size',  # int32 scalar, the examples in the shuffle queue (progress)
@@ -179,9 +177,6 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
   Returns:
     Towers.
   """
-  if len(tower_batches) > plan.num_towers:
-    raise ValueError('%d tower batches for %d tower devices'
-                     % (len(tower_batches), plan.num_towers))
   # Deviation from upstream: TF1's control flow, as upstream's TF1 had (see _control_flow_v1).
   with tf.device(devices.VARIABLE_DEVICE), _control_flow_v1():
     global_step = tf.train.get_or_create_global_step()
@@ -288,13 +283,10 @@ def session_config(plan, log_device_placement=False):
     plan: common.devices.DevicePlan whose devices the Session must create.
     log_device_placement: bool, log where each op runs.
   """
-  proto = tf.ConfigProto(
-      allow_soft_placement=True,
-      log_device_placement=log_device_placement,
-      # A tf.compat.v1 Session creates only the CPU devices counted here, so
-      # the logical CPU towers of a CPU plan need this.
-      device_count={'CPU': plan.num_cpu_devices})
-  return proto
+  # A tf.compat.v1 Session creates only the CPU devices counted here, so
+  # the logical CPU towers of a CPU plan need this.
+  return tf.ConfigProto(allow_soft_placement=True, log_device_placement=log_device_placement,
+                        device_count={'CPU': plan.num_cpu_devices})
 
 
 def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None):
@@ -403,9 +395,8 @@ def build_train_graph(config, plan, decay_steps,
   with tf.name_scope('input'):
     tower_batches = tower_input_batches(config, num_threads)
     close_queues = inputs.close_queue_ops()
-    shuffle_queues = [runner.queue for runner in tf.get_collection(
-        tf.GraphKeys.QUEUE_RUNNERS) if isinstance(runner.queue, tf.RandomShuffleQueue)]
-    queue_size = shuffle_queues[0].size() if shuffle_queues else None
+    queue_size = next(runner.queue for runner in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)
+                      if isinstance(runner.queue, tf.RandomShuffleQueue)).size()
   towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit,
                         optimizer=config.optimizer)
 
@@ -416,7 +407,7 @@ def build_train_graph(config, plan, decay_steps,
   with tf.name_scope('init'):
     init_op = tf.group(tf.global_variables_initializer(),
                        tf.local_variables_initializer())
-  return TrainGraph(towers, saver, towers.summary_op, init_op, close_queues, queue_size)
+  return TrainGraph(towers, saver, init_op, close_queues, queue_size)
 
 
 def _restore_or_initialize(sess, graph_parts, train_dir, optimizer=optimizer_lib.Optimizer()):
@@ -498,8 +489,7 @@ def _save(saver, sess, config, step):
 def _first_step_progress(sess, graph_parts, fill):
   """The heartbeat line of the first step: the queue's filling, then the step."""
   def message(seconds):
-    held = (int(sess.run(graph_parts.queue_size))
-            if graph_parts.queue_size is not None else fill)
+    held = int(sess.run(graph_parts.queue_size))
     if held < fill:
       return ('Filling the queue: %d of %d examples... %d s'
               % (held, fill, seconds))
@@ -521,7 +511,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   Raises:
     common.training.Stopped: the stop came before this run's first step.
   """
-  towers, saver = graph_parts.towers, graph_parts.saver
+  towers = graph_parts.towers
   # Input threads end with CancelledError when a stop closes the queues
   # under them: that is a clean stop, not an error to re-raise.
   coord = tf.train.Coordinator(clean_stop_exception_types=(
@@ -530,24 +520,22 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   summary_writer = None  # opened after the first step: a stop before it writes nothing
   first_step = last_saved = step
   error = None
-  window = training.LogWindow()
-  images_per_step = config.batch_size * config.num_gpus
+  log = training.StepLog(config, config.batch_size * config.num_gpus, on_step)
 
-  def close_queues(signal_name):  # pylint: disable=unused-argument
+  def save():
+    nonlocal last_saved
+    path = _save(graph_parts.saver, sess, config, step)
+    last_saved = step
+    return path
+
+  try:
     # On the stop request's own thread, while this one may wait in sess.run
     # for a batch: the dequeue then fails with OutOfRangeError. The towers'
     # queue first: a shuffle queue still filling hands out what it holds
     # once closed, and no such batch must reach a tower. (Not
     # coord.request_stop() first: the input threads would close the shuffle
     # queue themselves as they stop.)
-    for close in reversed(graph_parts.close_queues):
-      try:
-        sess.run(close)
-      except (tf.errors.OpError, RuntimeError):
-        pass  # closed already
-
-  try:
-    with stop.while_blocked(close_queues):
+    with stop.while_blocked(lambda _: inputs.close_queues(sess, graph_parts.close_queues[::-1])):
       while (step < config.max_steps and not stop.requested
              and not coord.should_stop()):
         fetches = [towers.train_op, towers.mean_loss, towers.tower_losses]
@@ -555,7 +543,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
         if write_summary:
           # Deviation from upstream: the summaries are fetched with the step;
           # upstream ran them separately, dequeuing batches it never trained on.
-          fetches.append(graph_parts.summary_op)
+          fetches.append(towers.summary_op)
         start_time = time.time()
         # The first step waits for the shuffle queue to fill: tens of seconds,
         # said on stdout past training.HEARTBEAT_AFTER.
@@ -569,22 +557,17 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
             raise
           break  # the stop closed the queues under this step: it did not run
         duration = time.time() - start_time
-        loss_value, tower_loss_values = results[1], results[2]
         # Before `step` counts it: a diverged step is never saved.
-        training.check_divergence(step + 1, tower_loss_values)
+        training.check_divergence(step + 1, results[2])
         # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
         step += 1  # this process is the only one moving global_step
-
         if summary_writer is None:
           summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
-        window.add(duration, images_per_step,
-                   extra=write_summary or step == first_step + 1)
-        if step % config.log_every == 0:
-          # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
-          # Steps writing summaries or checkpoints count only their step (training.LogWindow).
-          logger.info(window.line(step, loss_value, config.max_steps), extra=progress.IN_PLACE)
-        if on_step is not None:
-          on_step(step, duration, images_per_step)
+        # Deviation from upstream: examples/sec and sec/batch are means over the
+        # steps since the last line, not divided by the towers. Steps writing
+        # summaries or checkpoints count only their step (training.LogWindow).
+        log.add(step, results[1], duration,
+                extra=write_summary or step == first_step + 1)
         if write_summary:
           try:
             summary_writer.add_summary(results[3], step)
@@ -592,11 +575,9 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
             raise checkpoints.write_failed(
                 config.train_dir, 'TensorBoard summaries', e) from e
         if step % config.save_every == 0 or step == config.max_steps:
-          _save(saver, sess, config, step)
-          last_saved = step
+          save()
       if stop.requested and last_saved != step:
-        _save(saver, sess, config, step)
-        last_saved = step
+        save()
   except Exception as e:  # pylint: disable=broad-except
     coord.request_stop(e)
     error = e
@@ -610,23 +591,15 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     try:
       if summary_writer is not None:
         summary_writer.close()
-    except (RuntimeError, OSError) as e:  # e.g. disk full; checkpoints decide
-      logger.warning('could not write the last TensorBoard summaries to %s (%s).',
-                     config.train_dir, str(e).strip().splitlines()[0])
+    except (RuntimeError, OSError) as e:
+      training.summaries_lost(config.train_dir, e)
   if error is not None:
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
-    raise ending.failed(error, first_step, step,
-                        lambda: int(sess.run(towers.global_step)), last_saved,
-                        lambda: _save(saver, sess, config, step),
-                        config.train_dir) from error
-  if stop.requested:
-    if step == first_step:
-      raise training.Stopped(stop.signal_name)
-    # The run's one ending line, on stderr.
-    ending.say(training.stopped_line(stop.signal_name, step,
-                                     '%s-%d' % (config.checkpoint_prefix(), step)))
-  else:
-    logger.info(training.finished_line(
-        config.train_dir, '%s-%d' % (config.checkpoint_prefix(), step), config.data_dir))
+    raise ending.failed(error, first_step, step, lambda: int(sess.run(towers.global_step)),
+                        last_saved, save, config.train_dir) from error
+  if stop.requested and step == first_step:
+    raise training.Stopped(stop.signal_name)
+  training.report_end(stop.signal_name, step,
+                      '%s-%d' % (config.checkpoint_prefix(), step), config)
   return step
