@@ -26,10 +26,7 @@ from cifar10_towers.common import training
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
 
-TOWER_NAME = hparams.TOWER_NAME
-
 logger = logging.getLogger(__name__)
-
 
 
 def _displayable(image):
@@ -62,19 +59,16 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
       (see modern.engines.Engine.summary_step); empty for the replica engines.
   """
   # Deviation from upstream: every tower's loss summary is written.
-  tf.summary.scalar(training.MEAN_LOSS_TAG, float(tower_losses.mean()), step=step)
-  for i, value in enumerate(tower_losses):
-    tf.summary.scalar(training.tower_tag(i, 'total_loss'), float(value), step=step)
-  tf.summary.scalar(training.LEARNING_RATE_TAG, lr, step=step)
-  for tag, value in summaries.get('scalars', {}).items():
+  scalars = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr}
+  scalars.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
+  scalars.update(summaries.get('scalars', {}))
+  histograms = {**summaries.get('histograms', {}), **state.variables()}
+  histograms.update((training.average_tag(name), var)
+                    for name, var in state.shadow_variables().items())
+  for tag, value in scalars.items():
     tf.summary.scalar(tag, value, step=step)
-  for tag, value in summaries.get('histograms', {}).items():
-    tf.summary.histogram(tag, value, step=step)
-  for name, var in state.variables().items():
-    tf.summary.histogram(name, tf.convert_to_tensor(var), step=step)
-  for name, var in state.shadow_variables().items():
-    tf.summary.histogram(training.average_tag(name), tf.convert_to_tensor(var),
-                         step=step)
+  for tag, value in histograms.items():
+    tf.summary.histogram(tag, tf.convert_to_tensor(value), step=step)
   images = summaries.get('images')
   if images is not None:
     for tag, image in zip(training.image_tags(), images):
@@ -88,14 +82,13 @@ def _first_step_progress(engine, first, what):
   return training.Heartbeat(lambda seconds: '%s... %d s' % (what, seconds))
 
 
-def _write_graph(writer, engine, batches, summaries):
-  """The traced step's graph, for TensorBoard's graph tab."""
+@contextlib.contextmanager
+def _summaries_may_fail(what):
+  """A failed write of `what` in the block (e.g. disk full) is a warning: checkpoints decide."""
   try:
-    with writer.as_default():
-      tf.summary.graph(engine.step_graph(batches, summaries))
-  except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-    logger.warning('could not write the graph to TensorBoard summaries in %s (%s).',
-                   engine.write_dir, str(e).strip().splitlines()[0])
+    yield
+  except (tf.errors.OpError, OSError) as e:
+    logger.warning('could not write %s (%s).', what, str(e).strip().splitlines()[0])
 
 
 def train(config, plan, on_step=None):
@@ -242,10 +235,14 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
                  extra=first or write_summary)
       if writer is None:
         writer = tf.summary.create_file_writer(engine.write_dir)
-        _write_graph(writer, engine, batches, write_summary)
+        with _summaries_may_fail(
+            'the graph to TensorBoard summaries in ' + engine.write_dir), \
+            writer.as_default():
+          tf.summary.graph(engine.step_graph(batches, write_summary))
       if step % config.log_every == 0 and engine.is_chief:  # progress comes from the chief
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
-        # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
+        # Deviation from upstream: examples/sec and sec/batch are means over the
+        # steps since the last line, not divided by the towers.
         logger.info(window.line(step, float(tower_losses.mean()), config.max_steps),
                     extra=progress.IN_PLACE)
       if on_step is not None:
@@ -265,11 +262,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       if engine.stops_here(stop, agreed):
         stopped_by = stop.signal_name or engines.ANOTHER_WORKER
     path = save()  # with peers every worker saves: the chief's copy is kept
-    try:
+    with _summaries_may_fail('the last TensorBoard summaries to ' + engine.write_dir):
       writer.flush()
-    except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-      logger.warning('could not write the last TensorBoard summaries to %s (%s).',
-                     engine.write_dir, str(e).strip().splitlines()[0])
     # Synchronization point: no worker leaves before all have saved.
     with engine.waiting('the final barrier', step):
       engine.barrier()
