@@ -147,11 +147,10 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
       raise ClusterError('TF_CONFIG is set and --worker_hosts is given: name the cluster '
                          'once. Unset TF_CONFIG (`unset TF_CONFIG`), or drop --worker_hosts '
                          'and --task_index.')
-    hosts = tuple(worker_hosts)
-    if not 0 <= task_index < len(hosts):
+    if task_index not in range(len(worker_hosts)):
       raise ClusterError('--task_index %d is not an index of the %d --worker_hosts '
-                         '(0..%d).' % (task_index, len(hosts), len(hosts) - 1))
-    return Cluster({'worker': hosts}, 'worker', task_index)
+                         '(0..%d).' % (task_index, len(worker_hosts), len(worker_hosts) - 1))
+    return Cluster({'worker': tuple(worker_hosts)}, 'worker', task_index)
   if not text:
     raise ClusterError(
         '--strategy multiworker needs the cluster: set TF_CONFIG (e.g. '
@@ -178,11 +177,11 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
   if len(jobs.get('chief', ())) > 1:
     raise ClusterError('TF_CONFIG lists %d chiefs; there can be one.'
                        % len(jobs['chief']))
-  if len(set(h for hosts in jobs.values() for h in hosts)) != sum(map(len, jobs.values())):
+  listed = [h for hosts in jobs.values() for h in hosts]
+  if len(set(listed)) != len(listed):
     raise ClusterError('TF_CONFIG lists a host:port twice: %r.' % (cluster,))
   task_type, task_id = task.get('type'), task.get('index', 0)
-  if task_type not in jobs or not isinstance(task_id, int) or not (
-      0 <= task_id < len(jobs[task_type])):
+  if not isinstance(task_id, int) or task_id not in range(len(jobs.get(task_type, ()))):
     raise ClusterError('TF_CONFIG task %r is not in its cluster %r.' % (task, cluster))
   return Cluster(jobs, task_type, task_id, source=TF_CONFIG)
 
@@ -206,12 +205,11 @@ def check_hosts(cluster):
     try:
       socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-      whose = ('this worker' if index == cluster.worker_index
-               else 'worker %d' % index)
       raise StartupError(
           '%s: cannot resolve %r, the host of %s (%s): %s. Fix the name in %s '
           '(the same list on every worker), or use an IP address.'
-          % (cluster.name(), host, whose, address,
+          % (cluster.name(), host, 'this worker' if index == cluster.worker_index
+             else 'worker %d' % index, address,
              getattr(e, 'strerror', None) or e, cluster.source)) from None
 
 

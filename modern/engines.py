@@ -580,11 +580,10 @@ class MultiWorker(Engine):
       self._watchdog.stop()
 
   def waiting(self, what, step, first=False):
-    config = self.config
-    if first and config.startup_timeout > config.peer_timeout:
-      return self._watchdog.guard(config.startup_timeout, what, step,
-                                  '--startup_timeout')
-    return self._watchdog.guard(config.peer_timeout, what, step, '--peer_timeout')
+    seconds, flag = self.config.peer_timeout, '--peer_timeout'
+    if first and self.config.startup_timeout > seconds:
+      seconds, flag = self.config.startup_timeout, '--startup_timeout'
+    return self._watchdog.guard(seconds, what, step, flag)
 
   def broadcast(self):
     self.trainer.broadcast_from_chief()

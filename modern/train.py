@@ -121,11 +121,7 @@ def train(config, plan, on_step=None):
     common.training.Stopped: a stop signal came before the first step
       was done; nothing was written.
     modern.cluster.ClusterError: the multiworker cluster is missing or malformed.
-    ValueError: the plan does not match config.num_gpus.
   """
-  if plan.num_towers != config.num_gpus:
-    raise ValueError('the device plan has %d towers, config.num_gpus is %d'
-                     % (plan.num_towers, config.num_gpus))
   engine = engines.make(config, plan)
   with training.StopRequest() as stop:
     # Until the first step nothing is written: a stop ends the run at once.
