@@ -178,12 +178,16 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
   """
   state = engine.trainer.state
   step = first_step = None
+
+  def global_step():
+    return int(state.global_step.numpy())
+
   try:
     # Synchronization point: every worker takes the chief's state (fresh or
     # restored), so all resume from the chief's checkpoint.
-    with engine.waiting('the start-up', int(state.global_step.numpy()), first=True):
+    with engine.waiting('the start-up', global_step(), first=True):
       engine.broadcast()
-    step = first_step = int(state.global_step.numpy())
+    step = first_step = global_step()
     if resume_from:
       logger.info('Resuming from %s at global step %d.', resume_from, step)
       save.last_saved = step
@@ -198,7 +202,6 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     while step < config.max_steps and not stopped_by:
       first = step == first_step
       write_summary = (step + 1) % config.summary_every == 0
-      summaries = {}
       # The first step traces and compiles the step function and fills the
       # shuffle buffer: seconds, tens of seconds on a busy machine, with
       # nothing written yet, so a stop ends it at once. (With peers a stop
@@ -222,8 +225,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
       # Upstream logged and saved its 0-based loop index.
       # Before `step` counts it: a diverged step is never saved.
-      training.check_divergence(int(state.global_step.numpy()), tower_losses)
-      step = int(state.global_step.numpy())
+      training.check_divergence(global_step(), tower_losses)
+      step = global_step()
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); the first and the summary steps only when
       # nothing else (training.LogWindow).
@@ -243,7 +246,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
                     extra=progress.IN_PLACE)
       if on_step is not None:
         on_step(step, duration, engine.global_batch_size)
-      if step % config.summary_every == 0:
+      if write_summary:  # the step just taken is a summary step
         # The learning rate the step just taken used (read before the increment).
         lr = float(model_spec.learning_rate(step - 1, decay_steps,
                                             config.optimizer.learning_rate))
@@ -270,7 +273,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       raise
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
-    raise ending.failed(e, first_step, step, lambda: int(state.global_step.numpy()),
+    raise ending.failed(e, first_step, step, global_step,
                         save.last_saved, save, config.train_dir) from e
   if not stopped_by and engine.stops_here(stop, None):
     stopped_by = stop.signal_name  # the stop came during the last save
