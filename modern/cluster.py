@@ -325,7 +325,6 @@ def _say_hello(cluster, index):
   address = cluster.hosts[index]
   try:
     with socket.create_connection(_split(address), timeout=CONNECT_SECS) as sock:
-      sock.settimeout(CONNECT_SECS)
       sock.sendall(_hello(cluster))
       hello = _read_hello(sock)
   except OSError:  # refused, unreachable, timed out: not up yet

@@ -62,7 +62,8 @@ class Engine:
     num_workers, worker_index, is_chief: this process's place in the run.
     write_dir: where this process writes checkpoints and summaries.
     lock_what: what the train_dir lock says of this run.
-    peer_errors: exceptions of a wait for peers, handled by `lost_peers`.
+    peer_errors: exceptions of a wait for peers, handled by `lost_peers`
+      (MultiWorker's; none with one process).
   """
 
   num_workers = 1
@@ -107,10 +108,6 @@ class Engine:
     tower_losses, agreed = self.step(batches, stop)
     return tower_losses, agreed, {}
 
-  def step_graph(self, batches, summaries):
-    """The traced graph of the step just run on `batches` (of the summary step if `summaries`)."""
-    return self.trainer.step_graph(batches, summaries)
-
   def stops_here(self, stop, agreed):  # pylint: disable=unused-argument
     """Whether the run stops after the step just taken (`agreed`: see step)."""
     return stop.requested
@@ -146,10 +143,6 @@ class Engine:
 
   def barrier(self):
     """Returns when every process has reached it."""
-
-  def lost_peers(self, error, step, first_step, save, stop):
-    """After a `peer_errors` error: what the run ends with (see MultiWorker)."""
-    raise error
 
   def report_stop(self, stopped_by, step, path):
     """Says how the run ended after a stop request (`stopped_by`, a signal name)."""
@@ -248,10 +241,8 @@ class ReplicaTrainer:
     # so the sum is exact), and the worker's stop vote into the last slot; one
     # all-reduce then gives every worker all R losses and whether any worker
     # wants to stop.
-    slots = tf.range(self.num_towers + 1)
-    report = tf.where(tf.equal(slots, context.replica_id_in_sync_group),
-                      loss, 0.0) + tf.where(tf.equal(slots, self.num_towers),
-                                            vote, 0.0)
+    report = tf.concat([tf.one_hot(context.replica_id_in_sync_group, self.num_towers,
+                                   on_value=loss), [vote]], axis=0)
     # Synchronization point: every replica of every worker meets here. The
     # SUM over replicas of the gradients of loss_r / R is the towers' mean.
     with tf.name_scope('average_gradients'):
@@ -374,11 +365,6 @@ class Mirrored(Engine):
                           jit=self.config.jit, optimizer=self.config.optimizer)
 
 
-# What a collective raises when a peer is gone: UnavailableError (the peer's
-# process is dead or unreachable), DeadlineExceededError (the collective
-# timeout), and the aborts that follow either.
-PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-               tf.errors.CancelledError, tf.errors.AbortedError)
 WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
 # The collective timeout is this many peer timeouts: a backstop behind the
 # watchdog, which ends a wait first (see PeerWatchdog).
@@ -461,7 +447,11 @@ class MultiWorker(Engine):
   barrier) is watched (`PeerWatchdog`).
   """
 
-  peer_errors = PEER_ERRORS
+  # What a collective raises when a peer is gone: UnavailableError (the peer's
+  # process is dead or unreachable), DeadlineExceededError (the collective
+  # timeout), and the aborts that follow either.
+  peer_errors = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                 tf.errors.CancelledError, tf.errors.AbortedError)
 
   def __init__(self, config, plan):
     super().__init__(config, plan)
@@ -665,7 +655,8 @@ class PeerWatchdog:
   STOP_GRACE_SECS = 2.0  # a step or barrier still waiting this long after a stop is hung
   STOP_LIMIT_SECS = 6.0  # after a stop, no wait goes on past this
 
-  def __init__(self, cluster, save_completed, cleanup, exit=ending.exit_now):  # pylint: disable=redefined-builtin
+  def __init__(self, cluster, save_completed, cleanup,
+               exit=ending.exit_now):  # pylint: disable=redefined-builtin
     self._cluster = cluster
     self._save_completed = save_completed
     self._cleanup = cleanup

@@ -194,7 +194,10 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     if step >= config.max_steps:
       logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
       return step
-    with stop.raising() if engine.num_workers == 1 else contextlib.nullcontext():
+    # A single process stops at once until its first step is done; with peers
+    # a stop rides on the step's vote instead, so that all stop after one step.
+    alone = engine.num_workers == 1
+    with stop.raising() if alone else contextlib.nullcontext():
       iterator = iter(engine.dataset())
     writer = None  # opened after the first step: a stop before it writes nothing
     stopped_by = None
@@ -206,8 +209,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       # shuffle buffer: seconds, tens of seconds on a busy machine, with
       # nothing written yet, so a stop ends it at once. (With peers a stop
       # rides on the step's vote instead, so that all stop after one step.)
-      with (stop.raising() if first and engine.num_workers == 1
-            else contextlib.nullcontext()):
+      with stop.raising() if first and alone else contextlib.nullcontext():
         fetch_time = time.time()
         with _first_step_progress(engine, first, 'Filling the shuffle buffer with '
                                   '%d examples' % hparams.min_queue_examples(
@@ -237,7 +239,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
         with _summaries_may_fail(
             'the graph to TensorBoard summaries in ' + engine.write_dir), \
             writer.as_default():
-          tf.summary.graph(engine.step_graph(batches, write_summary))
+          tf.summary.graph(engine.trainer.step_graph(batches, write_summary))
       if step % config.log_every == 0 and engine.is_chief:  # progress comes from the chief
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
         # Deviation from upstream: examples/sec and sec/batch are means over the
