@@ -58,23 +58,19 @@ class StepSaver:
     self.manager = manager
     self.directory = directory
     self.last_saved = last_saved  # the global step of the newest save, or None
-
     self._lock = threading.Lock()
 
   def __call__(self):
     with self._lock:
-      return self._save()
-
-  def _save(self):
-    current = int(self.state.global_step.numpy())
-    if current != self.last_saved:
-      lock.check(self.directory)
-      try:
-        self.manager.save(checkpoint_number=current)
-      except (tf.errors.OpError, OSError) as e:
-        raise checkpoints.save_failed(self.directory, current, e) from e
-      self.last_saved = current
-    return '%s-%d' % (os.path.join(self.directory, config_lib.CHECKPOINT_BASENAME),
+      current = int(self.state.global_step.numpy())
+      if current != self.last_saved:
+        lock.check(self.directory)
+        try:
+          self.manager.save(checkpoint_number=current)
+        except (tf.errors.OpError, OSError) as e:
+          raise checkpoints.save_failed(self.directory, current, e) from e
+        self.last_saved = current
+      return '%s-%d' % (os.path.join(self.directory, config_lib.CHECKPOINT_BASENAME),
                       self.last_saved)
 
 

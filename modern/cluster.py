@@ -21,7 +21,6 @@ second, bounded by `modern.engines` as a backstop.
 """
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -90,14 +89,6 @@ class Cluster:
     """'worker 1 of 2 (host:port)', for messages."""
     return 'worker %d of %d (%s)' % (self.worker_index, self.num_workers, self.address)
 
-  def task_address(self, task_name):
-    """'host:port' of a TensorFlow task name such as '/job:worker/replica:0/task:1'."""
-    parts = dict(p.split(':', 1) for p in task_name.strip('/').split('/') if ':' in p)
-    try:
-      return self.jobs[parts['job']][int(parts['task'])]
-    except (KeyError, IndexError, ValueError):
-      return task_name
-
   def cluster_resolver(self, num_gpus=0):
     """A `tf.distribute.cluster_resolver.ClusterResolver` of this cluster.
 
@@ -153,12 +144,13 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
   text = environ.get(TF_CONFIG, '').strip()
   if worker_hosts:
     if text:
-      raise ClusterError(both_given())
-    hosts = tuple(worker_hosts)
-    if not 0 <= task_index < len(hosts):
+      raise ClusterError('TF_CONFIG is set and --worker_hosts is given: name the cluster '
+                         'once. Unset TF_CONFIG (`unset TF_CONFIG`), or drop --worker_hosts '
+                         'and --task_index.')
+    if task_index not in range(len(worker_hosts)):
       raise ClusterError('--task_index %d is not an index of the %d --worker_hosts '
-                         '(0..%d).' % (task_index, len(hosts), len(hosts) - 1))
-    return Cluster({'worker': hosts}, 'worker', task_index)
+                         '(0..%d).' % (task_index, len(worker_hosts), len(worker_hosts) - 1))
+    return Cluster({'worker': tuple(worker_hosts)}, 'worker', task_index)
   if not text:
     raise ClusterError(
         '--strategy multiworker needs the cluster: set TF_CONFIG (e.g. '
@@ -168,8 +160,9 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
     tf_config = json.loads(text)
   except ValueError as e:
     raise ClusterError('TF_CONFIG is not valid JSON (%s): %r' % (e, text)) from None
-  cluster = tf_config.get('cluster') if isinstance(tf_config, dict) else None
-  task = tf_config.get('task') if isinstance(tf_config, dict) else None
+  if not isinstance(tf_config, dict):
+    tf_config = {}
+  cluster, task = tf_config.get('cluster'), tf_config.get('task')
   if not isinstance(cluster, dict) or not isinstance(task, dict):
     raise ClusterError('TF_CONFIG needs "cluster" and "task" objects, got %r.' % text)
   jobs = {}
@@ -177,28 +170,20 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
     if job not in ('chief', 'worker'):
       raise ClusterError('TF_CONFIG lists a %r job; MultiWorkerMirroredStrategy '
                          'trains with "chief" and "worker" tasks only.' % job)
-    if isinstance(hosts, str) or not isinstance(hosts, list) or not all(
-        isinstance(h, str) for h in hosts):
+    if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
       raise ClusterError('TF_CONFIG cluster.%s must be a list of "host:port", got %r.'
                          % (job, hosts))
     jobs[job] = parse_worker_hosts(','.join(hosts)) if hosts else ()
   if len(jobs.get('chief', ())) > 1:
     raise ClusterError('TF_CONFIG lists %d chiefs; there can be one.'
                        % len(jobs['chief']))
-  if len(set(h for hosts in jobs.values() for h in hosts)) != sum(map(len, jobs.values())):
+  listed = [h for hosts in jobs.values() for h in hosts]
+  if len(set(listed)) != len(listed):
     raise ClusterError('TF_CONFIG lists a host:port twice: %r.' % (cluster,))
   task_type, task_id = task.get('type'), task.get('index', 0)
-  if task_type not in jobs or not isinstance(task_id, int) or not (
-      0 <= task_id < len(jobs[task_type])):
+  if not isinstance(task_id, int) or task_id not in range(len(jobs.get(task_type, ()))):
     raise ClusterError('TF_CONFIG task %r is not in its cluster %r.' % (task, cluster))
   return Cluster(jobs, task_type, task_id, source=TF_CONFIG)
-
-
-def both_given():
-  """The message of TF_CONFIG set together with --worker_hosts."""
-  return ('TF_CONFIG is set and --worker_hosts is given: name the cluster once. '
-          'Unset TF_CONFIG (`unset TF_CONFIG`), or drop --worker_hosts and '
-          '--task_index.')
 
 
 # --- the start-up -------------------------------------------------------------
@@ -220,20 +205,21 @@ def check_hosts(cluster):
     try:
       socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-      whose = ('this worker' if index == cluster.worker_index
-               else 'worker %d' % index)
       raise StartupError(
           '%s: cannot resolve %r, the host of %s (%s): %s. Fix the name in %s '
           '(the same list on every worker), or use an IP address.'
-          % (cluster.name(), host, whose, address,
+          % (cluster.name(), host, 'this worker' if index == cluster.worker_index
+             else 'worker %d' % index, address,
              getattr(e, 'strerror', None) or e, cluster.source)) from None
 
 
 def listen(cluster):
   """A socket listening on this worker's port: the proof that the port is free.
 
-  It listens on all interfaces, as TensorFlow's gRPC server will, and answers
-  the peers' hellos until `rendezvous` closes it.
+  It listens on all interfaces, as TensorFlow's gRPC server will (IPv6 and
+  IPv4 on one socket where the machine has IPv6; SO_REUSEADDR, as gRPC: a
+  port whose last connections are in TIME_WAIT is free), and answers the
+  peers' hellos until `rendezvous` closes it.
 
   Returns:
     socket.socket, listening.
@@ -242,31 +228,19 @@ def listen(cluster):
     StartupError: the port is taken, or not this user's to bind.
   """
   _, port = _split(cluster.address)
-  # IPv6 and IPv4 on one socket where the machine has IPv6, else IPv4 alone.
-  for family, host in ((socket.AF_INET6, '::'), (socket.AF_INET, '')):
-    try:
-      sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:
-      continue
-    try:
-      # As gRPC does: a port whose last connections are in TIME_WAIT is free.
-      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-      if family == socket.AF_INET6:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-      sock.bind((host, port))
-      sock.listen(16)
-      return sock
-    except OSError as e:
-      sock.close()
-      if e.errno in (errno.EADDRINUSE, errno.EACCES) or family == socket.AF_INET:
-        raise StartupError(
-            '%s: port %d is not free on this machine (%s): another process '
-            'listens on it, or an earlier run of this worker still does. Stop '
-            'that process, or give this worker another port in %s (the same '
-            'list on every worker).'
-            % (cluster.name(), port, e.strerror or e, cluster.source)) from None
-  raise StartupError('%s: no IPv4 or IPv6 socket can be opened on this machine.'
-                     % cluster.name())
+  dual = socket.has_dualstack_ipv6()
+  try:
+    return socket.create_server(('::' if dual else '', port), backlog=16,
+                                family=socket.AF_INET6 if dual else socket.AF_INET,
+                                dualstack_ipv6=dual)
+  except OSError as e:
+    raise StartupError(
+        '%s: port %d is not free on this machine (%s): another process '
+        'listens on it, or an earlier run of this worker still does. Stop '
+        'that process, or give this worker another port in %s (the same '
+        'list on every worker).'
+        % (cluster.name(), port, os.strerror(e.errno) if e.errno else e,
+           cluster.source)) from None
 
 
 def _hello(cluster):
@@ -279,15 +253,9 @@ def _read_hello(sock):
   None when the other end is not a worker of this program (another program,
   or a worker already past the start-up: TensorFlow's server on its port).
   """
-  data = b''
-  while not data.endswith(b'\n') and len(data) < 65536:
-    chunk = sock.recv(4096)
-    if not chunk:
-      return None
-    data += chunk
   try:
-    word, index, hosts = json.loads(data.decode())
-  except (ValueError, UnicodeError, TypeError):
+    word, index, hosts = json.loads(sock.makefile('rb').readline(65536))
+  except (ValueError, TypeError):  # UnicodeError is a ValueError
     return None
   if word != HELLO or not isinstance(index, int) or not isinstance(hosts, list):
     return None
@@ -321,59 +289,35 @@ def _check_hello(cluster, address, hello, expected=None):
   return index
 
 
-class _Answering:
-  """Answers the peers' hellos on the listening socket, on a thread of its own.
+def _answer(cluster, listener, seen, errors, closing):
+  """Answers the peers' hellos on `listener` until `closing` is set (a thread).
 
-  A hello from worker j, answered, tells both that the other is up.
+  A hello from worker j, answered, tells both that the other is up: j goes
+  into the set `seen`, a StartupError into the list `errors` (for the main
+  thread to raise).
   """
-
-  def __init__(self, cluster, listener):
-    self._cluster = cluster
-    self._listener = listener
-    self._seen = set()  # worker indices that said hello here
-    self._errors = []  # StartupErrors found here, for the main thread to raise
-    self._lock = threading.Lock()
-    self._closing = threading.Event()
-    self._thread = threading.Thread(target=self._serve, name='startup-hello',
-                                    daemon=True)
-    self._thread.start()
-
-  def _serve(self):
-    self._listener.settimeout(0.2)
-    while not self._closing.is_set():
+  listener.settimeout(0.2)
+  while not closing.is_set():
+    try:
+      conn, peer = listener.accept()
+    except socket.timeout:
+      continue
+    except OSError:
+      return  # closed
+    with conn:
+      conn.settimeout(CONNECT_SECS)
       try:
-        conn, peer = self._listener.accept()
-      except socket.timeout:
-        continue
+        hello = _read_hello(conn)
+        if hello is not None:
+          # Answered even if it is not one of ours, so that it learns why.
+          conn.sendall(_hello(cluster))
+          index, hosts = hello
+          where = hosts[index] if 0 <= index < len(hosts) else peer[0]
+          seen.add(_check_hello(cluster, where, hello))
+      except StartupError as e:
+        errors.append(e)
       except OSError:
-        return  # closed
-      with conn:
-        conn.settimeout(CONNECT_SECS)
-        try:
-          hello = _read_hello(conn)
-          if hello is not None:
-            # Answered even if it is not one of ours, so that it learns why.
-            conn.sendall(_hello(self._cluster))
-            index, hosts = hello
-            where = hosts[index] if 0 <= index < len(hosts) else peer[0]
-            index = _check_hello(self._cluster, where, hello)
-            with self._lock:
-              self._seen.add(index)
-        except StartupError as e:
-          with self._lock:
-            self._errors.append(e)
-        except OSError:
-          pass  # a peer that went away mid-hello tries again
-
-  def results(self):
-    """(set of worker indices that said hello here, list of StartupErrors)."""
-    with self._lock:
-      return set(self._seen), list(self._errors)
-
-  def close(self):
-    self._closing.set()
-    self._thread.join(timeout=2)
-    self._listener.close()
+        pass  # a peer that went away mid-hello tries again
 
 
 def _say_hello(cluster, index):
@@ -381,7 +325,6 @@ def _say_hello(cluster, index):
   address = cluster.hosts[index]
   try:
     with socket.create_connection(_split(address), timeout=CONNECT_SECS) as sock:
-      sock.settimeout(CONNECT_SECS)
       sock.sendall(_hello(cluster))
       hello = _read_hello(sock)
   except OSError:  # refused, unreachable, timed out: not up yet
@@ -406,40 +349,36 @@ def rendezvous(cluster, listener, timeout):
     StartupError: a peer did not answer within `timeout` (the message names
       every one that did not), or one was started with another cluster.
   """
-  answering = _Answering(cluster, listener)
+  seen, errors, closing = set(), [], threading.Event()
+  thread = threading.Thread(target=_answer, name='startup-hello', daemon=True,
+                            args=(cluster, listener, seen, errors, closing))
+  thread.start()
   try:
     pending = set(range(cluster.num_workers)) - {cluster.worker_index}
-    if not pending:
-      return
-    logger.warning('%s: waiting up to %d s (--startup_timeout) for %s.', cluster.name(), timeout,
-                   names(cluster, pending))
+    if pending:
+      logger.warning('%s: waiting up to %d s (--startup_timeout) for %s.', cluster.name(),
+                     timeout, _names(cluster, pending))
     deadline = time.monotonic() + timeout
     while True:
-      seen, errors = answering.results()
       if errors:
         raise errors[0]
-      pending -= seen
-      for index in sorted(pending):
-        if _say_hello(cluster, index):
-          pending.discard(index)
+      pending = {i for i in pending - seen if not _say_hello(cluster, i)}
       if not pending:
         return
       left = deadline - time.monotonic()
       if left <= 0:
-        raise StartupError(not_started(cluster, pending, timeout))
+        raise StartupError(
+            '%s: no answer from %s within %d s (--startup_timeout). Start every '
+            'worker within that time of the others, with the same %s list and '
+            'each its own index, and check that their ports are reachable from '
+            'here.' % (cluster.name(), _names(cluster, pending), timeout, cluster.source))
       time.sleep(min(RETRY_SECS, left))
   finally:
-    answering.close()
+    closing.set()
+    thread.join(timeout=2)
+    listener.close()
 
 
-def names(cluster, indices):
+def _names(cluster, indices):
   """'host:port (worker i), ...' of the workers `indices`, for messages."""
   return ', '.join('%s (worker %d)' % (cluster.hosts[i], i) for i in sorted(indices))
-
-
-def not_started(cluster, indices, timeout):
-  """The message of a start-up whose peers `indices` never answered."""
-  return ('%s: no answer from %s within %d s (--startup_timeout). Start every '
-          'worker within that time of the others, with the same %s list and '
-          'each its own index, and check that their ports are reachable from here.'
-          % (cluster.name(), names(cluster, indices), timeout, cluster.source))

@@ -62,7 +62,8 @@ class Engine:
     num_workers, worker_index, is_chief: this process's place in the run.
     write_dir: where this process writes checkpoints and summaries.
     lock_what: what the train_dir lock says of this run.
-    peer_errors: exceptions of a wait for peers, handled by `lost_peers`.
+    peer_errors: exceptions of a wait for peers, handled by `lost_peers`
+      (MultiWorker's; none with one process).
   """
 
   num_workers = 1
@@ -107,10 +108,6 @@ class Engine:
     tower_losses, agreed = self.step(batches, stop)
     return tower_losses, agreed, {}
 
-  def step_graph(self, batches, summaries):
-    """The traced graph of the step just run on `batches` (of the summary step if `summaries`)."""
-    return self.trainer.step_graph(batches, summaries)
-
   def stops_here(self, stop, agreed):  # pylint: disable=unused-argument
     """Whether the run stops after the step just taken (`agreed`: see step)."""
     return stop.requested
@@ -146,10 +143,6 @@ class Engine:
 
   def barrier(self):
     """Returns when every process has reached it."""
-
-  def lost_peers(self, error, step, first_step, save, stop):
-    """After a `peer_errors` error: what the run ends with (see MultiWorker)."""
-    raise error
 
   def report_stop(self, stopped_by, step, path):
     """Says how the run ended after a stop request (`stopped_by`, a signal name)."""
@@ -208,8 +201,8 @@ class ReplicaTrainer:
                         if jit else self._replica_loss_and_grads)
     self._step_fn = tf.function(self._step)
     self._gradients_fn = tf.function(self._gradients)
-    self._broadcast_fn = tf.function(self._broadcast_from_chief)
-    self._barrier_fn = tf.function(self._barrier)
+    self.broadcast_from_chief = tf.function(self._broadcast_from_chief)
+    self.barrier = tf.function(self._barrier)
 
   def _replica_loss_and_grads(self, values, images, labels):
     """One replica: its total loss, and the gradients of its share of the mean."""
@@ -248,10 +241,8 @@ class ReplicaTrainer:
     # so the sum is exact), and the worker's stop vote into the last slot; one
     # all-reduce then gives every worker all R losses and whether any worker
     # wants to stop.
-    slots = tf.range(self.num_towers + 1)
-    report = tf.where(tf.equal(slots, context.replica_id_in_sync_group),
-                      loss, 0.0) + tf.where(tf.equal(slots, self.num_towers),
-                                            vote, 0.0)
+    report = tf.concat([tf.one_hot(context.replica_id_in_sync_group, self.num_towers,
+                                   on_value=loss), [vote]], axis=0)
     # Synchronization point: every replica of every worker meets here. The
     # SUM over replicas of the gradients of loss_r / R is the towers' mean.
     with tf.name_scope('average_gradients'):
@@ -274,9 +265,8 @@ class ReplicaTrainer:
     return grads, report[:self.num_towers], report[self.num_towers]
 
   def _gradients(self, images, labels):
-    grads, tower_losses, _ = self._run_replicas(images, labels, tf.constant(0.0))
-    return ([self.strategy.experimental_local_results(g)[0] for g in grads],
-            tower_losses)
+    grads, tower_losses, _ = self._run_replicas(images, labels, 0.0)
+    return [self.strategy.experimental_local_results(g)[0] for g in grads], tower_losses
 
   def _step(self, images, labels, vote):
     """One SGD step on every replica; returns (tower losses [R], vote sum)."""
@@ -325,6 +315,7 @@ class ReplicaTrainer:
     return tower_losses.numpy(), float(votes.numpy()) > 0.0
 
   def _broadcast_from_chief(self):
+    """Sets every worker's variables, averages and global step to the chief's."""
     state = self.state
     # The optimizer's slots too: a resumed momentum or Adam run goes on from
     # the chief's.
@@ -333,36 +324,25 @@ class ReplicaTrainer:
 
     def replica_fn():
       context = tf.distribute.get_replica_context()
-      is_source = tf.equal(context.replica_id_in_sync_group, 0)
       # Replica 0 (the chief's first) sends its values, all others zeros: the
       # SUM is the chief's values, exactly. The step goes as float64 (exact
       # below 2**53) in its own all-reduce: one all-reduce packs one dtype.
-      sums = context.all_reduce(
-          tf.distribute.ReduceOp.SUM,
-          [tf.where(is_source, var.read_value(), tf.zeros_like(var)) for var in values])
-      step = context.all_reduce(
-          tf.distribute.ReduceOp.SUM,
-          tf.where(is_source, tf.cast(state.global_step.read_value(), tf.float64),
-                   tf.constant(0.0, tf.float64)))
-      return sums, tf.cast(step, tf.int64)
+      def from_chief(value):
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.nest.map_structure(
+            lambda x: tf.where(context.replica_id_in_sync_group == 0, x, tf.zeros_like(x)),
+            value))
+      return (from_chief([var.read_value() for var in values]),
+              tf.cast(from_chief(tf.cast(state.global_step, tf.float64)), tf.int64))
 
     sums, step = self.strategy.run(replica_fn)
     for var, value in zip(values + [state.global_step], list(sums) + [step]):
       self.strategy.extended.update(var, lambda v, x: v.assign(x), args=(value,))
 
-  def broadcast_from_chief(self):
-    """Sets every worker's variables, averages and global step to the chief's."""
-    self._broadcast_fn()
-
   def _barrier(self):
-    def replica_fn():
-      return tf.distribute.get_replica_context().all_reduce(
-          tf.distribute.ReduceOp.SUM, tf.constant(1.0))
-    return self.strategy.experimental_local_results(self.strategy.run(replica_fn))[0]
-
-  def barrier(self):
     """Returns when every replica of every worker has called it."""
-    self._barrier_fn()
+    return self.strategy.experimental_local_results(self.strategy.run(
+        lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.constant(1.0))))[0]
 
 
 def mirrored_strategy(plan):
@@ -385,11 +365,6 @@ class Mirrored(Engine):
                           jit=self.config.jit, optimizer=self.config.optimizer)
 
 
-# What a collective raises when a peer is gone: UnavailableError (the peer's
-# process is dead or unreachable), DeadlineExceededError (the collective
-# timeout), and the aborts that follow either.
-PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-               tf.errors.CancelledError, tf.errors.AbortedError)
 WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
 # The collective timeout is this many peer timeouts: a backstop behind the
 # watchdog, which ends a wait first (see PeerWatchdog).
@@ -472,7 +447,11 @@ class MultiWorker(Engine):
   barrier) is watched (`PeerWatchdog`).
   """
 
-  peer_errors = PEER_ERRORS
+  # What a collective raises when a peer is gone: UnavailableError (the peer's
+  # process is dead or unreachable), DeadlineExceededError (the collective
+  # timeout), and the aborts that follow either.
+  peer_errors = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                 tf.errors.CancelledError, tf.errors.AbortedError)
 
   def __init__(self, config, plan):
     super().__init__(config, plan)
@@ -484,17 +463,14 @@ class MultiWorker(Engine):
     if not self.is_chief:
       self.write_dir = os.path.join(config.train_dir, '%s%d' % (
           WORKER_TEMP_PREFIX, self.worker_index))
-    self._watchdog = None
 
   def prepare(self):
     if not self.is_chief:  # left over only if a run was killed
-      for name in os.listdir(self.write_dir):
-        if name != lock.LOCK_FILE:
-          path = os.path.join(self.write_dir, name)
-          if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-          else:
-            os.remove(path)
+      for entry in os.scandir(self.write_dir):
+        if entry.is_dir(follow_symlinks=False):
+          shutil.rmtree(entry.path, ignore_errors=True)
+        elif entry.name != lock.LOCK_FILE:
+          os.remove(entry.path)
 
   def close(self):
     if not self.is_chief:  # the chief's copy is the one kept
@@ -594,11 +570,10 @@ class MultiWorker(Engine):
       self._watchdog.stop()
 
   def waiting(self, what, step, first=False):
-    config = self.config
-    if first and config.startup_timeout > config.peer_timeout:
-      return self._watchdog.guard(config.startup_timeout, what, step,
-                                  '--startup_timeout')
-    return self._watchdog.guard(config.peer_timeout, what, step, '--peer_timeout')
+    seconds, flag = self.config.peer_timeout, '--peer_timeout'
+    if first and self.config.startup_timeout > seconds:
+      seconds, flag = self.config.startup_timeout, '--startup_timeout'
+    return self._watchdog.guard(seconds, what, step, flag)
 
   def broadcast(self):
     self.trainer.broadcast_from_chief()
@@ -624,13 +599,11 @@ class MultiWorker(Engine):
                      'workers; %s', name, stop.signal_name, step, _saved(saved).lower())
       return step
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    reason = lines[0] if lines else type(error).__name__
-    for i, line in enumerate(lines):
-      if any(word in line for word in ('aborted by', 'unhealthy', 'Deadline', 'onnect')):
-        reason = line
-        if line.endswith(':') and i + 1 < len(lines):  # the unhealthy tasks follow
-          reason += ' ' + lines[i + 1]
-        break
+    lines = lines or [type(error).__name__]
+    i = next((i for i, line in enumerate(lines) if any(
+        word in line for word in ('aborted by', 'unhealthy', 'Deadline', 'onnect'))), 0)
+    # A line that ends with ':' is followed by the unhealthy tasks.
+    reason = ' '.join(lines[i:i + 2]) if lines[i].endswith(':') else lines[i]
     raise training.TrainingError(
         '%s lost its peers at global step %d (%s: %s). %s %s'
         % (name, step, type(error).__name__, reason, _saved(saved), _RESTART)) from error
@@ -682,7 +655,8 @@ class PeerWatchdog:
   STOP_GRACE_SECS = 2.0  # a step or barrier still waiting this long after a stop is hung
   STOP_LIMIT_SECS = 6.0  # after a stop, no wait goes on past this
 
-  def __init__(self, cluster, save_completed, cleanup, exit=ending.exit_now):  # pylint: disable=redefined-builtin
+  def __init__(self, cluster, save_completed, cleanup,
+               exit=ending.exit_now):  # pylint: disable=redefined-builtin
     self._cluster = cluster
     self._save_completed = save_completed
     self._cleanup = cleanup
@@ -720,48 +694,42 @@ class PeerWatchdog:
     self._stopped.set()
     self._thread.join()
 
-  def _expired(self, now):
-    """(what to say given the saved path, exit status) if the current wait must end."""
-    if self._block is None:
-      return None
-    start, deadline, what, step, flag = self._block
-    name = self._cluster.name()
-    if self._stop is not None:
-      since, signal_name = self._stop
-      if now > min(max(start, since) + self.STOP_GRACE_SECS,
-                   since + self.STOP_LIMIT_SECS):
-        return (lambda saved: '%s: stopped by %s at global step %d, ending %s '
-                'after %d s of waiting for the other workers; %s %s'
-                % (name, signal_name, step, what, now - max(start, since),
-                   ('saved %s.' % saved) if saved else 'this worker saved no '
-                   'checkpoint: the newest in --train_dir is kept.', _RESTART),
-                step, training.exit_status(signal_name))
-    if now > deadline:
-      return (lambda saved: 'Error: %s lost its peers in %s after global step '
-              '%d: no answer within %d s (%s); a worker stopped, hung or is '
-              'unreachable. %s %s' % (name, what, step, round(deadline - start),
-                                      flag, _saved(saved), _RESTART),
-              step, 1)
-    return None
-
   def _watch(self):
     while not self._stopped.wait(self.POLL_SECS):
+      now = time.monotonic()
       with self._lock:
-        expired = self._expired(time.monotonic())
+        if self._block is None:
+          continue
+        start, deadline, what, step, flag = self._block
+        since, signal_name = self._stop or (None, None)
+        stopped = since is not None and now > min(max(start, since) + self.STOP_GRACE_SECS,
+                                                  since + self.STOP_LIMIT_SECS)
+        if not stopped and now <= deadline:
+          continue
         first_step = self._first_step
-      if expired is not None:
-        message, step, status = expired
-        # The exit must come whatever fails on the way: the main thread is stuck.
+      name = self._cluster.name()
+      # The exit must come whatever fails on the way: the main thread is stuck.
+      try:
         try:
-          try:
-            saved = self._save_completed(step, first_step)
-          except Exception:  # pylint: disable=broad-except
-            saved = None
-          logger.warning(message(saved))
-          self._cleanup()
-        finally:
-          self._exit(status)
-        return
+          saved = self._save_completed(step, first_step)
+        except Exception:  # pylint: disable=broad-except
+          saved = None
+        if stopped:
+          logger.warning(
+              '%s: stopped by %s at global step %d, ending %s after %d s of waiting for '
+              'the other workers; %s %s' % (
+                  name, signal_name, step, what, now - max(start, since),
+                  ('saved %s.' % saved) if saved else 'this worker saved no '
+                  'checkpoint: the newest in --train_dir is kept.', _RESTART))
+        else:
+          logger.warning(
+              'Error: %s lost its peers in %s after global step %d: no answer within %d s '
+              '(%s); a worker stopped, hung or is unreachable. %s %s'
+              % (name, what, step, round(deadline - start), flag, _saved(saved), _RESTART))
+        self._cleanup()
+      finally:
+        self._exit(training.exit_status(signal_name) if stopped else 1)
+      return
 
 
 ENGINES = {'towers': Towers, 'mirrored': Mirrored, 'multiworker': MultiWorker}

@@ -43,13 +43,17 @@ def _model_of(contents):
   return model, checkpoints.global_step(contents)
 
 
-def _restore_moving_averages(path):
-  """A Cifar10Model holding the moving averages saved at `path`, and the step."""
+def _read(path):
+  """common.checkpoints.read(path), or EvalError."""
   try:
-    contents = checkpoints.read(path)
+    return checkpoints.read(path)
   except checkpoints.CheckpointError as e:
     raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
-  return _model_of(contents)
+
+
+def _restore_moving_averages(path):
+  """A Cifar10Model holding the moving averages saved at `path`, and the step."""
+  return _model_of(_read(path))
 
 
 def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -72,27 +76,25 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   """
   model, global_step = _model_of(contents)
   size = hparams.IMAGE_SIZE
-  should_stop = should_stop or (lambda: False)
-  progress = progress or (lambda records_done: None)
 
   @tf.function(input_signature=[
       tf.TensorSpec([None, size, size, 3], tf.float32),
       tf.TensorSpec([None], tf.int32)])
   def count_correct(images, labels):
     logits = model.inference(images)
-    top_k_op = tf.math.in_top_k(labels, logits, 1)  # [b] bool
-    return tf.reduce_sum(tf.cast(top_k_op, tf.int64))
+    return tf.reduce_sum(tf.cast(tf.math.in_top_k(labels, logits, 1), tf.int64))
 
   dataset = inputs.inputs(True, data_dir, batch_size)
   if num_examples is not None:
     dataset = dataset.unbatch().take(num_examples).batch(batch_size)
   true_count, total = 0, 0
   for images, labels in dataset:
-    if should_stop():
+    if should_stop and should_stop():
       return None
     true_count += int(count_correct(images, labels))
     total += int(labels.shape[0])
-    progress(total)
+    if progress:
+      progress(total)
   if total == 0:
     raise EvalError('no test records were read from %s' % data_dir)
   return evaluation.EvalCounts(true_count, total, global_step)
@@ -112,11 +114,7 @@ def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examp
     EvalError: the checkpoint cannot be read or lacks the moving averages.
     common.cifar10_format.DataError: the test file is missing or malformed.
   """
-  try:
-    contents = checkpoints.read(path)
-  except checkpoints.CheckpointError as e:
-    raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
-  counts = evaluate_contents(contents, data_dir, batch_size, num_examples)
+  counts = evaluate_contents(_read(path), data_dir, batch_size, num_examples)
   precision = counts.true_count / counts.total_count
   logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
   return precision, counts.global_step, counts.total_count

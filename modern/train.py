@@ -26,10 +26,7 @@ from cifar10_towers.common import training
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
 
-TOWER_NAME = hparams.TOWER_NAME
-
 logger = logging.getLogger(__name__)
-
 
 
 def _displayable(image):
@@ -62,19 +59,16 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
       (see modern.engines.Engine.summary_step); empty for the replica engines.
   """
   # Deviation from upstream: every tower's loss summary is written.
-  tf.summary.scalar(training.MEAN_LOSS_TAG, float(tower_losses.mean()), step=step)
-  for i, value in enumerate(tower_losses):
-    tf.summary.scalar(training.tower_tag(i, 'total_loss'), float(value), step=step)
-  tf.summary.scalar(training.LEARNING_RATE_TAG, lr, step=step)
-  for tag, value in summaries.get('scalars', {}).items():
+  scalars = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr}
+  scalars.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
+  scalars.update(summaries.get('scalars', {}))
+  histograms = {**summaries.get('histograms', {}), **state.variables()}
+  histograms.update((training.average_tag(name), var)
+                    for name, var in state.shadow_variables().items())
+  for tag, value in scalars.items():
     tf.summary.scalar(tag, value, step=step)
-  for tag, value in summaries.get('histograms', {}).items():
-    tf.summary.histogram(tag, value, step=step)
-  for name, var in state.variables().items():
-    tf.summary.histogram(name, tf.convert_to_tensor(var), step=step)
-  for name, var in state.shadow_variables().items():
-    tf.summary.histogram(training.average_tag(name), tf.convert_to_tensor(var),
-                         step=step)
+  for tag, value in histograms.items():
+    tf.summary.histogram(tag, tf.convert_to_tensor(value), step=step)
   images = summaries.get('images')
   if images is not None:
     for tag, image in zip(training.image_tags(), images):
@@ -88,14 +82,13 @@ def _first_step_progress(engine, first, what):
   return training.Heartbeat(lambda seconds: '%s... %d s' % (what, seconds))
 
 
-def _write_graph(writer, engine, batches, summaries):
-  """The traced step's graph, for TensorBoard's graph tab."""
+@contextlib.contextmanager
+def _summaries_may_fail(what):
+  """A failed write of `what` in the block (e.g. disk full) is a warning: checkpoints decide."""
   try:
-    with writer.as_default():
-      tf.summary.graph(engine.step_graph(batches, summaries))
-  except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-    logger.warning('could not write the graph to TensorBoard summaries in %s (%s).',
-                   engine.write_dir, str(e).strip().splitlines()[0])
+    yield
+  except (tf.errors.OpError, OSError) as e:
+    logger.warning('could not write %s (%s).', what, str(e).strip().splitlines()[0])
 
 
 def train(config, plan, on_step=None):
@@ -128,11 +121,7 @@ def train(config, plan, on_step=None):
     common.training.Stopped: a stop signal came before the first step
       was done; nothing was written.
     modern.cluster.ClusterError: the multiworker cluster is missing or malformed.
-    ValueError: the plan does not match config.num_gpus.
   """
-  if plan.num_towers != config.num_gpus:
-    raise ValueError('the device plan has %d towers, config.num_gpus is %d'
-                     % (plan.num_towers, config.num_gpus))
   engine = engines.make(config, plan)
   with training.StopRequest() as stop:
     # Until the first step nothing is written: a stop ends the run at once.
@@ -189,19 +178,26 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
   """
   state = engine.trainer.state
   step = first_step = None
+
+  def global_step():
+    return int(state.global_step.numpy())
+
   try:
     # Synchronization point: every worker takes the chief's state (fresh or
     # restored), so all resume from the chief's checkpoint.
-    with engine.waiting('the start-up', int(state.global_step.numpy()), first=True):
+    with engine.waiting('the start-up', global_step(), first=True):
       engine.broadcast()
-    step = first_step = int(state.global_step.numpy())
+    step = first_step = global_step()
     if resume_from:
       logger.info('Resuming from %s at global step %d.', resume_from, step)
       save.last_saved = step
     if step >= config.max_steps:
       logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
       return step
-    with stop.raising() if engine.num_workers == 1 else contextlib.nullcontext():
+    # A single process stops at once until its first step is done; with peers
+    # a stop rides on the step's vote instead, so that all stop after one step.
+    alone = engine.num_workers == 1
+    with stop.raising() if alone else contextlib.nullcontext():
       iterator = iter(engine.dataset())
     writer = None  # opened after the first step: a stop before it writes nothing
     stopped_by = None
@@ -209,13 +205,11 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     while step < config.max_steps and not stopped_by:
       first = step == first_step
       write_summary = (step + 1) % config.summary_every == 0
-      summaries = {}
       # The first step traces and compiles the step function and fills the
       # shuffle buffer: seconds, tens of seconds on a busy machine, with
       # nothing written yet, so a stop ends it at once. (With peers a stop
       # rides on the step's vote instead, so that all stop after one step.)
-      with (stop.raising() if first and engine.num_workers == 1
-            else contextlib.nullcontext()):
+      with stop.raising() if first and alone else contextlib.nullcontext():
         fetch_time = time.time()
         with _first_step_progress(engine, first, 'Filling the shuffle buffer with '
                                   '%d examples' % hparams.min_queue_examples(
@@ -233,8 +227,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
       # Upstream logged and saved its 0-based loop index.
       # Before `step` counts it: a diverged step is never saved.
-      training.check_divergence(int(state.global_step.numpy()), tower_losses)
-      step = int(state.global_step.numpy())
+      training.check_divergence(global_step(), tower_losses)
+      step = global_step()
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); the first and the summary steps only when
       # nothing else (training.LogWindow).
@@ -242,15 +236,19 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
                  extra=first or write_summary)
       if writer is None:
         writer = tf.summary.create_file_writer(engine.write_dir)
-        _write_graph(writer, engine, batches, write_summary)
+        with _summaries_may_fail(
+            'the graph to TensorBoard summaries in ' + engine.write_dir), \
+            writer.as_default():
+          tf.summary.graph(engine.trainer.step_graph(batches, write_summary))
       if step % config.log_every == 0 and engine.is_chief:  # progress comes from the chief
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
-        # Deviation from upstream: examples/sec and sec/batch are means over the steps since the last line, not divided by the towers.
+        # Deviation from upstream: examples/sec and sec/batch are means over the
+        # steps since the last line, not divided by the towers.
         logger.info(window.line(step, float(tower_losses.mean()), config.max_steps),
                     extra=progress.IN_PLACE)
       if on_step is not None:
         on_step(step, duration, engine.global_batch_size)
-      if step % config.summary_every == 0:
+      if write_summary:  # the step just taken is a summary step
         # The learning rate the step just taken used (read before the increment).
         lr = float(model_spec.learning_rate(step - 1, decay_steps,
                                             config.optimizer.learning_rate))
@@ -265,11 +263,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       if engine.stops_here(stop, agreed):
         stopped_by = stop.signal_name or engines.ANOTHER_WORKER
     path = save()  # with peers every worker saves: the chief's copy is kept
-    try:
+    with _summaries_may_fail('the last TensorBoard summaries to ' + engine.write_dir):
       writer.flush()
-    except (tf.errors.OpError, OSError) as e:  # e.g. disk full; checkpoints decide
-      logger.warning('could not write the last TensorBoard summaries to %s (%s).',
-                     engine.write_dir, str(e).strip().splitlines()[0])
     # Synchronization point: no worker leaves before all have saved.
     with engine.waiting('the final barrier', step):
       engine.barrier()
@@ -280,7 +275,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       raise
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
-    raise ending.failed(e, first_step, step, lambda: int(state.global_step.numpy()),
+    raise ending.failed(e, first_step, step, global_step,
                         save.last_saved, save, config.train_dir) from e
   if not stopped_by and engine.stops_here(stop, None):
     stopped_by = stop.signal_name  # the stop came during the last save
