@@ -21,7 +21,6 @@ from cifar10_towers.common import ending
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lock
 from cifar10_towers.common import model_spec
-from cifar10_towers.common import progress
 from cifar10_towers.common import training
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
@@ -201,7 +200,12 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       iterator = iter(engine.dataset())
     writer = None  # opened after the first step: a stop before it writes nothing
     stopped_by = None
-    window = training.LogWindow()
+    # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
+    # Deviation from upstream: examples/sec and sec/batch are means over the
+    # steps since the last line, not divided by the towers (training.StepLog).
+    # Progress comes from the chief.
+    log = training.StepLog(config, engine.global_batch_size, on_step,
+                           speaks=engine.is_chief)
     while step < config.max_steps and not stopped_by:
       first = step == first_step
       write_summary = (step + 1) % config.summary_every == 0
@@ -229,25 +233,17 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       # Before `step` counts it: a diverged step is never saved.
       training.check_divergence(global_step(), tower_losses)
       step = global_step()
-      # The speed of the log lines counts the wait for the batch too (legacy's
-      # session run dequeues it); the first and the summary steps only when
-      # nothing else (training.LogWindow).
-      window.add(end_time - fetch_time, engine.global_batch_size,
-                 extra=first or write_summary)
       if writer is None:
         writer = tf.summary.create_file_writer(engine.write_dir)
         with _summaries_may_fail(
             'the graph to TensorBoard summaries in ' + engine.write_dir), \
             writer.as_default():
           tf.summary.graph(engine.trainer.step_graph(batches, write_summary))
-      if step % config.log_every == 0 and engine.is_chief:  # progress comes from the chief
-        # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
-        # Deviation from upstream: examples/sec and sec/batch are means over the
-        # steps since the last line, not divided by the towers.
-        logger.info(window.line(step, float(tower_losses.mean()), config.max_steps),
-                    extra=progress.IN_PLACE)
-      if on_step is not None:
-        on_step(step, duration, engine.global_batch_size)
+      # The speed of the log lines counts the wait for the batch too (legacy's
+      # session run dequeues it); the first and the summary steps only when
+      # nothing else (training.LogWindow).
+      log.add(step, float(tower_losses.mean()), end_time - fetch_time,
+              first or write_summary, step_seconds=duration)
       if write_summary:  # the step just taken is a summary step
         # The learning rate the step just taken used (read before the increment).
         lr = float(model_spec.learning_rate(step - 1, decay_steps,
@@ -282,5 +278,5 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
   if stopped_by:
     engine.report_stop(stopped_by, step, path)
   elif engine.is_chief:
-    logger.info(training.finished_line(config.train_dir, path, config.data_dir))
+    training.report_end(None, step, path, config)
   return step
