@@ -107,11 +107,6 @@ def _fetch(url, path, data_dir, progress, timeout):
                         % (url, done, total, _offline_advice(data_dir)))
 
 
-def _escapes(path):
-  """True when a normalized relative POSIX path climbs out through '..'."""
-  return path == '..' or path.startswith('../')
-
-
 def check_members(tar):
   """Checks every member of an open archive before anything is written.
 
@@ -137,17 +132,15 @@ def check_members(tar):
     target = posixpath.join(posixpath.dirname(norm), link) if m.issym() else link
     if name.startswith('/') or name[1:2] == ':':
       why = 'has an absolute path'
-    elif _escapes(norm):
+    elif (norm + '/').startswith('../'):
       why = 'escapes the target directory through ".."'
     elif below:  # the OS would follow the link
       why = 'lies below the symbolic link %r' % below[0]
-    elif m.ischr() or m.isblk() or m.isfifo():
-      why = 'is a device or FIFO'
     elif (m.issym() or m.islnk()) and (
-        link.startswith('/') or _escapes(posixpath.normpath(target))):
+        link.startswith('/') or (posixpath.normpath(target) + '/').startswith('../')):
       why = 'is a link to %r, outside the target directory' % m.linkname
     elif not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
-      why = 'has the unsupported type %r' % m.type
+      why = 'is a device or FIFO' if m.isdev() else 'has the unsupported type %r' % m.type
     else:
       continue
     raise DownloadError('refusing to unpack: archive member %r %s' % (m.name, why))

@@ -50,7 +50,6 @@ Deterministic for a seed: everything comes from one `numpy.random.Generator`.
 """
 
 import copy
-import os
 
 import numpy as np
 
@@ -155,7 +154,7 @@ def make_images(rng, labels):
     uint8 [N, 32, 32, 3] (height, width, channel).
   """
   labels = np.asarray(labels)
-  return next(_image_pieces(rng, labels, [labels.shape[0]]))
+  return next(_image_pieces(rng, labels, [labels.shape[0]]))[0]
 
 
 def _image_pieces(rng, labels, sizes):
@@ -175,7 +174,8 @@ def _image_pieces(rng, labels, sizes):
     sizes: ints summing to N, the images of each piece in turn.
 
   Yields:
-    uint8 [size, 32, 32, 3] (height, width, channel) for each size in turn.
+    (uint8 [size, 32, 32, 3] (height, width, channel), their labels [size]) for
+    each size in turn.
   """
   labels = np.asarray(labels)
   n = labels.shape[0]
@@ -210,7 +210,7 @@ def _image_pieces(rng, labels, sizes):
       np.rint(images, out=images)
       piece[offset:offset + k] = np.clip(images, 0, 255, out=images)
     start += size
-    yield piece
+    yield piece, labels[start - size:start]
 
 
 def _balanced_labels(rng, n):
@@ -227,8 +227,8 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
   (`num_test` records), `batches.meta.txt` (the class names, one a line) and
   the marker `GENERATED.json` (`common.generated`).
   The files are written aside and replace an existing directory's files all
-  at once (`cifar10_format.staged_batches_dir`): an interrupted or failed run
-  changes nothing. The files are made and written one at a time, so the
+  at once (`generated.write_set`): an interrupted or failed run changes
+  nothing. The files are made and written one at a time, so the
   memory used is about one file's worth, whatever the size.
 
   Args:
@@ -252,44 +252,26 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
   if train_per_file < 1 or num_test < 1:
     raise ValueError('train_per_file and num_test must be >= 1, got %d and %d'
                      % (train_per_file, num_test))
+  names = fmt.TRAIN_FILES + fmt.EVAL_FILES
   # Independent streams for train and test, so num_test does not change the
   # training images.
   train_rng, test_rng = [np.random.default_rng(s)
                          for s in np.random.SeedSequence(seed).spawn(2)]
-  progress = progress or (lambda name, number, count: None)
-  counts = {}
-  num_train = train_per_file * len(fmt.TRAIN_FILES)
-  needed_bytes = (num_train + num_test) * fmt.RECORD_BYTES
-  # Each stream is drawn as if all its images were made at once (the labels
-  # first, then `_image_pieces`), so the bytes do not depend on the files.
-  streams = [(train_rng, fmt.TRAIN_FILES, train_per_file),
-             (test_rng, fmt.EVAL_FILES, num_test)]
-  count = len(fmt.TRAIN_FILES) + len(fmt.EVAL_FILES)
-  with fmt.staged_batches_dir(data_dir, needed_bytes) as out_dir:
-    for rng, names, per_file in streams:
-      labels = _balanced_labels(rng, per_file * len(names))
-      pieces = _image_pieces(rng, labels, [per_file] * len(names))
-      for i, name in enumerate(names):
-        progress(name, len(counts) + 1, count)
-        fmt.write_records(os.path.join(out_dir, name), next(pieces),
-                          labels[i * per_file:(i + 1) * per_file])
-        counts[name] = per_file
-    write_meta(out_dir, CLASS_NAMES)
-    if mark:
-      generated.write_marker(
-          out_dir, 'synth', VERSION, data_dir,
-          ['--train_per_file', train_per_file, '--num_test', num_test,
-           '--seed', seed],
-          train_per_file=train_per_file, num_test=num_test, seed=seed)
-  return counts
 
+  def files():
+    # Each stream is drawn as if all its images were made at once (the labels
+    # first, then `_image_pieces`), so the bytes do not depend on the files.
+    for rng, stream_names, per_file in ((train_rng, fmt.TRAIN_FILES, train_per_file),
+                                        (test_rng, fmt.EVAL_FILES, num_test)):
+      labels = _balanced_labels(rng, per_file * len(stream_names))
+      pieces = _image_pieces(rng, labels, [per_file] * len(stream_names))
+      for name in stream_names:
+        if progress:
+          progress(name, names.index(name) + 1, len(names))
+        yield (name, *next(pieces))
 
-def write_meta(directory, class_names):
-  """Writes `batches.meta.txt` (the class names, one a line) into `directory`.
-
-  Args:
-    directory: str, the directory holding the .bin files.
-    class_names: the names, in label order.
-  """
-  fmt.write_atomically(os.path.join(directory, fmt.META_FILE),
-                       ''.join('%s\n' % name for name in class_names))
+  num_records = train_per_file * len(fmt.TRAIN_FILES) + num_test
+  return generated.write_set(
+      data_dir, files(), num_records * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'synth', VERSION,
+      ['--train_per_file', train_per_file, '--num_test', num_test, '--seed', seed],
+      train_per_file=train_per_file, num_test=num_test, seed=seed)
