@@ -23,6 +23,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import shutil
 import socket
 
@@ -74,19 +75,13 @@ def encode_records(images, labels):
   Returns:
     bytes of length N * 3073.
   """
-  images = np.asarray(images)
-  labels = np.asarray(labels)
-  if images.dtype != np.uint8 or images.shape[1:] != (HEIGHT, WIDTH, DEPTH):
-    raise ValueError('images must be uint8 [N, 32, 32, 3], got %s %s'
-                     % (images.dtype, images.shape))
-  if labels.shape != (images.shape[0],):
-    raise ValueError('labels must be [%d], got %s' % (images.shape[0], labels.shape))
-  if labels.size and (labels.min() < 0 or labels.max() >= hparams.NUM_CLASSES):
-    raise ValueError('labels must be in 0..%d' % (hparams.NUM_CLASSES - 1))
-  records = np.empty((images.shape[0], RECORD_BYTES), np.uint8)
-  records[:, 0] = labels
-  records[:, 1:] = images.transpose(0, 3, 1, 2).reshape(images.shape[0], IMAGE_BYTES)
-  return records.tobytes()
+  images, labels = np.asarray(images), np.asarray(labels)
+  if (images.dtype != np.uint8 or images.shape[1:] != (HEIGHT, WIDTH, DEPTH)
+      or labels.shape != images.shape[:1] or not np.isin(labels, range(hparams.NUM_CLASSES)).all()):
+    raise ValueError('images must be uint8 [N, 32, 32, 3] and labels [N] in 0..9, got '
+                     '%s %s and %s' % (images.dtype, images.shape, labels.shape))
+  return np.concatenate([labels.astype(np.uint8)[:, None],
+                         images.transpose(0, 3, 1, 2).reshape(-1, IMAGE_BYTES)], 1).tobytes()
 
 
 def write_records(path, images, labels):
@@ -436,42 +431,34 @@ def staged_batches_dir(data_dir, needed_bytes):
 
 def _swap_in(stage, target):
   """Replaces the directory `target` by `stage` (two renames)."""
-  if not os.path.isdir(target):
-    os.rename(stage, target)
-    return
-  for name in os.listdir(target):
-    src, dst = os.path.join(target, name), os.path.join(stage, name)
+  old = stage + '.old'
+  if os.path.isdir(target):
     # The old set's marker describes the old set: a new generated set brings
     # its own, and a set written without one must not inherit it.
-    if os.path.lexists(dst) or name == GENERATED_FILE:
-      continue
-    if os.path.isdir(src) and not os.path.islink(src):
-      shutil.copytree(src, dst, symlinks=True)
-    else:
+    for name in set(os.listdir(target)) - set(os.listdir(stage)) - {GENERATED_FILE}:
+      src, dst = os.path.join(target, name), os.path.join(stage, name)
+      if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, symlinks=True)
+        continue
       try:
         os.link(src, dst, follow_symlinks=False)
       except OSError:
         shutil.copy2(src, dst, follow_symlinks=False)
-  old = stage + '.old'
-  os.rename(target, old)
+    os.rename(target, old)
   os.rename(stage, target)
   shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove_stale_stages(data_dir):
   """Removes what killed writers on this host left: their staging directories."""
-  host = socket.gethostname()
-  for name in sorted(os.listdir(data_dir)):
-    if not name.startswith(_STAGING_PREFIX):
-      continue
-    # <prefix><host>-<pid>-<random>, and '.old' while swapping.
-    stage = name[:-len('.old')] if name.endswith('.old') else name
-    owner = stage[len(_STAGING_PREFIX):].rsplit('-', 2)
-    if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
-      continue
-    try:
-      os.kill(int(owner[1]), 0)
-    except ProcessLookupError:  # the writer is gone
-      shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
-    except OSError:  # it runs, as another user
-      pass
+  # <prefix><host>-<pid>-<random>, and '.old' while swapping.
+  mine = re.compile(re.escape(_STAGING_PREFIX + socket.gethostname()) + r'-(\d+)-\w+(\.old)?$')
+  for name in os.listdir(data_dir):
+    match = mine.match(name)
+    if match:
+      try:
+        os.kill(int(match[1]), 0)
+      except ProcessLookupError:  # the writer is gone
+        shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
+      except PermissionError:  # it runs, as another user
+        pass
