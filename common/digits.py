@@ -30,13 +30,10 @@ def to_cifar_images(images):
     uint8 [N, 32, 32, 3]: 3x nearest-neighbour enlargement to 24x24, centred on
     a black 32x32 canvas, scaled to 0..255 and repeated over the 3 channels.
   """
-  images = np.asarray(images, np.float64)
-  big = images.repeat(_SCALE, axis=1).repeat(_SCALE, axis=2)  # [N, 24, 24]
-  pad = (fmt.HEIGHT - big.shape[1]) // 2
-  canvas = np.zeros((images.shape[0], fmt.HEIGHT, fmt.WIDTH), np.uint8)
-  canvas[:, pad:pad + big.shape[1], pad:pad + big.shape[2]] = np.clip(
-      np.rint(big * (255.0 / _MAX_VALUE)), 0, 255).astype(np.uint8)
-  return np.repeat(canvas[..., None], fmt.DEPTH, axis=3)
+  big = np.asarray(images, np.float64).repeat(_SCALE, axis=1).repeat(_SCALE, axis=2)
+  pad = (fmt.HEIGHT - big.shape[1]) // 2  # 24x24 in the middle of 32x32
+  pixels = np.clip(np.rint(big * (255.0 / _MAX_VALUE)), 0, 255).astype(np.uint8)
+  return np.pad(pixels, ((0, 0), (pad, pad), (pad, pad)))[..., None].repeat(fmt.DEPTH, axis=3)
 
 
 def split(labels, test_fraction, rng):

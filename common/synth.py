@@ -71,66 +71,38 @@ _FAINT_DISTANCE = (0.0, 20.0)  # and of a faint one
 _CHUNK = 1000  # images made at once: bounds the float32 working memory (~50 MB)
 
 
-def _per_image_draws(rng, n):
-  """The small per-image draws of `_patterns`: phases, centres, radii.
-
-  Random per-image phases and positions, drawn for every image so the random
-  stream does not depend on the order of the classes.
-
-  Returns:
-    dict name -> array with N first.
-  """
-  return {
-      'phase_y': rng.integers(0, 8, n)[:, None, None],
-      'phase_x': rng.integers(0, 8, n)[:, None, None],
-      'centre': rng.uniform(8.0, 24.0, (n, 2)).astype(np.float32),
-      'radius': rng.uniform(4.0, 9.0, n).astype(np.float32)[:, None, None],
-      'ring_phase': rng.uniform(0.0, 6.0, n).astype(np.float32)[:, None, None],
-  }
-
-
 def _patterns(labels, draws, noise):
   """Pattern intensities in [0, 1] for each label.
 
   Args:
     labels: int array [N] in 0..9.
-    draws: `_per_image_draws` of these N images.
+    draws: the small per-image draws of these N images, each with N first:
+      phase_y, phase_x, centre, radius, ring_phase.
     noise: float32 [N, 32, 32] in [0, 1), the pattern of the noise class.
 
   Returns:
     float32 [N, 32, 32]: 1 where the foreground colour goes, 0 for background.
   """
-  n = labels.shape[0]
-  yy, xx = np.mgrid[0:_SIZE, 0:_SIZE]
-  yy = yy[None].astype(np.float32)  # [1, 32, 32]
-  xx = xx[None].astype(np.float32)
-  phase_y, phase_x = draws['phase_y'], draws['phase_x']
-  centre, radius, ring_phase = draws['centre'], draws['radius'], draws['ring_phase']
+  phase_y, phase_x, centre, radius, ring_phase = draws
+  yy, xx = np.mgrid[0:_SIZE, 0:_SIZE].astype(np.float32)[:, None]  # each [1, 32, 32]
 
   def square_wave(v, period):
     return (np.floor(v / (period / 2)) % 2).astype(np.float32)
 
-  out = np.empty((n, _SIZE, _SIZE), np.float32)
+  out = np.empty((labels.shape[0], _SIZE, _SIZE), np.float32)
   for label in range(hparams.NUM_CLASSES):
     i = np.flatnonzero(labels == label)
-    if not i.size:
-      continue
     y = yy + phase_y[i]  # [k, 32, 32]
     x = xx + phase_x[i]
     r = np.sqrt((yy - centre[i, 0, None, None]) ** 2 +
                 (xx - centre[i, 1, None, None]) ** 2)
-    if label == 0:  # horizontal stripes, period 4
-      p = square_wave(y, 4)
-    elif label == 1:  # horizontal stripes, period 8
-      p = square_wave(y, 8)
-    elif label == 2:  # vertical stripes, period 4
-      p = square_wave(x, 4)
-    elif label == 3:  # vertical stripes, period 8
-      p = square_wave(x, 8)
-    elif label == 4:  # checkerboard, period 4
-      p = (square_wave(y, 4) + square_wave(x, 4)) % 2
-    elif label == 5:  # checkerboard, period 8
-      p = (square_wave(y, 8) + square_wave(x, 8)) % 2
+    period = 8 if label % 2 else 4  # of the stripes and checkerboards, 0-5
+    if label < 2:  # horizontal stripes
+      p = square_wave(y, period)
+    elif label < 4:  # vertical stripes
+      p = square_wave(x, period)
+    elif label < 6:  # checkerboards
+      p = (square_wave(y, period) + square_wave(x, period)) % 2
     elif label == 6:  # lines along both diagonals, 2 pixels wide, every 6
       p = ((x + y) % 6 < 2) | ((x - y) % 6 < 2)
     elif label == 7:  # concentric rings, period 6
@@ -179,7 +151,13 @@ def _image_pieces(rng, labels, sizes):
   """
   labels = np.asarray(labels)
   n = labels.shape[0]
-  draws = _per_image_draws(rng, n)
+  # The small per-image draws: phases, centres, radii, drawn for every image
+  # so the random stream does not depend on the order of the classes.
+  draws = (rng.integers(0, 8, n)[:, None, None],  # phase_y
+           rng.integers(0, 8, n)[:, None, None],  # phase_x
+           rng.uniform(8.0, 24.0, (n, 2)).astype(np.float32),  # centre
+           rng.uniform(4.0, 9.0, n).astype(np.float32)[:, None, None],  # radius
+           rng.uniform(0.0, 6.0, n).astype(np.float32)[:, None, None])  # ring_phase
   # The noise class's pattern comes next in the stream; a big per-pixel
   # draw: taken piece by piece from a copy, and skipped here the same way.
   noise_rng = copy.deepcopy(rng)
@@ -203,8 +181,7 @@ def _image_pieces(rng, labels, sizes):
       part = slice(start + offset, start + min(offset + _CHUNK, size))
       k = part.stop - part.start
       noise = noise_rng.random((k, _SIZE, _SIZE), dtype=np.float32)
-      pattern = _patterns(labels[part], {key: value[part] for key, value
-                                         in draws.items()}, noise)[..., None]
+      pattern = _patterns(labels[part], [d[part] for d in draws], noise)[..., None]
       images = background[part] + pattern * difference[part]  # [k, 32, 32, 3]
       images += _PIXEL_NOISE * rng.standard_normal(images.shape, dtype=np.float32)
       np.rint(images, out=images)
