@@ -85,24 +85,13 @@ def encode_records(images, labels):
 
 
 def write_records(path, images, labels):
-  """Writes a CIFAR-10 binary file atomically (temp file, then rename)."""
-  write_atomically(path, encode_records(images, labels))
+  """Writes a CIFAR-10 binary file.
 
-
-def write_atomically(path, data):
-  """Writes bytes or str to `path` through a temp file that is renamed into place.
-
-  On any error or interrupt the temp file is removed and `path` is as it was.
+  Data sets are written into a staging directory that replaces theirs whole
+  (`staged_batches_dir`), so no reader ever sees a partial file.
   """
-  tmp = '%s.tmp-%d' % (path, os.getpid())
-  try:
-    with open(tmp, 'wb' if isinstance(data, bytes) else 'w') as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.remove(tmp)
-    raise
+  with open(path, 'wb') as f:
+    f.write(encode_records(images, labels))
 
 
 def decode_records(data, name='<bytes>'):

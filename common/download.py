@@ -126,10 +126,10 @@ def check_members(tar):
   for m in members:
     name, link = m.name.replace('\\', '/'), m.linkname.replace('\\', '/')
     norm = posixpath.normpath(name)
-    parts = norm.split('/')
-    below = [p for p in ('/'.join(parts[:i]) for i in range(1, len(parts))) if p in symlinks]
+    below = sorted(p for p in symlinks if norm.startswith(p + '/'))
     # A symlink points relative to its directory; a hard link names another member.
-    target = posixpath.join(posixpath.dirname(norm), link) if m.issym() else link
+    target = posixpath.normpath(posixpath.join(posixpath.dirname(norm), link)
+                                if m.issym() else link)
     if name.startswith('/') or name[1:2] == ':':
       why = 'has an absolute path'
     elif (norm + '/').startswith('../'):
@@ -137,7 +137,7 @@ def check_members(tar):
     elif below:  # the OS would follow the link
       why = 'lies below the symbolic link %r' % below[0]
     elif (m.issym() or m.islnk()) and (
-        link.startswith('/') or (posixpath.normpath(target) + '/').startswith('../')):
+        link.startswith('/') or (target + '/').startswith('../')):
       why = 'is a link to %r, outside the target directory' % m.linkname
     elif not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
       why = 'is a device or FIFO' if m.isdev() else 'has the unsupported type %r' % m.type

@@ -65,8 +65,8 @@ def write_set(data_dir, files, needed_bytes, class_names, mark, generator, versi
     for name, images, labels in files:
       fmt.write_records(os.path.join(out_dir, name), images, labels)
       counts[name] = len(labels)
-    fmt.write_atomically(os.path.join(out_dir, fmt.META_FILE),
-                         ''.join('%s\n' % name for name in class_names))
+    with open(os.path.join(out_dir, fmt.META_FILE), 'w') as f:
+      print(*class_names, sep='\n', file=f)
     if mark:
       write_marker(out_dir, generator, version, data_dir, args, **params)
   return counts
@@ -85,8 +85,8 @@ def write_marker(directory, generator, version, data_dir, args, **params):
       'written': datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec='seconds'),
   }
-  fmt.write_atomically(os.path.join(directory, MARKER_FILE),
-                       json.dumps(info, indent=2, sort_keys=True) + '\n')
+  with open(os.path.join(directory, MARKER_FILE), 'w') as f:
+    print(json.dumps(info, indent=2, sort_keys=True), file=f)
 
 
 def read(data_dir):

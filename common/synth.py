@@ -149,7 +149,6 @@ def _image_pieces(rng, labels, sizes):
     (uint8 [size, 32, 32, 3] (height, width, channel), their labels [size]) for
     each size in turn.
   """
-  labels = np.asarray(labels)
   n = labels.shape[0]
   # The small per-image draws: phases, centres, radii, drawn for every image
   # so the random stream does not depend on the order of the classes.
