@@ -61,7 +61,8 @@ def distorted_inputs(data_dir, batch_size,
   """
   filenames = cifar10_format.train_files(data_dir)
   # Deviation from upstream: the epoch size is what is on disk, not 50000.
-  num_examples_per_epoch = cifar10_format.num_examples(filenames)
+  # The shuffle queue keeps 40% of it, so that the shuffling mixes well.
+  min_queue_examples = hparams.min_queue_examples(cifar10_format.num_examples(filenames))
 
   with tf.name_scope('data_augmentation'):
     filename_queue = tf.train.string_input_producer(filenames, seed=seed)
@@ -75,9 +76,6 @@ def distorted_inputs(data_dir, batch_size,
         filename_queue, RECORDS_PER_READ)
     uint8images, labels = preprocess.decode_records(records)
     float_images = preprocess.distort_images(uint8images)
-
-    # Ensure that the random shuffling has good mixing properties.
-    min_queue_examples = hparams.min_queue_examples(num_examples_per_epoch)
 
   images, labels = tf.train.shuffle_batch(
       [float_images, labels], batch_size, num_threads=num_threads,
@@ -111,16 +109,13 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
     common.cifar10_format.DataError: a data file is missing or malformed.
   """
   filenames = (cifar10_format.eval_files if eval_data else cifar10_format.train_files)(data_dir)
-  num_examples_per_epoch = cifar10_format.num_examples(filenames)
+  min_queue_examples = hparams.min_queue_examples(cifar10_format.num_examples(filenames))
 
   with tf.name_scope('input'):
     filename_queue = tf.train.string_input_producer(
         filenames, num_epochs=num_epochs, shuffle=False)
     read_input = read_cifar10(filename_queue)
     float_image = preprocess.eval_image(read_input.uint8image)
-    read_input.label.set_shape([])
-
-    min_queue_examples = hparams.min_queue_examples(num_examples_per_epoch)
 
   images, labels = tf.train.batch(
       [float_image, read_input.label], batch_size, num_threads=num_threads,
