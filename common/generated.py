@@ -74,8 +74,7 @@ def write_set(data_dir, files, needed_bytes, class_names, mark, generator, versi
 
 def write_marker(directory, generator, version, data_dir, args, **params):
   """Writes GENERATED.json into `directory` (a staging directory); see `write_set`."""
-  command_args = ' '.join(['data', generator, '--data_dir', shlex.quote(data_dir)]
-                          + [shlex.quote(str(a)) for a in args])
+  command_args = shlex.join(['data', generator, '--data_dir', data_dir] + [str(a) for a in args])
   info = {
       'generator': generator,
       'version': version,
