@@ -5,7 +5,7 @@ plane row-major 32x32. No TensorFlow here: these are the numpy reader, writer
 and validator used by the data commands, the tests and the cross-check.
 
 Besides the format, the validator names content that cannot be real data
-(`content_problems`, `FileJudge`; a problem for `data check`, a warning for
+(`content_problems`, `_judge`; a problem for `data check`, a warning for
 training): a file of at least `MIN_RECORDS_TO_JUDGE` records whose images are
 all the same image (an all-zero file, say), or whose records all have one
 label (CIFAR-10's files mix all ten classes), and a file that is a
@@ -23,6 +23,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import shutil
 import socket
 
@@ -53,8 +54,6 @@ RECORD_BYTES = LABEL_BYTES + IMAGE_BYTES  # 3073
 MIN_RECORDS_TO_JUDGE = 10
 
 _STAGING_PREFIX = '.%s.partial-' % BATCHES_DIR  # + host-pid-random
-_WRITE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_WRITE_DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class DataError(errors.Failure):
@@ -76,40 +75,23 @@ def encode_records(images, labels):
   Returns:
     bytes of length N * 3073.
   """
-  images = np.asarray(images)
-  labels = np.asarray(labels)
-  if images.dtype != np.uint8 or images.shape[1:] != (HEIGHT, WIDTH, DEPTH):
-    raise ValueError('images must be uint8 [N, 32, 32, 3], got %s %s'
-                     % (images.dtype, images.shape))
-  if labels.shape != (images.shape[0],):
-    raise ValueError('labels must be [%d], got %s' % (images.shape[0], labels.shape))
-  if labels.size and (labels.min() < 0 or labels.max() >= hparams.NUM_CLASSES):
-    raise ValueError('labels must be in 0..%d' % (hparams.NUM_CLASSES - 1))
-  records = np.empty((images.shape[0], RECORD_BYTES), np.uint8)
-  records[:, 0] = labels
-  records[:, 1:] = images.transpose(0, 3, 1, 2).reshape(images.shape[0], IMAGE_BYTES)
-  return records.tobytes()
+  images, labels = np.asarray(images), np.asarray(labels)
+  if (images.dtype != np.uint8 or images.shape[1:] != (HEIGHT, WIDTH, DEPTH)
+      or labels.shape != images.shape[:1] or not np.isin(labels, range(hparams.NUM_CLASSES)).all()):
+    raise ValueError('images must be uint8 [N, 32, 32, 3] and labels [N] in 0..9, got '
+                     '%s %s and %s' % (images.dtype, images.shape, labels.shape))
+  return np.concatenate([labels.astype(np.uint8)[:, None],
+                         images.transpose(0, 3, 1, 2).reshape(-1, IMAGE_BYTES)], 1).tobytes()
 
 
 def write_records(path, images, labels):
-  """Writes a CIFAR-10 binary file atomically (temp file, then rename)."""
-  write_atomically(path, encode_records(images, labels))
+  """Writes a CIFAR-10 binary file.
 
-
-def write_atomically(path, data):
-  """Writes bytes or str to `path` through a temp file that is renamed into place.
-
-  On any error or interrupt the temp file is removed and `path` is as it was.
+  Data sets are written into a staging directory that replaces theirs whole
+  (`staged_batches_dir`), so no reader ever sees a partial file.
   """
-  tmp = '%s.tmp-%d' % (path, os.getpid())
-  try:
-    with open(tmp, 'wb' if isinstance(data, bytes) else 'w') as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(OSError):
-      os.remove(tmp)
-    raise
+  with open(path, 'wb') as f:
+    f.write(encode_records(images, labels))
 
 
 def decode_records(data, name='<bytes>'):
@@ -133,12 +115,11 @@ def decode_records(data, name='<bytes>'):
 
 def _records(data, name):
   """The records of `data` as uint8 [N, 3073], validated as `decode_records` says."""
-  if len(data) % RECORD_BYTES:
-    raise DataError(
-        '%s: size %d bytes is not a multiple of the %d-byte record; record %d '
-        'is truncated at byte offset %d. Re-download or regenerate the data.'
-        % (name, len(data), RECORD_BYTES, len(data) // RECORD_BYTES,
-           (len(data) // RECORD_BYTES) * RECORD_BYTES))
+  n, rest = divmod(len(data), RECORD_BYTES)
+  if rest:
+    raise DataError('%s: size %d bytes is not a multiple of the %d-byte record; record %d '
+                    'is truncated at byte offset %d. Re-download or regenerate the data.'
+                    % (name, len(data), RECORD_BYTES, n, n * RECORD_BYTES))
   records = np.frombuffer(data, np.uint8).reshape(-1, RECORD_BYTES)
   labels = records[:, 0]
   bad = np.flatnonzero(labels >= hparams.NUM_CLASSES)
@@ -185,50 +166,37 @@ def content_problems(records):
   return problems
 
 
-class FileJudge:
-  """Judges the files of one data set by content, one file at a time.
+def _judge(path, seen):
+  """Reads and validates the file at `path`; why it cannot be real data.
 
-  `judge` gives `content_problems` and, from the second file on, whether the
-  file is a byte-for-byte copy of one judged before (a test file copied from
-  a training file, a training file copied to fill a gap). Only a fingerprint
-  of each file is kept (its size and a digest of every 4099th byte); a match
-  is confirmed by comparing the whole files.
+  Besides `content_problems`, from the second file on: whether the file is a
+  byte-for-byte copy of one judged before (a test file copied from a training
+  file, a training file copied to fill a gap). `seen` keeps only a
+  fingerprint of each file (its size and a digest of every 4099th byte); a
+  match is confirmed by comparing the whole files.
+
+  Args:
+    path: the file.
+    seen: dict fingerprint -> path, shared by the files of one data set.
+
+  Returns:
+    (records uint8 [N, 3073], a list of phrases, [] if it can be real).
+
+  Raises:
+    DataError: the file is malformed (see `decode_records`).
+    OSError: it (or the file it matches) cannot be read.
   """
-
-  _STRIDE = 4099
-
-  def __init__(self):
-    self._seen = {}  # fingerprint -> path
-
-  def judge(self, path):
-    """Reads and validates the file at `path`; why it cannot be real data.
-
-    Returns:
-      (records uint8 [N, 3073], a list of phrases, [] if it can be real).
-
-    Raises:
-      DataError: the file is malformed (see `decode_records`).
-      OSError: it cannot be read.
-    """
-    with open(path, 'rb') as f:
-      data = f.read()
-    records = _records(data, path)
-    problems = content_problems(records)
-    if records.shape[0] >= MIN_RECORDS_TO_JUDGE:
-      key = (len(data), hashlib.blake2b(data[::self._STRIDE]).digest())
-      original = self._seen.setdefault(key, path)
-      if original != path and _read(original) == data:
-        problems.append('a byte-for-byte copy of %s' % os.path.basename(original))
-    return records, problems
-
-
-def _read(path):
-  """The bytes of the file at `path`; None if it cannot be read."""
-  try:
-    with open(path, 'rb') as f:
-      return f.read()
-  except OSError:
-    return None
+  with open(path, 'rb') as f:
+    data = f.read()
+  records = _records(data, path)
+  problems = content_problems(records)
+  if records.shape[0] >= MIN_RECORDS_TO_JUDGE:
+    original = seen.setdefault((len(data), hashlib.blake2b(data[::4099]).digest()), path)
+    if original != path:
+      with open(original, 'rb') as f:
+        if f.read() == data:
+          problems.append('a byte-for-byte copy of %s' % os.path.basename(original))
+  return records, problems
 
 
 def judge_files(paths):
@@ -247,17 +215,16 @@ def judge_files(paths):
     DataError: a file is malformed (see `decode_records`).
     OSError: a file cannot be read.
   """
-  judge, lines = FileJudge(), []
+  seen, lines = {}, []
   for path in paths:
-    problems = judge.judge(path)[1]
+    problems = _judge(path, seen)[1]
     if problems:
       lines.append('%s cannot be real data: %s' % (path, '; '.join(problems)))
   return lines
 
 
 def _files(data_dir, names, what):
-  d = batches_dir(data_dir)
-  paths = [os.path.join(d, n) for n in names]
+  paths = [os.path.join(batches_dir(data_dir), n) for n in names]
   for path in paths:
     if os.path.exists(path) and not os.path.isfile(path):
       raise DataError('%s is %s, not a data file. Move it away; `%s` lists '
@@ -331,7 +298,7 @@ def check_data_dir(data_dir):
   """Every problem of a data directory, at once.
 
   Each file is validated (size, label bytes), then judged by content
-  (`FileJudge`); every problem, a file that cannot be read included, is one
+  (`_judge`); every problem, a file that cannot be read included, is one
   line.
 
   Returns:
@@ -339,19 +306,17 @@ def check_data_dir(data_dir):
     directory is good) and a dict file name -> number of records of the files
     without a problem.
   """
-  problems, counts = [], {}
+  problems, counts, seen = [], {}, {}
   d = batches_dir(data_dir)
   if not os.path.isdir(d):
-    if os.path.lexists(d):
-      kind = 'a file' if os.path.isfile(d) else _not_a_file(d)
-      return ['%s: %s, not a directory' % (d, kind)], counts
-    return ['%s: directory not found' % d], counts
+    kind = 'a file' if os.path.isfile(d) else _not_a_file(d)
+    return ['%s: %s' % (d, 'directory not found' if kind == 'missing'
+                        else kind + ', not a directory')], counts
   try:
     extra = unexpected_files(data_dir)
   except OSError as e:
     return ['%s: cannot be listed (%s)' % (d, _reason(e))], counts
   expected = TRAIN_FILES + EVAL_FILES
-  judge = FileJudge()
   for name in expected:
     path = os.path.join(d, name)
     if not os.path.isfile(path):
@@ -360,60 +325,63 @@ def check_data_dir(data_dir):
                                   else '%s, not a data file' % kind))
       continue
     try:
-      records, why = judge.judge(path)
+      records, why = _judge(path, seen)
     except DataError as e:
       problems.append(str(e).split('. Re-download')[0])
       continue
     except OSError as e:
       problems.append('%s: cannot be read (%s)' % (path, _reason(e)))
       continue
-    if records.shape[0] == 0:
-      problems.append('%s: empty' % path)
-      continue
-    if why:
-      problems.append('%s: cannot be real data: %s' % (path, '; '.join(why)))
-      continue
-    counts[name] = int(records.shape[0])
+    if records.shape[0] and not why:
+      counts[name] = int(records.shape[0])
+    else:
+      problems.append('%s: %s' % (path, 'cannot be real data: ' + '; '.join(why) if why
+                                  else 'empty'))
   problems += ['%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
                for path in extra]
   return problems, counts
 
 
-def write_failure(directory, error, needed_bytes=None):
+def write_failure(directory, error, needed_bytes):
   """A one-line message for an OSError raised writing data into `directory`.
+
+  Args:
+    directory: str, where the data was being written.
+    error: the OSError.
+    needed_bytes: int, the size of the new files, named when the disk is full.
 
   Returns:
     str saying what happened and what to do, or None when `error` is not a
     full or read-only disk or a denied write (the caller re-raises it).
   """
-  if error.errno in _WRITE_FULL:
-    needed = (' (about %d MiB are needed)' % -(-needed_bytes // 2**20)
-              if needed_bytes else '')
-    return ('cannot write to %s: %s%s; nothing was changed there. Free some '
-            'space or pass another --data_dir.' % (directory, _reason(error), needed))
-  if error.errno in _WRITE_DENIED:
-    return ('cannot write to %s: %s; nothing was changed there. Pass a '
-            '--data_dir you can write to.' % (directory, _reason(error)))
-  return None
+  if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    what = ' (about %d MiB are needed)' % -(-needed_bytes // 2**20)
+    advice = 'Free some space or pass another --data_dir'
+  elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    what, advice = '', 'Pass a --data_dir you can write to'
+  else:
+    return None
+  return 'cannot write to %s: %s%s; nothing was changed there. %s.' % (
+      directory, _reason(error), what, advice)
 
 
 @contextlib.contextmanager
-def staged_batches_dir(data_dir, needed_bytes=None):
+def staged_batches_dir(data_dir, needed_bytes):
   """A new `cifar-10-batches-bin/` written aside, then swapped in whole.
 
   Yields a hidden staging directory in `data_dir`; write every file there.
   When the block ends normally, files of the old directory that the new one
   lacks (e.g. readme.html) are linked into it and the two are swapped with
   two renames, so readers see the old set or the new one, never a mix or a
-  partial file. On any error or interrupt the staging directory is removed
-  and the old data is untouched. What a writer killed outright (SIGKILL)
-  leaves, its hidden staging directory, is removed by the next writer on the
-  same host.
+  partial file. On any error or interrupt the staging directory and the
+  directories this call created are removed, and the old data is untouched.
+  What a writer killed outright (SIGKILL) leaves, its hidden staging
+  directory, is removed by the next writer on the same host.
 
   Args:
     data_dir: str, the data directory (created if missing).
-    needed_bytes: optional int, the size of the new files, for the message
-      when the disk is full.
+    needed_bytes: int, the size of the new files, for the message when the
+      disk is full.
 
   Raises:
     DataError: cifar-10-batches-bin is a file, or the disk is full or
@@ -424,6 +392,11 @@ def staged_batches_dir(data_dir, needed_bytes=None):
   if os.path.lexists(target) and not os.path.isdir(target):
     raise DataError('%s is a file, not a directory; nothing was written. Move '
                     'it away or pass another --data_dir.' % target)
+  created = []  # the directories this call makes, deepest first
+  d = os.path.abspath(data_dir)
+  while not os.path.isdir(d):
+    created.append(d)
+    d = os.path.dirname(d)
   stage = None
   try:
     os.makedirs(data_dir, exist_ok=True)
@@ -433,55 +406,48 @@ def staged_batches_dir(data_dir, needed_bytes=None):
     os.mkdir(stage)
     yield stage
     _swap_in(stage, target)
-    stage = None
-  except OSError as e:
-    message = write_failure(data_dir, e, needed_bytes)
-    if message is None:
-      raise
-    raise DataError(message) from e
-  finally:
+  except BaseException as e:
     if stage is not None:
       shutil.rmtree(stage, ignore_errors=True)
+    for d in created:
+      with contextlib.suppress(OSError):
+        os.rmdir(d)  # only if still empty
+    message = isinstance(e, OSError) and write_failure(data_dir, e, needed_bytes)
+    if not message:
+      raise
+    raise DataError(message) from e
 
 
 def _swap_in(stage, target):
   """Replaces the directory `target` by `stage` (two renames)."""
-  if not os.path.isdir(target):
-    os.rename(stage, target)
-    return
-  for name in os.listdir(target):
-    src, dst = os.path.join(target, name), os.path.join(stage, name)
+  old = stage + '.old'
+  if os.path.isdir(target):
     # The old set's marker describes the old set: a new generated set brings
     # its own, and a set written without one must not inherit it.
-    if os.path.lexists(dst) or name == GENERATED_FILE:
-      continue
-    if os.path.isdir(src) and not os.path.islink(src):
-      shutil.copytree(src, dst, symlinks=True)
-    else:
+    for name in set(os.listdir(target)) - set(os.listdir(stage)) - {GENERATED_FILE}:
+      src, dst = os.path.join(target, name), os.path.join(stage, name)
+      if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, symlinks=True)
+        continue
       try:
         os.link(src, dst, follow_symlinks=False)
       except OSError:
         shutil.copy2(src, dst, follow_symlinks=False)
-  old = stage + '.old'
-  os.rename(target, old)
+    os.rename(target, old)
   os.rename(stage, target)
   shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove_stale_stages(data_dir):
   """Removes what killed writers on this host left: their staging directories."""
-  host = socket.gethostname()
-  for name in sorted(os.listdir(data_dir)):
-    if not name.startswith(_STAGING_PREFIX):
-      continue
-    # <prefix><host>-<pid>-<random>, and '.old' while swapping.
-    stage = name[:-len('.old')] if name.endswith('.old') else name
-    owner = stage[len(_STAGING_PREFIX):].rsplit('-', 2)
-    if len(owner) != 3 or owner[0] != host or not owner[1].isdigit():
-      continue
-    try:
-      os.kill(int(owner[1]), 0)
-    except ProcessLookupError:  # the writer is gone
-      shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
-    except OSError:  # it runs, as another user
-      pass
+  # <prefix><host>-<pid>-<random>, and '.old' while swapping.
+  mine = re.compile(re.escape(_STAGING_PREFIX + socket.gethostname()) + r'-(\d+)-\w+(\.old)?$')
+  for name in os.listdir(data_dir):
+    match = mine.match(name)
+    if match:
+      try:
+        os.kill(int(match[1]), 0)
+      except ProcessLookupError:  # the writer is gone
+        shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
+      except PermissionError:  # it runs, as another user
+        pass

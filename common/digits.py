@@ -8,31 +8,16 @@ random training crop keeps most of it. scikit-learn is an optional dependency,
 imported only when a conversion runs.
 """
 
-import os
-
 import numpy as np
 
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import generated
-from cifar10_towers.common import hparams
-from cifar10_towers.common import synth
 
 CLASS_NAMES = tuple(str(d) for d in range(10))
 VERSION = 1  # of the conversion, in GENERATED.json
 NUM_IMAGES = 1797  # images in sklearn's load_digits
 _SCALE = 3  # 8x8 -> 24x24
 _MAX_VALUE = 16  # load_digits intensities are 0..16
-
-
-def _load_digits():
-  try:
-    from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError(
-        'the digits data set comes with scikit-learn, which is not installed: '
-        'run `pip install scikit-learn`') from e
-  digits = datasets.load_digits()
-  return digits.images, digits.target
 
 
 def to_cifar_images(images):
@@ -45,13 +30,10 @@ def to_cifar_images(images):
     uint8 [N, 32, 32, 3]: 3x nearest-neighbour enlargement to 24x24, centred on
     a black 32x32 canvas, scaled to 0..255 and repeated over the 3 channels.
   """
-  images = np.asarray(images, np.float64)
-  big = images.repeat(_SCALE, axis=1).repeat(_SCALE, axis=2)  # [N, 24, 24]
-  pad = (fmt.HEIGHT - big.shape[1]) // 2
-  canvas = np.zeros((images.shape[0], fmt.HEIGHT, fmt.WIDTH), np.uint8)
-  canvas[:, pad:pad + big.shape[1], pad:pad + big.shape[2]] = np.clip(
-      np.rint(big * (255.0 / _MAX_VALUE)), 0, 255).astype(np.uint8)
-  return np.repeat(canvas[..., None], fmt.DEPTH, axis=3)
+  big = np.asarray(images, np.float64).repeat(_SCALE, axis=1).repeat(_SCALE, axis=2)
+  pad = (fmt.HEIGHT - big.shape[1]) // 2  # 24x24 in the middle of 32x32
+  pixels = np.clip(np.rint(big * (255.0 / _MAX_VALUE)), 0, 255).astype(np.uint8)
+  return np.pad(pixels, ((0, 0), (pad, pad), (pad, pad)))[..., None].repeat(fmt.DEPTH, axis=3)
 
 
 def split(labels, test_fraction, rng):
@@ -82,8 +64,8 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
   images go to `test_batch.bin`, `batches.meta.txt` names the classes
   '0'..'9', and the marker `GENERATED.json` (`common.generated`) says the set
   is generated. The files are written aside and replace an existing
-  directory's files all at once (`cifar10_format.staged_batches_dir`): an
-  interrupted or failed run changes nothing.
+  directory's files all at once (`generated.write_set`): an interrupted or
+  failed run changes nothing.
 
   Args:
     data_dir: str, the data directory (created if missing).
@@ -102,24 +84,19 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
   """
   if not 0 < test_fraction < 1:
     raise ValueError('test_fraction must be in (0, 1), got %r' % test_fraction)
-  digit_images, targets = _load_digits()
-  images = to_cifar_images(digit_images)
-  labels = np.asarray(targets, np.int32)
-  assert labels.min() >= 0 and labels.max() < hparams.NUM_CLASSES
+  try:
+    from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        'the digits data set comes with scikit-learn, which is not installed: '
+        'run `pip install scikit-learn`') from e
+  digits = datasets.load_digits()
+  images = to_cifar_images(digits.images)
+  labels = np.asarray(digits.target, np.int32)
   train_idx, test_idx = split(labels, test_fraction, np.random.default_rng(seed))
-  counts = {}
-  parts = np.array_split(train_idx, len(fmt.TRAIN_FILES))
-  needed_bytes = labels.size * fmt.RECORD_BYTES
-  with fmt.staged_batches_dir(data_dir, needed_bytes) as out_dir:
-    for name, idx in zip(fmt.TRAIN_FILES, parts):
-      fmt.write_records(os.path.join(out_dir, name), images[idx], labels[idx])
-      counts[name] = int(idx.size)
-    name = fmt.EVAL_FILES[0]
-    fmt.write_records(os.path.join(out_dir, name), images[test_idx],
-                      labels[test_idx])
-    counts[name] = int(test_idx.size)
-    synth.write_meta(out_dir, CLASS_NAMES)
-    if mark:
-      generated.write_marker(out_dir, 'digits', VERSION, data_dir, ['--seed', seed],
-                             seed=seed, test_fraction=test_fraction)
-  return counts
+  parts = np.array_split(train_idx, len(fmt.TRAIN_FILES)) + [test_idx]
+  return generated.write_set(
+      data_dir, ((name, images[idx], labels[idx])
+                 for name, idx in zip(fmt.TRAIN_FILES + fmt.EVAL_FILES, parts)),
+      labels.size * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'digits', VERSION,
+      ['--seed', seed], seed=seed, test_fraction=test_fraction)

@@ -7,18 +7,17 @@ member names pointed. This version
 - checks every member before writing anything, and refuses absolute paths,
   paths that escape through '..', links that point outside the archive's
   directory, and device files;
-- unpacks into a temporary directory inside `data_dir` and moves the result
-  into place, so a failure at any point leaves `data_dir` as it was.
+- unpacks into a staging directory inside `data_dir` that replaces
+  `cifar-10-batches-bin/` whole (`cifar10_format.staged_batches_dir`), so a
+  failure at any point leaves `data_dir` as it was.
 """
 
-import contextlib
 import hashlib
 import http.client
 import os
 import posixpath
 import shutil
 import tarfile
-import tempfile
 import urllib.error
 import urllib.request
 
@@ -76,68 +75,36 @@ def _offline_advice(data_dir):
              ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir)))
 
 
-def _fetch(url, data_dir, progress, timeout):
-  """Streams `url` into a new temp file in `data_dir`.
-
-  Returns:
-    (path of the temp file, hex SHA-256 of its bytes). The caller owns the file.
+def _fetch(url, path, data_dir, progress, timeout):
+  """Streams `url` into the new file `path`.
 
   Raises:
-    DownloadError: the URL could not be reached or the transfer broke off; the
-      temp file is removed.
+    DownloadError: the URL could not be reached or the transfer broke off.
+    OSError: the disk is full, read-only or not writable.
   """
-  fd, tmp = tempfile.mkstemp(dir=data_dir, prefix='.%s.' % ARCHIVE_NAME,
-                             suffix='.part')
-  digest = hashlib.sha256()
+  done, total, chunk = 0, None, None
   try:
-    with os.fdopen(fd, 'wb') as out:
-      try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-          length = response.headers.get('Content-Length')
-          total = int(length) if length and length.isdigit() else None
-          done, chunk = 0, None
-          while chunk != b'':
-            if progress:
-              progress(done, total)
-            chunk = response.read(_CHUNK_BYTES)
-            out.write(chunk)
-            digest.update(chunk)
-            done += len(chunk)
-      except urllib.error.HTTPError as e:
-        raise DownloadError('%s answered HTTP %d %s. %s'
-                            % (url, e.code, e.reason, _offline_advice(data_dir))
-                           ) from e
-      except (urllib.error.URLError, http.client.HTTPException,
-              ConnectionError, TimeoutError) as e:
-        reason = getattr(e, 'reason', None) or e
-        raise DownloadError('could not reach %s (%s). %s'
-                            % (url, reason, _offline_advice(data_dir))) from e
-      except ValueError as e:  # not a URL urllib understands
-        raise DownloadError('could not fetch %r: %s. %s'
-                            % (url, e, _offline_advice(data_dir))) from e
-      except OSError as e:  # e.g. the disk is full, or an SSL error mid-stream
-        message = fmt.write_failure(data_dir, e, NEEDED_BYTES)
-        if message is not None:
-          raise DownloadError(message) from e
-        raise DownloadError('downloading %s into %s failed: %s. %s'
-                            % (url, tmp, e, _offline_advice(data_dir))) from e
-    if total is not None and done != total:
-      raise DownloadError('the download of %s broke off after %d of %d bytes. %s'
-                          % (url, done, total, _offline_advice(data_dir)))
-  except BaseException:
-    _remove(tmp)
-    raise
-  return tmp, digest.hexdigest()
-
-
-def _remove(path):
-  with contextlib.suppress(FileNotFoundError):
-    os.remove(path)
-
-
-def _escapes(path):
-  """True when a normalized relative POSIX path climbs out through '..'."""
-  return path == '..' or path.startswith('../')
+    with open(path, 'wb') as out, urllib.request.urlopen(url, timeout=timeout) as response:
+      length = response.headers.get('Content-Length')
+      total = int(length) if length and length.isdigit() else None
+      while chunk != b'':
+        if progress:
+          progress(done, total)
+        chunk = response.read(_CHUNK_BYTES)
+        out.write(chunk)
+        done += len(chunk)
+  except urllib.error.HTTPError as e:
+    raise DownloadError('%s answered HTTP %d %s. %s'
+                        % (url, e.code, e.reason, _offline_advice(data_dir))) from e
+  except (OSError, ValueError, http.client.HTTPException) as e:
+    if isinstance(e, OSError) and fmt.write_failure(data_dir, e, NEEDED_BYTES):
+      raise  # the disk's fault, not the network's: said by staged_batches_dir
+    # ValueError: not a URL urllib understands; OSError: e.g. an SSL error mid-stream.
+    raise DownloadError('could not reach %s (%s). %s' % (
+        url, getattr(e, 'reason', None) or e, _offline_advice(data_dir))) from e
+  if total is not None and done != total:
+    raise DownloadError('the download of %s broke off after %d of %d bytes. %s'
+                        % (url, done, total, _offline_advice(data_dir)))
 
 
 def check_members(tar):
@@ -159,75 +126,62 @@ def check_members(tar):
   for m in members:
     name, link = m.name.replace('\\', '/'), m.linkname.replace('\\', '/')
     norm = posixpath.normpath(name)
-    parts = norm.split('/')
-    below = [p for p in ('/'.join(parts[:i]) for i in range(1, len(parts))) if p in symlinks]
+    below = sorted(p for p in symlinks if norm.startswith(p + '/'))
     # A symlink points relative to its directory; a hard link names another member.
-    target = posixpath.join(posixpath.dirname(norm), link) if m.issym() else link
+    target = posixpath.normpath(posixpath.join(posixpath.dirname(norm), link)
+                                if m.issym() else link)
     if name.startswith('/') or name[1:2] == ':':
       why = 'has an absolute path'
-    elif _escapes(norm):
+    elif (norm + '/').startswith('../'):
       why = 'escapes the target directory through ".."'
     elif below:  # the OS would follow the link
       why = 'lies below the symbolic link %r' % below[0]
-    elif m.ischr() or m.isblk() or m.isfifo():
-      why = 'is a device or FIFO'
     elif (m.issym() or m.islnk()) and (
-        link.startswith('/') or _escapes(posixpath.normpath(target))):
+        link.startswith('/') or (target + '/').startswith('../')):
       why = 'is a link to %r, outside the target directory' % m.linkname
     elif not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
-      why = 'has the unsupported type %r' % m.type
+      why = 'is a device or FIFO' if m.isdev() else 'has the unsupported type %r' % m.type
     else:
       continue
     raise DownloadError('refusing to unpack: archive member %r %s' % (m.name, why))
   return members
 
 
-def _extract(archive, data_dir, origin):
-  """Safely unpacks `cifar-10-batches-bin/` of `archive` into `data_dir`.
+def _extract(archive, stage, origin):
+  """Safely unpacks the files of `cifar-10-batches-bin/` in `archive` into `stage`.
 
   Args:
     archive: path of a verified archive.
-    data_dir: where `cifar-10-batches-bin/` goes.
+    stage: the staging directory of `cifar10_format.staged_batches_dir`.
     origin: what to call the archive in errors (its URL or local path).
   """
-  work = tempfile.mkdtemp(dir=data_dir, prefix='.cifar-10-extract.')
+  work = os.path.join(stage, '.unpack')
   try:
-    try:
-      with tarfile.open(archive, 'r:*') as tar:
-        members = check_members(tar)
-        # tarfile's 'data' filter (Python >= 3.10.12 / 3.11.4) is a second guard, not the
-        # only one: it strips absolute names instead of refusing them, lets a member
-        # through an in-archive symlink, and is missing from older Pythons
-        # (test_download.py: test_unsafe_archive_refused_before_writing_anything).
-        tar.extractall(work, members=members,
-                       **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))
-    except (tarfile.TarError, EOFError, OSError) as e:
-      # Writing fails for reasons of the disk, not of the archive.
-      message = (fmt.write_failure(data_dir, e, NEEDED_BYTES)
-                 if isinstance(e, OSError) else None)
-      if message is not None:
-        raise DownloadError(message) from e
-      raise DownloadError('%s is not a readable tar.gz archive (%s); it is not '
-                          'the CIFAR-10 binary archive.' % (origin, e)) from e
-    new_dir = os.path.join(work, fmt.BATCHES_DIR)
-    missing = [n for n in fmt.TRAIN_FILES + fmt.EVAL_FILES
-               if not os.path.isfile(os.path.join(new_dir, n))]
-    if missing:
-      raise DownloadError('%s does not contain %s/%s (%d of the 6 data files are '
-                          'missing); it is not the CIFAR-10 binary archive.'
-                          % (origin, fmt.BATCHES_DIR, missing[0], len(missing)))
-    # Move into place: one rename when the directory is new; otherwise replace
-    # the files it holds one by one, keeping whatever else is there.
-    target = fmt.batches_dir(data_dir)
-    if not os.path.isdir(target):
-      os.replace(new_dir, target)
-    else:
-      for name in sorted(os.listdir(new_dir)):
-        src = os.path.join(new_dir, name)
-        if os.path.isfile(src) and not os.path.islink(src):
-          os.replace(src, os.path.join(target, name))
-  finally:
-    shutil.rmtree(work, ignore_errors=True)
+    with tarfile.open(archive, 'r:*') as tar:
+      members = check_members(tar)
+      # tarfile's 'data' filter (Python >= 3.10.12 / 3.11.4) is a second guard, not the
+      # only one: it strips absolute names instead of refusing them, lets a member
+      # through an in-archive symlink, and is missing from older Pythons
+      # (test_download.py: test_unsafe_archive_refused_before_writing_anything).
+      tar.extractall(work, members=members,
+                     **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))
+  except (tarfile.TarError, EOFError, OSError) as e:
+    if isinstance(e, OSError) and fmt.write_failure(stage, e, NEEDED_BYTES):
+      raise  # the disk's fault, not the archive's: said by staged_batches_dir
+    raise DownloadError('%s is not a readable tar.gz archive (%s); it is not '
+                        'the CIFAR-10 binary archive.' % (origin, e)) from e
+  new_dir = os.path.join(work, fmt.BATCHES_DIR)
+  missing = [n for n in fmt.TRAIN_FILES + fmt.EVAL_FILES
+             if not os.path.isfile(os.path.join(new_dir, n))]
+  if missing:
+    raise DownloadError('%s does not contain %s/%s (%d of the 6 data files are '
+                        'missing); it is not the CIFAR-10 binary archive.'
+                        % (origin, fmt.BATCHES_DIR, missing[0], len(missing)))
+  for name in os.listdir(new_dir):
+    src = os.path.join(new_dir, name)
+    if os.path.isfile(src) and not os.path.islink(src):
+      os.replace(src, os.path.join(stage, name))
+  shutil.rmtree(work)
 
 
 def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
@@ -237,7 +191,7 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
   Does nothing when all six .bin files are there and are not generated data
   (`common.generated`); refuses when generated data is there. Otherwise uses
   `<data_dir>/cifar-10-binary.tar.gz` if it exists, else downloads `url` (http,
-  https or file) to it through a temp file; verifies the SHA-256 either way,
+  https or file) to it through a staging directory; verifies the SHA-256 either way,
   then unpacks safely (see the module docstring). The verified archive is kept,
   as upstream kept it, so it is not fetched again.
 
@@ -268,52 +222,29 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
         % (data_dir, generated.describe(marker), fmt.batches_dir(data_dir)))
   if is_present(data_dir):
     return PRESENT
-  # The directories this call creates, deepest first, to remove on failure.
-  created = []
-  d = os.path.abspath(data_dir)
-  while not os.path.isdir(d):
-    created.append(d)
-    d = os.path.dirname(d)
+  archive = archive_path(data_dir)
+  local = os.path.isfile(archive)
   try:
-    os.makedirs(data_dir, exist_ok=True)
-    archive = archive_path(data_dir)
-    if os.path.isfile(archive):
-      actual = sha256_of(archive)
-      if actual != sha256:
+    # The new files go into a staging directory that replaces
+    # cifar-10-batches-bin/ only when they are all there, verified.
+    with fmt.staged_batches_dir(data_dir, NEEDED_BYTES) as stage:
+      source = archive if local else os.path.join(stage, ARCHIVE_NAME)
+      if not local:
+        _fetch(url, source, data_dir, progress, timeout)
+      actual = sha256_of(source)
+      if actual != sha256 and local:
         raise DownloadError(
             'the local archive %s has SHA-256 %s, expected %s: it is corrupt or '
             'not the CIFAR-10 binary archive. Delete it (or replace it with a '
             'good copy) and run this again.' % (archive, actual, sha256))
-      _extract(archive, data_dir, archive)
-      return LOCAL_ARCHIVE
-    tmp, actual = _fetch(url, data_dir, progress, timeout)
-    try:
       if actual != sha256:
         raise DownloadError(
             'the file downloaded from %s has SHA-256 %s, expected %s; it was '
             'deleted. The download was corrupted or the server sent something '
             'else: run this again, or fetch the archive another way and put it '
             'at %s.' % (url, actual, sha256, archive))
-      _extract(tmp, data_dir, url)
-      os.replace(tmp, archive)
-    finally:
-      _remove(tmp)
-    return DOWNLOADED
-  except OSError as e:
-    _remove_created(created)
-    message = fmt.write_failure(data_dir, e, NEEDED_BYTES)
-    if message is None:
-      raise
-    raise DownloadError(message) from e
-  except BaseException:
-    _remove_created(created)
-    raise
-
-
-def _remove_created(created):
-  """Removes the directories a failed call created, deepest first, if still empty."""
-  for d in created:
-    try:
-      os.rmdir(d)  # only if still empty
-    except OSError:
-      break
+      _extract(source, stage, archive if local else url)
+      os.replace(source, archive)  # kept, verified (a no-op for the local one)
+  except fmt.DataError as e:  # a full or read-only disk, a file in the way
+    raise DownloadError(str(e)) from e
+  return LOCAL_ARCHIVE if local else DOWNLOADED

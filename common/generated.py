@@ -30,21 +30,51 @@ def marker_path(data_dir):
   return os.path.join(fmt.batches_dir(data_dir), MARKER_FILE)
 
 
-def write_marker(directory, generator, version, data_dir, args, **params):
-  """Writes GENERATED.json into `directory` (a staging directory).
+def write_set(data_dir, files, needed_bytes, class_names, mark, generator, version,
+              args, **params):
+  """Writes a generated data set as `<data_dir>/cifar-10-batches-bin/`, marked.
+
+  The files are written aside and replace an existing directory's files all
+  at once (`cifar10_format.staged_batches_dir`): an interrupted or failed run
+  changes nothing.
 
   Args:
-    directory: where the new .bin files are being written.
+    data_dir: str, the data directory (created if missing).
+    files: iterable of (file name, images uint8 [N, 32, 32, 3], labels [N]),
+      each made when it is written.
+    needed_bytes: int, the size of the .bin files.
+    class_names: the names, in label order, for `batches.meta.txt` (one a line).
+    mark: bool, write GENERATED.json; False only for data that stands in
+      for CIFAR-10 (the tests' fixtures), which no command will label.
     generator: 'synth' or 'digits'.
     version: int, the generator's version: the same args write other bytes
       under another version.
-    data_dir: the data directory the set is for (named in the command).
     args: list of the command's flags after `--data_dir D`, e.g.
       ['--seed', '0']: with them `data <generator>` writes the same bytes.
     **params: everything the set depends on, recorded as is (JSON values).
+
+  Returns:
+    dict file name -> number of records written.
+
+  Raises:
+    common.cifar10_format.DataError: the disk is full or read-only, or
+      cifar-10-batches-bin is a file; nothing was changed.
   """
-  command_args = ' '.join(['data', generator, '--data_dir', shlex.quote(data_dir)]
-                          + [shlex.quote(str(a)) for a in args])
+  counts = {}
+  with fmt.staged_batches_dir(data_dir, needed_bytes) as out_dir:
+    for name, images, labels in files:
+      fmt.write_records(os.path.join(out_dir, name), images, labels)
+      counts[name] = len(labels)
+    with open(os.path.join(out_dir, fmt.META_FILE), 'w') as f:
+      print(*class_names, sep='\n', file=f)
+    if mark:
+      write_marker(out_dir, generator, version, data_dir, args, **params)
+  return counts
+
+
+def write_marker(directory, generator, version, data_dir, args, **params):
+  """Writes GENERATED.json into `directory` (a staging directory); see `write_set`."""
+  command_args = shlex.join(['data', generator, '--data_dir', data_dir] + [str(a) for a in args])
   info = {
       'generator': generator,
       'version': version,
@@ -54,8 +84,8 @@ def write_marker(directory, generator, version, data_dir, args, **params):
       'written': datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec='seconds'),
   }
-  fmt.write_atomically(os.path.join(directory, MARKER_FILE),
-                       json.dumps(info, indent=2, sort_keys=True) + '\n')
+  with open(os.path.join(directory, MARKER_FILE), 'w') as f:
+    print(json.dumps(info, indent=2, sort_keys=True), file=f)
 
 
 def read(data_dir):

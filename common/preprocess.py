@@ -34,17 +34,12 @@ def distort_image(image):
     float32 [24, 24, 3]: a random crop, randomly flipped left-right, with
     random brightness and contrast, then standardized per image.
   """
-  reshaped_image = tf.cast(image, tf.float32)
-  height = width = hparams.IMAGE_SIZE
-  distorted_image = tf.image.random_crop(reshaped_image, [height, width, 3])
-  distorted_image = tf.image.random_flip_left_right(distorted_image)
-  distorted_image = tf.image.random_brightness(
-      distorted_image, max_delta=hparams.BRIGHTNESS_MAX_DELTA)
-  distorted_image = tf.image.random_contrast(
-      distorted_image, lower=hparams.CONTRAST_LOWER, upper=hparams.CONTRAST_UPPER)
-  float_image = tf.image.per_image_standardization(distorted_image)
-  float_image.set_shape([height, width, 3])
-  return float_image
+  size = hparams.IMAGE_SIZE
+  image = tf.image.random_crop(tf.cast(image, tf.float32), [size, size, 3])
+  image = tf.image.random_flip_left_right(image)
+  image = tf.image.random_brightness(image, hparams.BRIGHTNESS_MAX_DELTA)
+  image = tf.image.random_contrast(image, hparams.CONTRAST_LOWER, hparams.CONTRAST_UPPER)
+  return tf.image.per_image_standardization(image)
 
 
 def eval_image(image):
@@ -56,12 +51,9 @@ def eval_image(image):
   Returns:
     float32 [24, 24, 3].
   """
-  reshaped_image = tf.cast(image, tf.float32)
-  height = width = hparams.IMAGE_SIZE
-  resized_image = tf.image.resize_with_crop_or_pad(reshaped_image, height, width)
-  float_image = tf.image.per_image_standardization(resized_image)
-  float_image.set_shape([height, width, 3])
-  return float_image
+  size = hparams.IMAGE_SIZE
+  return tf.image.per_image_standardization(
+      tf.image.resize_with_crop_or_pad(tf.cast(image, tf.float32), size, size))
 
 
 # --- whole batches at once (the training pipelines use these) ---------------
@@ -94,7 +86,6 @@ def decode_records(records):
                            [-1, fmt.DEPTH, fmt.HEIGHT, fmt.WIDTH])
   images = tf.transpose(depth_major, [0, 2, 3, 1])
   images.set_shape([records.shape[0], fmt.HEIGHT, fmt.WIDTH, fmt.DEPTH])
-  labels.set_shape([records.shape[0]])
   return images, labels
 
 
@@ -147,19 +138,15 @@ def apply_distortions(images, offsets, flips, deltas, factors):
   size = hparams.IMAGE_SIZE
   per_image = lambda v: v[:, None, None, None]
   x = tf.cast(images, tf.float32)
-  rows = offsets[:, 0:1] + tf.range(size)  # [n, 24]
-  columns = offsets[:, 1:2] + tf.range(size)
-  x = tf.gather(x, rows, axis=1, batch_dims=1)  # [n, 24, 32, 3]
-  x = tf.gather(x, columns, axis=2, batch_dims=1)  # [n, 24, 24, 3]
+  x = tf.gather(x, offsets[:, 0:1] + tf.range(size), axis=1, batch_dims=1)  # [n, 24, 32, 3]
+  x = tf.gather(x, offsets[:, 1:2] + tf.range(size), axis=2, batch_dims=1)  # [n, 24, 24, 3]
   x = tf.where(per_image(flips), tf.reverse(x, [2]), x)
   x = x + per_image(deltas)
   # AdjustContrastv2 computes mean + factor * (x - mean); with factor 0 it
   # returns its own per-image, per-channel mean, broadcast.
   mean = tf.image.adjust_contrast(x, 0.0)
   x = (x - mean) * per_image(factors) + mean
-  x = tf.image.per_image_standardization(x)
-  x.set_shape([images.shape[0], size, size, 3])
-  return x
+  return tf.image.per_image_standardization(x)
 
 
 def distort_images(images):
@@ -171,7 +158,4 @@ def distort_images(images):
   Returns:
     float32 [n, 24, 24, 3].
   """
-  num_images = images.shape[0]
-  if num_images is None:
-    num_images = tf.shape(images)[0]
-  return apply_distortions(images, *draw_distortions(num_images))
+  return apply_distortions(images, *draw_distortions(images.shape[0] or tf.shape(images)[0]))

@@ -50,7 +50,6 @@ Deterministic for a seed: everything comes from one `numpy.random.Generator`.
 """
 
 import copy
-import os
 
 import numpy as np
 
@@ -72,66 +71,38 @@ _FAINT_DISTANCE = (0.0, 20.0)  # and of a faint one
 _CHUNK = 1000  # images made at once: bounds the float32 working memory (~50 MB)
 
 
-def _per_image_draws(rng, n):
-  """The small per-image draws of `_patterns`: phases, centres, radii.
-
-  Random per-image phases and positions, drawn for every image so the random
-  stream does not depend on the order of the classes.
-
-  Returns:
-    dict name -> array with N first.
-  """
-  return {
-      'phase_y': rng.integers(0, 8, n)[:, None, None],
-      'phase_x': rng.integers(0, 8, n)[:, None, None],
-      'centre': rng.uniform(8.0, 24.0, (n, 2)).astype(np.float32),
-      'radius': rng.uniform(4.0, 9.0, n).astype(np.float32)[:, None, None],
-      'ring_phase': rng.uniform(0.0, 6.0, n).astype(np.float32)[:, None, None],
-  }
-
-
 def _patterns(labels, draws, noise):
   """Pattern intensities in [0, 1] for each label.
 
   Args:
     labels: int array [N] in 0..9.
-    draws: `_per_image_draws` of these N images.
+    draws: the small per-image draws of these N images, each with N first:
+      phase_y, phase_x, centre, radius, ring_phase.
     noise: float32 [N, 32, 32] in [0, 1), the pattern of the noise class.
 
   Returns:
     float32 [N, 32, 32]: 1 where the foreground colour goes, 0 for background.
   """
-  n = labels.shape[0]
-  yy, xx = np.mgrid[0:_SIZE, 0:_SIZE]
-  yy = yy[None].astype(np.float32)  # [1, 32, 32]
-  xx = xx[None].astype(np.float32)
-  phase_y, phase_x = draws['phase_y'], draws['phase_x']
-  centre, radius, ring_phase = draws['centre'], draws['radius'], draws['ring_phase']
+  phase_y, phase_x, centre, radius, ring_phase = draws
+  yy, xx = np.mgrid[0:_SIZE, 0:_SIZE].astype(np.float32)[:, None]  # each [1, 32, 32]
 
   def square_wave(v, period):
     return (np.floor(v / (period / 2)) % 2).astype(np.float32)
 
-  out = np.empty((n, _SIZE, _SIZE), np.float32)
+  out = np.empty((labels.shape[0], _SIZE, _SIZE), np.float32)
   for label in range(hparams.NUM_CLASSES):
     i = np.flatnonzero(labels == label)
-    if not i.size:
-      continue
     y = yy + phase_y[i]  # [k, 32, 32]
     x = xx + phase_x[i]
     r = np.sqrt((yy - centre[i, 0, None, None]) ** 2 +
                 (xx - centre[i, 1, None, None]) ** 2)
-    if label == 0:  # horizontal stripes, period 4
-      p = square_wave(y, 4)
-    elif label == 1:  # horizontal stripes, period 8
-      p = square_wave(y, 8)
-    elif label == 2:  # vertical stripes, period 4
-      p = square_wave(x, 4)
-    elif label == 3:  # vertical stripes, period 8
-      p = square_wave(x, 8)
-    elif label == 4:  # checkerboard, period 4
-      p = (square_wave(y, 4) + square_wave(x, 4)) % 2
-    elif label == 5:  # checkerboard, period 8
-      p = (square_wave(y, 8) + square_wave(x, 8)) % 2
+    period = 8 if label % 2 else 4  # of the stripes and checkerboards, 0-5
+    if label < 2:  # horizontal stripes
+      p = square_wave(y, period)
+    elif label < 4:  # vertical stripes
+      p = square_wave(x, period)
+    elif label < 6:  # checkerboards
+      p = (square_wave(y, period) + square_wave(x, period)) % 2
     elif label == 6:  # lines along both diagonals, 2 pixels wide, every 6
       p = ((x + y) % 6 < 2) | ((x - y) % 6 < 2)
     elif label == 7:  # concentric rings, period 6
@@ -155,7 +126,7 @@ def make_images(rng, labels):
     uint8 [N, 32, 32, 3] (height, width, channel).
   """
   labels = np.asarray(labels)
-  return next(_image_pieces(rng, labels, [labels.shape[0]]))
+  return next(_image_pieces(rng, labels, [labels.shape[0]]))[0]
 
 
 def _image_pieces(rng, labels, sizes):
@@ -175,11 +146,17 @@ def _image_pieces(rng, labels, sizes):
     sizes: ints summing to N, the images of each piece in turn.
 
   Yields:
-    uint8 [size, 32, 32, 3] (height, width, channel) for each size in turn.
+    (uint8 [size, 32, 32, 3] (height, width, channel), their labels [size]) for
+    each size in turn.
   """
-  labels = np.asarray(labels)
   n = labels.shape[0]
-  draws = _per_image_draws(rng, n)
+  # The small per-image draws: phases, centres, radii, drawn for every image
+  # so the random stream does not depend on the order of the classes.
+  draws = (rng.integers(0, 8, n)[:, None, None],  # phase_y
+           rng.integers(0, 8, n)[:, None, None],  # phase_x
+           rng.uniform(8.0, 24.0, (n, 2)).astype(np.float32),  # centre
+           rng.uniform(4.0, 9.0, n).astype(np.float32)[:, None, None],  # radius
+           rng.uniform(0.0, 6.0, n).astype(np.float32)[:, None, None])  # ring_phase
   # The noise class's pattern comes next in the stream; a big per-pixel
   # draw: taken piece by piece from a copy, and skipped here the same way.
   noise_rng = copy.deepcopy(rng)
@@ -203,14 +180,13 @@ def _image_pieces(rng, labels, sizes):
       part = slice(start + offset, start + min(offset + _CHUNK, size))
       k = part.stop - part.start
       noise = noise_rng.random((k, _SIZE, _SIZE), dtype=np.float32)
-      pattern = _patterns(labels[part], {key: value[part] for key, value
-                                         in draws.items()}, noise)[..., None]
+      pattern = _patterns(labels[part], [d[part] for d in draws], noise)[..., None]
       images = background[part] + pattern * difference[part]  # [k, 32, 32, 3]
       images += _PIXEL_NOISE * rng.standard_normal(images.shape, dtype=np.float32)
       np.rint(images, out=images)
       piece[offset:offset + k] = np.clip(images, 0, 255, out=images)
     start += size
-    yield piece
+    yield piece, labels[start - size:start]
 
 
 def _balanced_labels(rng, n):
@@ -227,8 +203,8 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
   (`num_test` records), `batches.meta.txt` (the class names, one a line) and
   the marker `GENERATED.json` (`common.generated`).
   The files are written aside and replace an existing directory's files all
-  at once (`cifar10_format.staged_batches_dir`): an interrupted or failed run
-  changes nothing. The files are made and written one at a time, so the
+  at once (`generated.write_set`): an interrupted or failed run changes
+  nothing. The files are made and written one at a time, so the
   memory used is about one file's worth, whatever the size.
 
   Args:
@@ -252,44 +228,26 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
   if train_per_file < 1 or num_test < 1:
     raise ValueError('train_per_file and num_test must be >= 1, got %d and %d'
                      % (train_per_file, num_test))
+  names = fmt.TRAIN_FILES + fmt.EVAL_FILES
   # Independent streams for train and test, so num_test does not change the
   # training images.
   train_rng, test_rng = [np.random.default_rng(s)
                          for s in np.random.SeedSequence(seed).spawn(2)]
-  progress = progress or (lambda name, number, count: None)
-  counts = {}
-  num_train = train_per_file * len(fmt.TRAIN_FILES)
-  needed_bytes = (num_train + num_test) * fmt.RECORD_BYTES
-  # Each stream is drawn as if all its images were made at once (the labels
-  # first, then `_image_pieces`), so the bytes do not depend on the files.
-  streams = [(train_rng, fmt.TRAIN_FILES, train_per_file),
-             (test_rng, fmt.EVAL_FILES, num_test)]
-  count = len(fmt.TRAIN_FILES) + len(fmt.EVAL_FILES)
-  with fmt.staged_batches_dir(data_dir, needed_bytes) as out_dir:
-    for rng, names, per_file in streams:
-      labels = _balanced_labels(rng, per_file * len(names))
-      pieces = _image_pieces(rng, labels, [per_file] * len(names))
-      for i, name in enumerate(names):
-        progress(name, len(counts) + 1, count)
-        fmt.write_records(os.path.join(out_dir, name), next(pieces),
-                          labels[i * per_file:(i + 1) * per_file])
-        counts[name] = per_file
-    write_meta(out_dir, CLASS_NAMES)
-    if mark:
-      generated.write_marker(
-          out_dir, 'synth', VERSION, data_dir,
-          ['--train_per_file', train_per_file, '--num_test', num_test,
-           '--seed', seed],
-          train_per_file=train_per_file, num_test=num_test, seed=seed)
-  return counts
 
+  def files():
+    # Each stream is drawn as if all its images were made at once (the labels
+    # first, then `_image_pieces`), so the bytes do not depend on the files.
+    for rng, stream_names, per_file in ((train_rng, fmt.TRAIN_FILES, train_per_file),
+                                        (test_rng, fmt.EVAL_FILES, num_test)):
+      labels = _balanced_labels(rng, per_file * len(stream_names))
+      pieces = _image_pieces(rng, labels, [per_file] * len(stream_names))
+      for name in stream_names:
+        if progress:
+          progress(name, names.index(name) + 1, len(names))
+        yield (name, *next(pieces))
 
-def write_meta(directory, class_names):
-  """Writes `batches.meta.txt` (the class names, one a line) into `directory`.
-
-  Args:
-    directory: str, the directory holding the .bin files.
-    class_names: the names, in label order.
-  """
-  fmt.write_atomically(os.path.join(directory, fmt.META_FILE),
-                       ''.join('%s\n' % name for name in class_names))
+  num_records = train_per_file * len(fmt.TRAIN_FILES) + num_test
+  return generated.write_set(
+      data_dir, files(), num_records * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'synth', VERSION,
+      ['--train_per_file', train_per_file, '--num_test', num_test, '--seed', seed],
+      train_per_file=train_per_file, num_test=num_test, seed=seed)

@@ -36,55 +36,10 @@ def read_cifar10(filename_queue):
       uint8image: uint8 [32, 32, 3] (height, width, depth).
       height, width, depth: 32, 32, 3.
   """
-  key, value = _reader().read(filename_queue)
+  key, value = tf.FixedLengthRecordReader(cifar10_format.RECORD_BYTES).read(filename_queue)
   uint8image, label = preprocess.decode_record(value)
   return CIFAR10Record(key, label, uint8image, cifar10_format.HEIGHT,
                        cifar10_format.WIDTH, cifar10_format.DEPTH)
-
-
-def _reader():
-  return tf.FixedLengthRecordReader(record_bytes=cifar10_format.RECORD_BYTES,
-                                    header_bytes=0, footer_bytes=0)
-
-
-def _generate_image_and_label_batch(image, label, min_queue_examples,
-                                    batch_size, shuffle, num_threads,
-                                    allow_smaller_final_batch=False, seed=None,
-                                    enqueue_many=False):
-  """Constructs a queued batch of images and labels.
-
-  Args:
-    image: float32 [24, 24, 3], one preprocessed image ([n, 24, 24, 3], n
-      of them, with `enqueue_many`).
-    label: int32 scalar ([n] with `enqueue_many`).
-    min_queue_examples: int, minimum number of examples kept in the queue
-      that provides the batches (`min_after_dequeue` when shuffling).
-    batch_size: int, images per batch.
-    shuffle: bool, whether to use a shuffling queue.
-    num_threads: int, threads running the reader and preprocessing.
-    allow_smaller_final_batch: bool, let the last batch of a finite input be
-      smaller than `batch_size` (used by evaluation to see every record once).
-    seed: optional int, the shuffle queue's seed.
-    enqueue_many: bool, `image` and `label` hold several examples.
-
-  Returns:
-    images: float32 [batch_size, 24, 24, 3] ([None, 24, 24, 3] when
-      `allow_smaller_final_batch`).
-    labels: int32 [batch_size] (or [None]).
-  """
-  kwargs = dict(batch_size=batch_size, num_threads=num_threads,
-                capacity=min_queue_examples + 3 * batch_size,
-                allow_smaller_final_batch=allow_smaller_final_batch, enqueue_many=enqueue_many)
-  if shuffle:
-    images, label_batch = tf.train.shuffle_batch(
-        [image, label], min_after_dequeue=min_queue_examples, seed=seed, **kwargs)
-  else:
-    images, label_batch = tf.train.batch([image, label], **kwargs)
-
-  # Display the training images in the visualizer.
-  tf.summary.image('images', images)
-  labels_shape = [-1] if allow_smaller_final_batch else [batch_size]
-  return images, tf.reshape(label_batch, labels_shape)
 
 
 def distorted_inputs(data_dir, batch_size,
@@ -106,7 +61,8 @@ def distorted_inputs(data_dir, batch_size,
   """
   filenames = cifar10_format.train_files(data_dir)
   # Deviation from upstream: the epoch size is what is on disk, not 50000.
-  num_examples_per_epoch = cifar10_format.num_examples(filenames)
+  # The shuffle queue keeps 40% of it, so that the shuffling mixes well.
+  min_queue_examples = hparams.min_queue_examples(cifar10_format.num_examples(filenames))
 
   with tf.name_scope('data_augmentation'):
     filename_queue = tf.train.string_input_producer(filenames, seed=seed)
@@ -116,16 +72,18 @@ def distorted_inputs(data_dir, batch_size,
     # with them) and enqueues them together; upstream ran the Session once
     # per image, and that per-run overhead was most of the input's CPU time
     # (docs/performance.md).
-    _, records = _reader().read_up_to(filename_queue, RECORDS_PER_READ)
+    _, records = tf.FixedLengthRecordReader(cifar10_format.RECORD_BYTES).read_up_to(
+        filename_queue, RECORDS_PER_READ)
     uint8images, labels = preprocess.decode_records(records)
     float_images = preprocess.distort_images(uint8images)
 
-    # Ensure that the random shuffling has good mixing properties.
-    min_queue_examples = hparams.min_queue_examples(num_examples_per_epoch)
-
-  return _generate_image_and_label_batch(
-      float_images, labels, min_queue_examples, batch_size,
-      shuffle=True, num_threads=num_threads, seed=seed, enqueue_many=True)
+  images, labels = tf.train.shuffle_batch(
+      [float_images, labels], batch_size, num_threads=num_threads,
+      capacity=min_queue_examples + 3 * batch_size, enqueue_many=True,
+      min_after_dequeue=min_queue_examples, seed=seed)
+  # Display the training images in the visualizer.
+  tf.summary.image('images', images)
+  return images, labels
 
 
 def inputs(eval_data, data_dir, batch_size, num_epochs=None,
@@ -151,23 +109,22 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
     common.cifar10_format.DataError: a data file is missing or malformed.
   """
   filenames = (cifar10_format.eval_files if eval_data else cifar10_format.train_files)(data_dir)
-  num_examples_per_epoch = cifar10_format.num_examples(filenames)
+  min_queue_examples = hparams.min_queue_examples(cifar10_format.num_examples(filenames))
 
   with tf.name_scope('input'):
     filename_queue = tf.train.string_input_producer(
         filenames, num_epochs=num_epochs, shuffle=False)
     read_input = read_cifar10(filename_queue)
     float_image = preprocess.eval_image(read_input.uint8image)
-    read_input.label.set_shape([])
 
-    min_queue_examples = hparams.min_queue_examples(num_examples_per_epoch)
-
-  return _generate_image_and_label_batch(
-      float_image, read_input.label, min_queue_examples, batch_size,
-      shuffle=False, num_threads=num_threads,
+  images, labels = tf.train.batch(
+      [float_image, read_input.label], batch_size, num_threads=num_threads,
+      capacity=min_queue_examples + 3 * batch_size,
       # Deviation from upstream: evaluation counts every test record exactly once.
       # A finite input ends with a smaller batch instead of wrapping around.
       allow_smaller_final_batch=num_epochs is not None)
+  tf.summary.image('images', images)
+  return images, labels
 
 
 def close_queue_ops():

@@ -12,11 +12,6 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import preprocess
 
 
-def _record_dataset(filenames):
-  """The raw fixed-length records of `filenames`, in file order."""
-  return tf.data.FixedLengthRecordDataset(filenames, record_bytes=fmt.RECORD_BYTES)
-
-
 def _distorted_batch(records):
   images, labels = preprocess.decode_records(records)
   return preprocess.distort_images(images), labels
@@ -57,15 +52,11 @@ def distorted_inputs(data_dir, batch_size, num_towers, seed=None, num_shards=1,
   Raises:
     common.cifar10_format.DataError: a training file is missing or malformed.
   """
-  if not 0 <= shard_index < num_shards:
-    raise ValueError('shard_index must be in [0, %d), got %d' % (num_shards, shard_index))
   filenames = fmt.train_files(data_dir)
-  num_examples = fmt.num_examples(filenames)
-  dataset = _record_dataset(filenames)
-  if num_shards > 1:
-    # Per record, before shuffling: the shards are disjoint and cover every record.
-    dataset = dataset.shard(num_shards, shard_index)
-    num_examples = len(range(shard_index, num_examples, num_shards))
+  # Per record, before shuffling: the shards are disjoint and cover every record.
+  dataset = tf.data.FixedLengthRecordDataset(filenames, fmt.RECORD_BYTES).shard(
+      num_shards, shard_index)
+  num_examples = len(range(shard_index, fmt.num_examples(filenames), num_shards))
   # Upstream's shuffle_batch keeps min_after_dequeue = 40% of an epoch in its
   # queue; a shuffle buffer of that size mixes as well.
   buffer_size = max(1, hparams.min_queue_examples(num_examples))
@@ -73,18 +64,14 @@ def distorted_inputs(data_dir, batch_size, num_towers, seed=None, num_shards=1,
   # instead of shuffling file names and then preprocessed images; the buffer
   # spans epoch boundaries like the queue did, and distortions are per image
   # and independent, so the batches have the same distribution.
-  dataset = dataset.repeat()
-  dataset = dataset.shuffle(buffer_size, seed=seed)
+  dataset = dataset.repeat().shuffle(buffer_size, seed=seed)
   # Deviation from upstream: records are decoded and distorted a batch at a
   # time (each image with its own random values, bit for bit what
   # distort_image computes with them): a third of the CPU time of one map
   # call per image (docs/performance.md).
-  dataset = dataset.batch(batch_size, drop_remainder=True)
-  dataset = dataset.map(_distorted_batch,
-                        num_parallel_calls=tf.data.AUTOTUNE,
-                        deterministic=seed is not None)
-  dataset = dataset.batch(num_towers, drop_remainder=True)
-  return dataset.prefetch(tf.data.AUTOTUNE)
+  dataset = dataset.batch(batch_size, drop_remainder=True).map(
+      _distorted_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=seed is not None)
+  return dataset.batch(num_towers, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
 def inputs(eval_data, data_dir, batch_size):
@@ -104,12 +91,10 @@ def inputs(eval_data, data_dir, batch_size):
   """
   filenames = fmt.eval_files(data_dir) if eval_data else fmt.train_files(data_dir)
   fmt.num_examples(filenames)  # fail early, naming a truncated file
-  dataset = _record_dataset(filenames)
-  dataset = dataset.map(_eval_example, num_parallel_calls=tf.data.AUTOTUNE,
-                        deterministic=True)
+  dataset = tf.data.FixedLengthRecordDataset(filenames, fmt.RECORD_BYTES).map(
+      _eval_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   # Deviation from upstream: evaluation counts every test record exactly once.
   # Upstream ran ceil(n / batch) full batches from a
   # looping queue, counting some test images twice; the final batch here is
   # partial, so each record counts exactly once.
-  dataset = dataset.batch(batch_size, drop_remainder=False)
-  return dataset.prefetch(tf.data.AUTOTUNE)
+  return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
