@@ -39,6 +39,7 @@ cannot pull it from under an evaluation.
 """
 
 import collections
+import errno
 import logging
 import os
 import re
@@ -480,6 +481,17 @@ def check_fits(path, expected_shapes):
                                 len(expected_shapes)))
 
 
+def advice(cause):
+  """What to do about a failed write, from how the operating system worded its `cause`."""
+  if any(text in cause for text in ('Permission denied', 'Operation not permitted',
+                                    'Read-only file system')):
+    return 'Make it writable'
+  if any(text in cause for text in ('No space left on device', 'Disk quota exceeded',
+                                    'File too large')):
+    return 'Free space on that disk'
+  return 'Move the file in the way' if os.strerror(errno.ENOTDIR) in cause else 'Fix that'
+
+
 def write_failed(directory, what, error):
   """The CheckpointError for a write into train_dir that failed (e.g. disk full).
 
@@ -493,20 +505,8 @@ def write_failed(directory, what, error):
     it. What the run kept is said by the one ending path (common.ending).
   """
   cause = reason(error).rsplit('; ', 1)[-1]
-  if any(text in cause for text in _NOT_WRITABLE):
-    advice = 'Make it writable'
-  elif any(text in cause for text in _NO_SPACE):
-    advice = 'Free space on that disk'
-  else:
-    advice = 'Fix that'
   return CheckpointError('could not write %s in %s (%s). %s, or pass another '
-                         '--train_dir.' % (what, directory, cause, advice))
-
-
-# How the operating system words the causes `write_failed` gives advice for.
-_NOT_WRITABLE = ('Permission denied', 'Operation not permitted',
-                 'Read-only file system')
-_NO_SPACE = ('No space left on device', 'Disk quota exceeded', 'File too large')
+                         '--train_dir.' % (what, directory, cause, advice(cause)))
 
 
 def save_failed(directory, step, error, basename=config_lib.CHECKPOINT_BASENAME):
