@@ -264,13 +264,6 @@ def evaluate_each(checkpoint_dir, evaluate, interval_secs, max_evals=None, eval_
   return [(r.precision, r.global_step) for r in results]
 
 
-def result_line(precision, global_step, path):
-  """Upstream's result line, with the global step and the checkpoint evaluated."""
-  return ('%s: precision @ 1 = %.3f (global step %s, %s)'
-          % (datetime.datetime.now(), precision, global_step,
-             os.path.basename(path)))
-
-
 def _identity(contents):
   """What tells a new checkpoint from one already evaluated: name and time."""
   try:
@@ -343,7 +336,9 @@ def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval
       current = None
       seen.add(identity)
       precision = counts.true_count / counts.total_count
-      logger.info(result_line(precision, counts.global_step, contents.path))
+      # Upstream's result line, with the global step and the checkpoint evaluated.
+      logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
+                  precision, counts.global_step, os.path.basename(contents.path))
       results.append(Evaluation(contents.path, precision, counts.global_step))
       writer.write(precision, counts.global_step)
       if once:
