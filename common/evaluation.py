@@ -242,10 +242,16 @@ def evaluate_newest(checkpoint_dir, evaluate, trainer, eval_dir=None):
                                                     % (trainer, checkpoint_dir))))
   with PrecisionWriter(eval_dir) as writer:
     counts = evaluate(found.contents)
-    precision = counts.true_count / counts.total_count
-    logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
+    precision = log_precision(counts)
     writer.write(precision, counts.global_step)
   return precision, counts.global_step
+
+
+def log_precision(counts):
+  """Logs upstream's line of EvalCounts, '<time>: precision @ 1 = 0.812'; the precision."""
+  precision = counts.true_count / counts.total_count
+  logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
+  return precision
 
 
 def evaluate_each(checkpoint_dir, evaluate, interval_secs, max_evals=None, eval_dir=None):

@@ -5,9 +5,6 @@ the newest checkpoint are restored *into* the model's variables, and every
 test record is classified once.
 """
 
-import datetime
-import logging
-
 import tensorflow as tf
 
 from cifar10_towers.common import checkpoints
@@ -18,7 +15,6 @@ from cifar10_towers.modern import inputs
 from cifar10_towers.modern import model as model_lib
 from cifar10_towers.modern import checkpoints as ckpt_lib
 
-logger = logging.getLogger(__name__)
 EvalError = evaluation.EvalError  # one class, common to both evaluators
 
 
@@ -89,9 +85,7 @@ def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examp
     common.cifar10_format.DataError: the test file is missing or malformed.
   """
   counts = evaluate_contents(evaluation.read(path), data_dir, batch_size, num_examples)
-  precision = counts.true_count / counts.total_count
-  logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
-  return precision, counts.global_step, counts.total_count
+  return evaluation.log_precision(counts), counts.global_step, counts.total_count
 
 
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
