@@ -39,6 +39,7 @@ cannot pull it from under an evaluation.
 """
 
 import collections
+import errno
 import logging
 import os
 import re
@@ -67,6 +68,7 @@ Contents = collections.namedtuple('Contents', [
 
 
 STATE_FILE = 'checkpoint'  # TensorFlow's checkpoint state file in a train_dir
+_BASENAME = config_lib.CHECKPOINT_BASENAME  # checkpoints are <train_dir>/model.ckpt-<step>
 _VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'  # of object-based keys
 
 
@@ -122,14 +124,14 @@ def _read(path):
     (None, problem): 'gone (...)', 'incomplete: ...' or 'damaged (...)',
     naming the file at fault where the reader's error tells which.
   """
+  # Own code: tf.train.load_checkpoint alone names neither the file at fault
+  # nor what is wrong with it (test_faults_state.py: the DAMAGES of `latest`).
   name = os.path.basename(path)
-  index = path + '.index'
   data_files = sorted(tf.io.gfile.glob(path + '.data-?????-of-?????'))
-  index_size = _size(index)
+  index_size = _size(path + '.index')
   if index_size is None:
-    if not data_files:
-      return None, '%s (no %s.index or .data file is left)' % (GONE, name)
-    return None, 'incomplete: %s.index is missing' % name
+    return None, ('incomplete: %s.index is missing' % name if data_files
+                  else '%s (no %s.index or .data file is left)' % (GONE, name))
   if index_size == 0:
     return None, 'damaged (%s.index is empty)' % name
   if not data_files:
@@ -141,21 +143,20 @@ def _read(path):
                for key in sorted(reader.get_variable_to_shape_map())}
   except IndexError:
     # The reader's 'Read less bytes than requested': a .data file ends early.
-    short = [(f, _size(f)) for f in data_files]
-    empty = [f for f, size in short if size == 0]
+    sizes = {os.path.basename(f): _size(f) for f in data_files}
+    empty = [f for f, size in sizes.items() if size == 0]
     if empty:
-      return None, 'damaged (%s is empty)' % os.path.basename(empty[0])
-    if len(short) == 1:
-      return None, ('damaged (%s is truncated: %s bytes, a tensor reaches past '
-                    'its end)' % (os.path.basename(short[0][0]), short[0][1]))
-    return None, 'damaged (a .data file of %s is truncated)' % name
+      return None, 'damaged (%s is empty)' % empty[0]
+    if len(sizes) > 1:
+      return None, 'damaged (a .data file of %s is truncated)' % name
+    return None, ('damaged (%s is truncated: %s bytes, a tensor reaches past its end)'
+                  % next(iter(sizes.items())))
   except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError) as e:
     text = reason(e)
     if 'sstable' in text:  # the index is a LevelDB table
-      return None, 'damaged (%s.index is not a checkpoint index: %s)' % (name, text)
+      text = '%s.index is not a checkpoint index: %s' % (name, text)
     return None, 'damaged (%s)' % text
-  kind_ = MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY
-  return Contents(path, kind_, tensors), None
+  return Contents(path, MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY, tensors), None
 
 
 def _is_gone(problem):
@@ -181,9 +182,14 @@ def read(path):
   return contents
 
 
-def _on_disk(directory, basename):
-  """{step: prefix} of the checkpoints with an .index file in `directory`."""
-  indexes = tf.io.gfile.glob(os.path.join(directory, basename + '-*.index'))
+def _on_disk(directory):
+  """{step: prefix} of the checkpoints with an .index file in `directory`.
+
+  The state file's all_model_checkpoint_paths lists only the named ones; a
+  complete one a killed run did not get to name is found here
+  (test_faults_checkpoints.py: complete_checkpoint_not_yet_named).
+  """
+  indexes = tf.io.gfile.glob(os.path.join(directory, _BASENAME + '-*.index'))
   prefixes = [index[:-len('.index')] for index in indexes]
   return {step_of(prefix): prefix for prefix in prefixes if step_of(prefix) is not None}
 
@@ -197,13 +203,14 @@ def _delete(path):
     return False
 
 
-def _remove_temp_files(directory, basename):
+def _remove_temp_files(directory):
   """Removes the temp files of saves a kill interrupted; they are never read.
 
   Only TensorFlow's own temp names of this train_dir's checkpoints:
-  `<basename>-<step>.*.tempstate<digits>` and `<basename>-<step>_temp/`.
+  `<basename>-<step>.*.tempstate<digits>` and `<basename>-<step>_temp/`
+  (test_faults_checkpoints.py: incomplete_newer_checkpoint).
   """
-  pattern = re.compile(r'^%s-\d+(\..*\.tempstate\d+|_temp)$' % re.escape(basename))
+  pattern = re.compile(r'^%s-\d+(\..*\.tempstate\d+|_temp)$' % re.escape(_BASENAME))
   removed = sum(_delete(os.path.join(directory, name.rstrip('/')))
                 for name in tf.io.gfile.listdir(directory) if pattern.match(name.rstrip('/')))
   if removed:
@@ -211,18 +218,16 @@ def _remove_temp_files(directory, basename):
                    directory)
 
 
-def _read_state(directory):
-  """What the `checkpoint` state file of `directory` names as latest.
-
-  Upstream's Saver records absolute paths; the checkpoint is looked up by its
-  base name in `directory`, so a copied or moved train_dir resumes from its own
-  files (test_faults_checkpoints.py: state_file_of_a_moved_directory).
+def _state(directory):
+  """TensorFlow's CheckpointState of `directory`, or why its state file is unreadable.
 
   Returns:
-    (prefix inside `directory` or None, problem or None): (None, None) when
-    there is no state file; problem says why an existing one is unreadable
-    (what a crash or a hand can leave: empty, not text, torn).
+    (CheckpointState or None, problem or None): (None, None) when there is no
+    state file; problem says why an existing one is unreadable (what a crash
+    or a hand can leave: empty, not text, torn).
   """
+  # tf.train.get_checkpoint_state raises on an empty or non-text file, without
+  # saying which (test_faults_state.py: state_empty, state_not_text).
   path = os.path.join(directory, STATE_FILE)
   if not tf.io.gfile.exists(path):
     return None, None
@@ -236,11 +241,10 @@ def _read_state(directory):
     state = None
   if state is None or not state.model_checkpoint_path:
     return None, 'it is not a checkpoint state file'
-  return os.path.join(directory,
-                      os.path.basename(state.model_checkpoint_path)), None
+  return state, None
 
 
-def resume_point(directory, basename=config_lib.CHECKPOINT_BASENAME):
+def resume_point(directory):
   """The checkpoint a run in `directory` resumes from: the newest intact one.
 
   See the module docstring. Every tensor of the chosen checkpoint is read
@@ -248,7 +252,6 @@ def resume_point(directory, basename=config_lib.CHECKPOINT_BASENAME):
 
   Args:
     directory: str, a train_dir.
-    basename: str, checkpoint file name before '-<step>'.
 
   Returns:
     str, a checkpoint prefix inside `directory`, or None for a fresh start.
@@ -262,8 +265,8 @@ def resume_point(directory, basename=config_lib.CHECKPOINT_BASENAME):
   """
   if not tf.io.gfile.isdir(directory):
     return None
-  _remove_temp_files(directory, basename)
-  found = newest_intact(directory, basename)
+  _remove_temp_files(directory)
+  found = newest_intact(directory)
   fallback = found.contents and found.contents.path
   named, problem = found.named, dict(found.skipped).get(found.named)
   if found.state_problem:
@@ -292,15 +295,14 @@ def resume_point(directory, basename=config_lib.CHECKPOINT_BASENAME):
                    STATE_FILE, name, directory, os.path.basename(fallback))
     return fallback
   if fallback is None:
-    advice = ('there is no intact older checkpoint; use another --train_dir, '
-              'or move %s.* and `%s` out of %s to start from scratch'
-              % (name, STATE_FILE, directory))
+    todo = ('there is no intact older checkpoint; use another --train_dir, or move %s.* and '
+            '`%s` out of %s to start from scratch' % (name, STATE_FILE, directory))
   else:
-    advice = ('the newest intact one is %s: to resume from it, move %s.* and '
-              '`%s` out of %s; or use another --train_dir'
-              % (os.path.basename(fallback), name, STATE_FILE, directory))
-  raise CheckpointError('checkpoint %s is %s, and it is the latest checkpoint; '
-                        '%s.' % (named, problem, advice))
+    todo = ('the newest intact one is %s: to resume from it, move %s.* and `%s` out of %s; '
+            'or use another --train_dir'
+            % (os.path.basename(fallback), name, STATE_FILE, directory))
+  raise CheckpointError('checkpoint %s is %s, and it is the latest checkpoint; %s.'
+                        % (named, problem, todo))
 
 
 def replace_unreadable_state(directory, prefix):
@@ -313,7 +315,7 @@ def replace_unreadable_state(directory, prefix):
   rewrites the file anyway; this only does it first: naming `prefix`, or,
   without one, removing the file. A readable state file is left alone.
   """
-  if _read_state(directory)[1] is None:
+  if _state(directory)[1] is None:
     return False
   if prefix is None:
     tf.io.gfile.remove(os.path.join(directory, STATE_FILE))
@@ -332,7 +334,7 @@ Found = collections.namedtuple('Found', [
 ])
 
 
-def newest_intact(directory, basename=config_lib.CHECKPOINT_BASENAME):
+def newest_intact(directory):
   """The newest intact checkpoint of `directory`, read whole, and what was passed over.
 
   Reads only; changes nothing. The candidates are what the state file names
@@ -345,15 +347,18 @@ def newest_intact(directory, basename=config_lib.CHECKPOINT_BASENAME):
 
   Args:
     directory: str, a train_dir of either trainer.
-    basename: str, checkpoint file name before '-<step>'.
 
   Returns:
     Found.
   """
   if not tf.io.gfile.isdir(directory):
     return Found(None, [], [], None, None)
-  on_disk = _on_disk(directory, basename)
-  named, state_problem = _read_state(directory)
+  on_disk = _on_disk(directory)
+  # Upstream's Saver records absolute paths; the checkpoint is looked up by its
+  # base name in `directory`, so a copied or moved train_dir resumes from its own
+  # files (test_faults_checkpoints.py: state_file_of_a_moved_directory).
+  state, state_problem = _state(directory)
+  named = state and os.path.join(directory, os.path.basename(state.model_checkpoint_path))
   named_step = step_of(named) if named else None
   candidates = [on_disk[s] for s in sorted(on_disk, reverse=True)]
   if named is not None and named not in candidates:
@@ -429,20 +434,16 @@ def for_conversion(directory):
       what = 'checkpoint %s is %s, and it is the latest checkpoint' % (prefix, problem)
       if not _is_gone(problem):
         moved = '%s.* and %s' % (os.path.basename(prefix), moved)
-    advice = ('The newest intact checkpoint is %s: to convert it, move %s out of %s and run '
-              'again.' % (os.path.basename(intact), moved, directory) if intact
-              else 'No intact checkpoint is left in %s.' % directory)
-    raise CheckpointError('%s; nothing was converted. %s' % (what, advice))
+    todo = ('The newest intact checkpoint is %s: to convert it, move %s out of %s and run '
+            'again.' % (os.path.basename(intact), moved, directory) if intact
+            else 'No intact checkpoint is left in %s.' % directory)
+    raise CheckpointError('%s; nothing was converted. %s' % (what, todo))
   for prefix, problem in found.unfinished:
     logger.warning('ignoring %s: it is %s, left by an interrupted save.', prefix, problem)
   if intact and found.named is None:
     logger.warning('%s has no `%s` state file; converting %s, the newest intact '
                    'checkpoint found on disk.', directory, STATE_FILE, os.path.basename(intact))
   return found.contents
-
-
-def _readable(key):
-  return key[:-len(_VALUE_SUFFIX)] if key.endswith(_VALUE_SUFFIX) else key
 
 
 def check_fits(path, expected_shapes):
@@ -464,20 +465,29 @@ def check_fits(path, expected_shapes):
   missing = [k for k in expected_shapes if k not in saved]
   wrong = [k for k in expected_shapes
            if k in saved and tuple(saved[k]) != tuple(expected_shapes[k])]
+  readable = lambda key: key[:-len(_VALUE_SUFFIX)] if key.endswith(_VALUE_SUFFIX) else key
   if wrong:
-    key = wrong[0]
-    raise CheckpointError(
-        '%s is a checkpoint of another model: it holds %s with shape %s, this '
-        'model has %s (%d variable(s) differ). Use another --train_dir, or move '
-        'its checkpoints away.'
-        % (path, _readable(key), list(saved[key]), list(expected_shapes[key]),
-           len(wrong)))
-  if missing:
-    raise CheckpointError(
-        '%s is a checkpoint of another model: it lacks %s (%d of this model\'s '
-        '%d variables are missing). Use another --train_dir, or move its '
-        'checkpoints away.' % (path, _readable(missing[0]), len(missing),
-                                len(expected_shapes)))
+    what = ('it holds %s with shape %s, this model has %s (%d variable(s) differ)'
+            % (readable(wrong[0]), list(saved[wrong[0]]), list(expected_shapes[wrong[0]]),
+               len(wrong)))
+  elif missing:
+    what = ('it lacks %s (%d of this model\'s %d variables are missing)'
+            % (readable(missing[0]), len(missing), len(expected_shapes)))
+  else:
+    return
+  raise CheckpointError('%s is a checkpoint of another model: %s. Use another --train_dir, '
+                        'or move its checkpoints away.' % (path, what))
+
+
+def advice(cause):
+  """What to do about a failed write, from how the operating system worded its `cause`."""
+  if any(text in cause for text in ('Permission denied', 'Operation not permitted',
+                                    'Read-only file system')):
+    return 'Make it writable'
+  if any(text in cause for text in ('No space left on device', 'Disk quota exceeded',
+                                    'File too large')):
+    return 'Free space on that disk'
+  return 'Move the file in the way' if os.strerror(errno.ENOTDIR) in cause else 'Fix that'
 
 
 def write_failed(directory, what, error):
@@ -493,40 +503,23 @@ def write_failed(directory, what, error):
     it. What the run kept is said by the one ending path (common.ending).
   """
   cause = reason(error).rsplit('; ', 1)[-1]
-  if any(text in cause for text in _NOT_WRITABLE):
-    advice = 'Make it writable'
-  elif any(text in cause for text in _NO_SPACE):
-    advice = 'Free space on that disk'
-  else:
-    advice = 'Fix that'
   return CheckpointError('could not write %s in %s (%s). %s, or pass another '
-                         '--train_dir.' % (what, directory, cause, advice))
+                         '--train_dir.' % (what, directory, cause, advice(cause)))
 
 
-# How the operating system words the causes `write_failed` gives advice for.
-_NOT_WRITABLE = ('Permission denied', 'Operation not permitted',
-                 'Read-only file system')
-_NO_SPACE = ('No space left on device', 'Disk quota exceeded', 'File too large')
-
-
-def save_failed(directory, step, error, basename=config_lib.CHECKPOINT_BASENAME):
+def save_failed(directory, step, error):
   """The CheckpointError for a failed save of `step`; removes its partial files.
 
   Only files of that one step (`*.tempstate*`, `<basename>-<step>_temp/`, an
   unnamed `.index`/`.data-*` pair), and only when the state file does not name
-  it and is readable (or absent). Returns the error for the caller to raise
-  (see `write_failed`).
+  it and is readable (or absent), as test_faults_checkpoints.py's full-disk
+  tests check. Returns the error for the caller to raise (see `write_failed`).
   """
-  prefix = os.path.join(directory, '%s-%d' % (basename, step))
-  named = set()
-  if tf.io.gfile.exists(os.path.join(directory, STATE_FILE)):
-    try:
-      state = tf.train.get_checkpoint_state(directory)
-      named = {os.path.basename(p) for p in
-               [state.model_checkpoint_path, *state.all_model_checkpoint_paths]}
-    except (AttributeError, ValueError, UnicodeDecodeError, tf.errors.OpError):
-      named = None  # the state is unclear: leave everything as it is
-  if named is not None and os.path.basename(prefix) not in named:
+  name = '%s-%d' % (_BASENAME, step)
+  state, problem = _state(directory)
+  named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
+  if problem is None and name not in map(os.path.basename, named):
+    prefix = os.path.join(directory, name)
     for path in tf.io.gfile.glob(prefix + '.*') + tf.io.gfile.glob(prefix + '_temp'):
       _delete(path)
-  return write_failed(directory, 'checkpoint %s-%d' % (basename, step), error)
+  return write_failed(directory, 'checkpoint ' + name, error)

@@ -33,19 +33,6 @@ class TrainConfig:
   startup_timeout: int = 600  # multiworker: seconds the workers wait for each other to start
   optimizer: optimizer_lib.Optimizer = optimizer_lib.Optimizer()  # default upstream's SGD
 
-  def __post_init__(self):
-    for name in ('num_gpus', 'batch_size', 'log_every', 'summary_every', 'save_every',
-                 'peer_timeout'):
-      if getattr(self, name) < 1:
-        raise ValueError('%s must be >= 1, got %d' % (name, getattr(self, name)))
-    if self.max_steps < 0:
-      raise ValueError('max_steps must be >= 0, got %d' % self.max_steps)
-    if self.strategy not in STRATEGIES:
-      raise ValueError('strategy must be one of %s, got %r' % (STRATEGIES, self.strategy))
-    if self.worker_hosts and not 0 <= self.task_index < len(self.worker_hosts):
-      raise ValueError('task_index must be in [0, %d), got %d'
-                       % (len(self.worker_hosts), self.task_index))
-
   def checkpoint_prefix(self):
     """Path prefix of the checkpoints, `<train_dir>/model.ckpt`."""
     return os.path.join(self.train_dir, CHECKPOINT_BASENAME)

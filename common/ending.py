@@ -6,6 +6,7 @@ skips TensorFlow's slow interpreter teardown) passes `exit_now`, the only
 caller of os._exit.
 """
 
+import errno
 import os
 import re
 import sys
@@ -42,10 +43,8 @@ class RunFailed(errors.Failure):
 
 def stream_closed(error):
   """True for a failed write to a stream whose reader is gone (a pipe, a terminal)."""
-  import errno  # pylint: disable=import-outside-toplevel
-  return isinstance(error, OSError) and not getattr(error, 'filename', None) and (
-      error.errno in (errno.EPIPE, errno.EIO, errno.EBADF)
-      or isinstance(error, BrokenPipeError))
+  return (isinstance(error, OSError) and not getattr(error, 'filename', None)
+          and error.errno in (errno.EPIPE, errno.EIO, errno.EBADF))
 
 
 def silence_stdout():
@@ -82,19 +81,6 @@ def cause(error):
     return 'TensorFlow failed (%s): %s' % (kind.lower() or 'error', text)
   text = str(error).strip().splitlines()
   return '%s: %s' % (type(error).__name__, text[0]) if text else type(error).__name__
-
-
-def _newest(train_dir):
-  """(path, global step) of the checkpoint train_dir's state file names, or None."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  try:
-    path = tf.train.latest_checkpoint(train_dir)
-  except (tf.errors.OpError, OSError, ValueError):
-    return None
-  if path is None:
-    return None
-  match = re.search(r'-(\d+)$', path)
-  return path, int(match.group(1)) if match else None
 
 
 def failed(error, first_step, step, held, saved, save, train_dir):
@@ -149,11 +135,16 @@ def failed(error, first_step, step, held, saved, save, train_dir):
       again = cause(e).rstrip('.')  # said already if it is what ended the run
       if again not in line:
         problem = ' Saving global step %d failed too: %s.' % (step, again)
-  newest = _newest(train_dir)
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import checkpoints  # pylint: disable=import-outside-toplevel
+  try:
+    newest = tf.train.latest_checkpoint(train_dir)
+  except (tf.errors.OpError, OSError, ValueError):
+    newest = None
   if newest is None:
     return RunFailed(
         '%s%s No checkpoint was written; the same command starts again at step 0.'
         % (line, problem))
   return RunFailed(
       '%s%s The newest intact checkpoint stays: %s (global step %s); the same '
-      'command resumes from it.' % (line, problem, newest[0], newest[1]))
+      'command resumes from it.' % (line, problem, newest, checkpoints.step_of(newest)))

@@ -8,7 +8,8 @@ newest intact one, saying what it skipped - and hands it to the evaluator of
 its kind, chosen per checkpoint: one directory can hold either trainer's
 checkpoints over time. It imports neither evaluator; the caller passes the
 dispatch in. Whichever evaluated it, the precision goes to TensorBoard the same
-way: `PrecisionWriter`, upstream's 'Precision @ 1' scalar in eval_dir.
+way: `PrecisionWriter`, upstream's 'Precision @ 1' scalar in eval_dir. The batch loop
+that counts correct predictions is here too (`count_correct`), for both.
 
 Deviation from upstream: upstream's loop re-evaluated the newest checkpoint
 every eval_interval_secs and died on the first unreadable one; this one
@@ -20,7 +21,6 @@ evaluated.
 import collections
 import contextlib
 import datetime
-import errno
 import logging
 import os
 import tempfile
@@ -28,6 +28,7 @@ import tempfile
 import tensorflow as tf
 
 from cifar10_towers.common import checkpoints
+from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import prog
@@ -69,7 +70,7 @@ class PrecisionWriter:
   evaluation ends. Event files already in eval_dir are kept: a new writer
   adds its own file beside them, and TensorBoard shows the points of all of
   them as one series. Every failure to write is an EvalDirError; nothing
-  outside eval_dir is touched.
+  outside eval_dir is touched. With eval_dir None it writes nothing.
   """
   # Deviation from upstream: eval_dir is never deleted; new points are added.
   # Deviation from upstream: upstream also wrote the model's summaries by
@@ -80,9 +81,13 @@ class PrecisionWriter:
     self._writer = None
 
   def __enter__(self):
-    in_the_way = _file_in_the_way(self.eval_dir)
-    if in_the_way is not None:
-      raise self._error('%s is a file, not a directory' % in_the_way, 'Move that file')
+    if self.eval_dir is None:
+      return self
+    probe = os.path.abspath(self.eval_dir)  # the nearest existing ancestor must be a directory
+    while not os.path.lexists(probe):
+      probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+      raise self._error('%s is a file, not a directory' % probe, 'Move that file')
     try:
       os.makedirs(self.eval_dir, exist_ok=True)
       # An unnamed file, gone when closed: eval_dir is left as it was.
@@ -93,28 +98,22 @@ class PrecisionWriter:
     return self
 
   def write(self, precision, global_step):
-    """Adds one point, flushed to disk.
-
-    Raises:
-      EvalDirError: the event file cannot be created or written (e.g. disk
-        full).
-    """
-    if self._writer is None:
-      before = _event_files(self.eval_dir)
-      try:
-        self._writer = tf.summary.create_file_writer(self.eval_dir)
-      except (tf.errors.OpError, OSError) as e:
-        # A full disk leaves the new event file empty: remove it, so a failed
-        # write changes nothing.
-        for name in _event_files(self.eval_dir) - before:
-          path = os.path.join(self.eval_dir, name)
-          try:
-            if os.path.getsize(path) == 0:
-              os.remove(path)
-          except OSError:
-            pass
-        raise self._error(e) from None
+    """Adds one point, flushed to disk; EvalDirError if it cannot (e.g. disk full)."""
+    if self.eval_dir is None:
+      return
     try:
+      if self._writer is None:
+        before = set(os.listdir(self.eval_dir))
+        try:
+          self._writer = tf.summary.create_file_writer(self.eval_dir)
+        except (tf.errors.OpError, OSError):
+          # A full disk leaves the new event file empty: remove it, so a failed
+          # write changes nothing.
+          for name in set(os.listdir(self.eval_dir)) - before:
+            with contextlib.suppress(OSError):
+              if os.path.getsize(os.path.join(self.eval_dir, name)) == 0:
+                os.remove(os.path.join(self.eval_dir, name))
+          raise
       with self._writer.as_default():
         tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
       self._writer.flush()
@@ -128,7 +127,6 @@ class PrecisionWriter:
       except (tf.errors.OpError, OSError) as e:
         if exc_type is None:
           raise self._error(e) from None
-    return False
 
   def _error(self, cause, advice=None):
     """EvalDirError of `cause` (a line, or the exception saying it)."""
@@ -137,42 +135,86 @@ class PrecisionWriter:
     return EvalDirError(
         'could not write %s to --eval_dir %s (%s). %s, or pass another '
         '--eval_dir; the checkpoints are untouched.'
-        % (PRECISION_TAG, self.eval_dir, cause, advice or _advice(cause)))
+        % (PRECISION_TAG, self.eval_dir, cause, advice or checkpoints.advice(cause)))
 
 
-def _event_files(directory):
+def read(path):
+  """common.checkpoints.read(path) for an evaluator: EvalError if it cannot be read."""
   try:
-    return {n for n in os.listdir(directory) if n.startswith('events.out.tfevents')}
-  except OSError:
-    return set()
+    return checkpoints.read(path)
+  except checkpoints.CheckpointError as e:
+    raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
 
 
-def _file_in_the_way(path):
-  """The path itself or its nearest existing ancestor, if that is not a directory."""
-  probe = os.path.abspath(path)
-  while not os.path.lexists(probe):
-    probe = os.path.dirname(probe)
-  return None if os.path.isdir(probe) else probe
+def moving_averages(contents, kind, shapes):
+  """The moving-average (shadow) values an evaluator restores into its model.
+
+  Args:
+    contents: common.checkpoints.Contents.
+    kind: checkpoints.LEGACY or MODERN, the evaluator's own.
+    shapes: dict checkpoint key -> the shape (list of ints) of its variable.
+
+  Returns:
+    dict checkpoint key -> numpy value.
+
+  Raises:
+    EvalError: the checkpoint is the other trainer's, or lacks a moving
+      average of this model (or holds one of another shape).
+  """
+  if contents.kind != kind:
+    raise EvalError('%s is a %s checkpoint; evaluate it with the %s evaluator.'
+                    % (contents.path, contents.kind, contents.kind))
+  for key, shape in sorted(shapes.items()):
+    value = contents.tensors.get(key)
+    if value is None or list(value.shape) != list(shape):
+      problem = ('no %s' % key if value is None else
+                 '%s has shape %s, this model %s' % (key, list(value.shape), list(shape)))
+      raise EvalError('%s does not hold the moving averages of this model (%s). Point '
+                      '--checkpoint_dir at a train_dir written by `%s`.'
+                      % (contents.path, problem, kind))
+  return {key: contents.tensors[key] for key in shapes}
 
 
-def _advice(cause):
-  # pylint: disable=protected-access
-  if any(text in cause for text in checkpoints._NOT_WRITABLE):
-    return 'Make it writable'
-  if any(text in cause for text in checkpoints._NO_SPACE):
-    return 'Free space on that disk'
-  if os.strerror(errno.ENOTDIR) in cause:
-    return 'Move the file in the way'
-  return 'Fix the cause above'
+def count_correct(batches, data_dir, num_examples, global_step, should_stop=None,
+                  progress=None):
+  """Both evaluators' batch loop: counts correct top-1 predictions, each record once.
+
+  Args:
+    batches: iterable of numpy bool arrays, batch by batch in file order: for
+      each record, whether its top prediction is its label.
+    data_dir: str, holds the test file.
+    num_examples: optional int >= 1, count the first this many test records;
+      None or more than the file holds means all.
+    global_step: int, of the checkpoint evaluated.
+    should_stop: optional callable() -> bool, asked before each batch.
+    progress: optional callable(records_done), called after each batch.
+
+  Returns:
+    EvalCounts, or None when should_stop() turned true first.
+
+  Raises:
+    EvalError: the input ended before every record was counted.
+  """
+  available = cifar10_format.num_examples(cifar10_format.eval_files(data_dir))
+  num_examples = min(num_examples or available, available)
+  batches = iter(batches)
+  true_count = total = 0
+  while total < num_examples:
+    if should_stop and should_stop():
+      return None
+    correct = next(batches, None)
+    if correct is None:
+      raise EvalError('evaluated %d of %d test records from %s; the input ended early.'
+                      % (total, num_examples, data_dir))
+    correct = correct[:num_examples - total]  # only the first num_examples records count
+    true_count += int(correct.sum())
+    total += len(correct)
+    if progress:
+      progress(total)
+  return EvalCounts(true_count, total, global_step)
 
 
-def write_precision(eval_dir, precision, global_step):
-  """One 'Precision @ 1' point in eval_dir (created if missing); see PrecisionWriter."""
-  with PrecisionWriter(eval_dir) as writer:
-    writer.write(precision, global_step)
-
-
-def evaluate_newest(checkpoint_dir, evaluate, missing, eval_dir=None):
+def evaluate_newest(checkpoint_dir, evaluate, trainer, eval_dir=None):
   """Evaluates the newest intact checkpoint of checkpoint_dir once.
 
   What `legacy.eval.evaluate` and `modern.eval.evaluate` do, each with its own
@@ -181,25 +223,35 @@ def evaluate_newest(checkpoint_dir, evaluate, missing, eval_dir=None):
   Args:
     checkpoint_dir: str, a train_dir.
     evaluate: callable(contents) -> EvalCounts, the trainer's evaluator.
-    missing: Exception to raise when checkpoint_dir has no intact checkpoint.
+    trainer: 'legacy' or 'modern', named when checkpoint_dir has no intact
+      checkpoint.
     eval_dir: optional str; when set, a 'Precision @ 1' point is written
-      there for TensorBoard (`write_precision`).
+      there for TensorBoard (`PrecisionWriter`).
 
   Returns:
     (precision, global_step): float in [0, 1], int.
 
   Raises:
-    `missing`; whatever `evaluate` raises; EvalDirError.
+    EvalError: no intact checkpoint; whatever `evaluate` raises; EvalDirError.
   """
   found = checkpoints.newest_intact(checkpoint_dir)
   if found.contents is None:
-    raise missing
-  counts = evaluate(found.contents)
+    raise EvalError('No checkpoint found in %s. Train first (`%s`) or pass the train_dir '
+                    'as --checkpoint_dir.'
+                    % (checkpoint_dir, prog.command('%s --train_dir %s'
+                                                    % (trainer, checkpoint_dir))))
+  with PrecisionWriter(eval_dir) as writer:
+    counts = evaluate(found.contents)
+    precision = log_precision(counts)
+    writer.write(precision, counts.global_step)
+  return precision, counts.global_step
+
+
+def log_precision(counts):
+  """Logs upstream's line of EvalCounts, '<time>: precision @ 1 = 0.812'; the precision."""
   precision = counts.true_count / counts.total_count
   logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
-  if eval_dir is not None:
-    write_precision(eval_dir, precision, counts.global_step)
-  return precision, counts.global_step
+  return precision
 
 
 def evaluate_each(checkpoint_dir, evaluate, interval_secs, max_evals=None, eval_dir=None):
@@ -216,21 +268,6 @@ def evaluate_each(checkpoint_dir, evaluate, interval_secs, max_evals=None, eval_
     results = run(checkpoint_dir, evaluate, stop, interval_secs=interval_secs,
                   max_evals=max_evals, eval_dir=eval_dir)
   return [(r.precision, r.global_step) for r in results]
-
-
-def no_checkpoint_line(checkpoint_dir, trainer):
-  """What to do when checkpoint_dir holds no checkpoint of `trainer` yet."""
-  return ('No checkpoint found in %s. Train first (`%s`) or pass the '
-          'train_dir as --checkpoint_dir.'
-          % (checkpoint_dir, prog.command('%s --train_dir %s'
-                                          % (trainer, checkpoint_dir))))
-
-
-def result_line(precision, global_step, path):
-  """Upstream's result line, with the global step and the checkpoint evaluated."""
-  return ('%s: precision @ 1 = %.3f (global step %s, %s)'
-          % (datetime.datetime.now(), precision, global_step,
-             os.path.basename(path)))
 
 
 def _identity(contents):
@@ -268,54 +305,50 @@ def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval
       intact checkpoint; the message says why and what to do.
     EvalDirError: eval_dir cannot be written.
   """
-  with (PrecisionWriter(eval_dir) if eval_dir is not None
-        else contextlib.nullcontext()) as writer:
-    return _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer)
-
-
-def _run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, writer):
   once = interval_secs is None
   results, seen, said = [], set(), set()
   waiting = False
   current = None  # the checkpoint being evaluated, for the stop line
-  while not stop.requested and (max_evals is None or len(results) < max_evals):
-    found = checkpoints.newest_intact(checkpoint_dir)
-    # A loop beside a trainer sees its saves in progress: those go unsaid.
-    for note in checkpoints.skip_notes(found, checkpoint_dir,
-                                       'evaluating the newest intact checkpoint',
-                                       unfinished=once):
-      if note not in said:
-        said.add(note)
-        logger.warning(note)
-    contents = found.contents
-    if contents is None:
-      if once:
-        raise _nothing_to_evaluate(checkpoint_dir, found)
-      if not waiting:
-        damaged = found.skipped or found.state_problem
-        logger.info('No %scheckpoint in %s yet; looking again every %g s.',
-                    'intact ' if damaged else '', checkpoint_dir, interval_secs)
-        waiting = True
-      stop.wait(interval_secs)
-      continue
-    identity = _identity(contents)
-    if identity in seen:
-      stop.wait(interval_secs)
-      continue
-    waiting = False
-    current = contents.path
-    counts = evaluate(contents, lambda: stop.requested)
-    if counts is None:  # a signal cut it short
-      break
-    current = None
-    seen.add(identity)
-    precision = counts.true_count / counts.total_count
-    logger.info(result_line(precision, counts.global_step, contents.path))
-    results.append(Evaluation(contents.path, precision, counts.global_step))
-    if writer is not None:
+  with PrecisionWriter(eval_dir) as writer:
+    while not stop.requested and (max_evals is None or len(results) < max_evals):
+      found = checkpoints.newest_intact(checkpoint_dir)
+      # A loop beside a trainer sees its saves in progress: those go unsaid.
+      for note in checkpoints.skip_notes(found, checkpoint_dir,
+                                         'evaluating the newest intact checkpoint',
+                                         unfinished=once):
+        if note not in said:
+          said.add(note)
+          logger.warning(note)
+      contents = found.contents
+      if contents is None:
+        if once:
+          raise _nothing_to_evaluate(checkpoint_dir, found)
+        if not waiting:
+          damaged = found.skipped or found.state_problem
+          logger.info('No %scheckpoint in %s yet; looking again every %g s.',
+                      'intact ' if damaged else '', checkpoint_dir, interval_secs)
+          waiting = True
+        stop.wait(interval_secs)
+        continue
+      identity = _identity(contents)
+      if identity in seen:
+        stop.wait(interval_secs)
+        continue
+      waiting = False
+      current = contents.path
+      counts = evaluate(contents, lambda: stop.requested)
+      if counts is None:  # a signal cut it short
+        break
+      current = None
+      seen.add(identity)
+      precision = counts.true_count / counts.total_count
+      # Upstream's result line, with the global step and the checkpoint evaluated.
+      logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
+                  precision, counts.global_step, os.path.basename(contents.path))
+      results.append(Evaluation(contents.path, precision, counts.global_step))
       writer.write(precision, counts.global_step)
-    if once:
-      break
+      if once:
+        break
   if stop.requested:
     ending.say(stop_line(stop.signal_name, results, current))  # the one ending line, on stderr
   return results

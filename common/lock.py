@@ -84,8 +84,7 @@ def exclusive(directory, what='training'):
       handle.write('PID %d on host %s, %s, since %s (%s)\n' % (
           os.getpid(), socket.gethostname(), what,
           datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S'),
-          ' '.join(os.path.basename(a) if i == 0 else a
-                   for i, a in enumerate(sys.argv))[:200]))
+          ' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]))
       handle.flush()
     except OSError:
       pass  # e.g. a full disk: the lock holds without the note of who holds it

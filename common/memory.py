@@ -52,8 +52,9 @@ can be read (not Linux) nothing is checked.
 """
 
 import bisect
-import dataclasses
+import collections
 import os
+import re
 
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import hparams
@@ -62,10 +63,9 @@ from cifar10_towers.common import training
 GIB = 2 ** 30
 RUNTIME_BYTES = 1 * GIB  # TensorFlow's own footprint in a training process
 ACTIVATION_FACTOR = 2.5  # K: peak tower memory per image over its forward activations
-FLOAT_BYTES = 4
-IMAGE_BYTES = hparams.IMAGE_SIZE * hparams.IMAGE_SIZE * 3 * FLOAT_BYTES + 4  # I
+IMAGE_BYTES = hparams.IMAGE_SIZE * hparams.IMAGE_SIZE * 3 * 4 + 4  # I
 RAW_RECORD_BYTES = fmt.RECORD_BYTES + 128  # R
-PREPROCESS_BYTES = 4 * fmt.IMAGE_BYTES * FLOAT_BYTES  # P
+PREPROCESS_BYTES = 4 * fmt.IMAGE_BYTES * 4  # P
 LEGACY_READ_RECORDS = 128  # records a legacy preprocessing thread reads at once
 _NO_LIMIT = 2 ** 60  # cgroup v1 reports "no limit" as a number near 2**63
 
@@ -74,20 +74,10 @@ class NotEnoughMemory(training.TrainingError):
   """The run would need more memory than this process can get; says what fits."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-  """Peak memory of a training process, in bytes, by what holds it."""
-  runtime: int  # TensorFlow itself
-  variables: int  # variables, moving averages, gradients
-  inputs: int  # queues or tf.data buffers and preprocessing
-  towers: int  # the towers' activations and their gradients
-  towers_on_host: bool  # False on GPU plans: the towers' memory is on the GPUs
-
-  @property
-  def host(self):
-    """Bytes of host memory: what is checked."""
-    return (self.runtime + self.variables + self.inputs +
-            (self.towers if self.towers_on_host else 0))
+Estimate = collections.namedtuple('Estimate', [
+    'host',  # bytes of host memory, what is checked: all but the towers' on GPU plans
+    'towers',  # bytes of the towers' activations and their gradients
+])
 
 
 def activation_bytes_per_image():
@@ -102,7 +92,7 @@ def activation_bytes_per_image():
   s2 = -(-s1 // hparams.POOL_STRIDE)  # pool1 (SAME): 24 -> 12
   s3 = -(-s2 // hparams.POOL_STRIDE)  # pool2: 12 -> 6
   # conv1; pool1 and norm1; conv2 and norm2; pool2; local3, local4, logits.
-  return FLOAT_BYTES * (s1 * s1 * c1 + 2 * s2 * s2 * (c1 + c2) + s3 * s3 * c2 + sum(dense))
+  return 4 * (s1 * s1 * c1 + 2 * s2 * s2 * (c1 + c2) + s3 * s3 * c2 + sum(dense))
 
 
 def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=True):
@@ -121,22 +111,19 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=Tr
   from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   b, n = batch_size, num_towers
   min_after_dequeue = hparams.min_queue_examples(examples_per_epoch)
-  batches = (3 * n + 1) * b * IMAGE_BYTES
   if impl == 'legacy':
-    inputs = ((min_after_dequeue + 3 * b) * IMAGE_BYTES + batches +
-              hparams.NUM_PREPROCESS_THREADS * LEGACY_READ_RECORDS *
-              PREPROCESS_BYTES)
+    inputs = ((min_after_dequeue + 3 * b) * IMAGE_BYTES +
+              hparams.NUM_PREPROCESS_THREADS * LEGACY_READ_RECORDS * PREPROCESS_BYTES)
   elif impl == 'modern':
-    inputs = (max(1, min_after_dequeue) * RAW_RECORD_BYTES + batches +
+    inputs = (max(1, min_after_dequeue) * RAW_RECORD_BYTES +
               (os.cpu_count() or 1) * b * PREPROCESS_BYTES)
   else:
     raise ValueError('impl must be legacy or modern, got %r' % impl)
-  return Estimate(
-      runtime=RUNTIME_BYTES,
-      variables=FLOAT_BYTES * model_spec.NUM_PARAMETERS * (4 + n),
-      inputs=int(inputs),
-      towers=int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image()),
-      towers_on_host=towers_on_host)
+  inputs += (3 * n + 1) * b * IMAGE_BYTES  # the batches, in both
+  variables = 4 * model_spec.NUM_PARAMETERS * (4 + n)
+  towers = int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image())
+  return Estimate(RUNTIME_BYTES + variables + inputs + (towers if towers_on_host else 0),
+                  towers)
 
 
 def _read(*path):
@@ -148,21 +135,15 @@ def _read(*path):
     return ''
 
 
-def _read_number(*path):
+def _number(*path):
   text = _read(*path).strip()
-  if text == 'max':
-    return _NO_LIMIT
-  return int(text) if text.isdigit() else None
+  return _NO_LIMIT if text == 'max' else int(text) if text.isdigit() else None
 
 
-def _read_fields(*path):
-  """'name value' lines (memory.stat, /proc/meminfo) as a dict of ints."""
-  fields = {}
-  for line in _read(*path).splitlines():
-    parts = line.replace(':', ' ').split()
-    if len(parts) >= 2 and parts[1].isdigit():
-      fields[parts[0]] = int(parts[1]) * (1024 if parts[2:3] == ['kB'] else 1)
-  return fields
+def _field(name, *path):
+  """The value of a 'name value' line (memory.stat, /proc/meminfo: kB as bytes), or None."""
+  match = re.search(r'^%s:?\s+(\d+)( kB)?' % name, _read(*path), re.M)
+  return match and int(match.group(1)) * (1024 if match.group(2) else 1)
 
 
 def _cgroup_headroom(proc, cgroup_root):
@@ -171,44 +152,28 @@ def _cgroup_headroom(proc, cgroup_root):
   Returns:
     (bytes, directory) or (None, None) without a limit.
   """
-  best, where = None, None
+  found = []
   for line in _read(proc, 'self', 'cgroup').splitlines():
-    parts = line.split(':', 2)
-    if len(parts) != 3:
-      continue
-    hierarchy, controllers, path = parts
-    if hierarchy == '0' and controllers == '':  # v2: one unified hierarchy
+    hierarchy, controllers, path = (line.split(':', 2) + ['', ''])[:3]
+    if (hierarchy, controllers) == ('0', ''):  # v2: one unified hierarchy
       base, files = cgroup_root, ('memory.max', 'memory.current', 'inactive_file')
     elif 'memory' in controllers.split(','):  # v1
       base = os.path.join(cgroup_root, 'memory')
       files = ('memory.limit_in_bytes', 'memory.usage_in_bytes', 'total_inactive_file')
     else:
       continue
-    limit_file, usage_file, inactive = files
     # This cgroup and every ancestor: each limit applies. In a container the
     # mount's root is the container's own cgroup, whatever the path says.
-    rel = path.strip('/')
-    while True:
-      directory = os.path.join(base, rel) if rel else base
-      limit = _read_number(directory, limit_file)
+    parts = [part for part in path.split('/') if part]
+    for depth in range(len(parts) + 1):
+      directory = os.path.join(base, *parts[:depth])
+      limit = _number(directory, files[0])
       if limit is not None and limit < _NO_LIMIT:
         # Page cache the kernel reclaims before it kills counts as free.
-        usage = ((_read_number(directory, usage_file) or 0)
-                 - _read_fields(directory, 'memory.stat').get(inactive, 0))
-        headroom = max(0, limit - max(0, usage))
-        if best is None or headroom < best:
-          best, where = headroom, directory
-      if not rel:
-        break
-      rel = os.path.dirname(rel)
-  return best, where
-
-
-def _own_rss(proc):
-  try:
-    return int(_read(proc, 'self', 'statm').split()[1]) * os.sysconf('SC_PAGE_SIZE')
-  except (ValueError, IndexError):
-    return 0
+        usage = ((_number(directory, files[1]) or 0)
+                 - (_field(files[2], directory, 'memory.stat') or 0))
+        found.append((max(0, limit - max(0, usage)), directory))
+  return min(found, key=lambda f: f[0], default=(None, None))
 
 
 def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
@@ -224,21 +189,19 @@ def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
   Returns:
     (bytes, str naming the source) or (None, None) when neither can be read.
   """
-  mem_available = _read_fields(proc, 'meminfo').get('MemAvailable')
   headroom, cgroup_dir = _cgroup_headroom(proc, cgroup_root)
-  if mem_available is None and headroom is None:
+  meminfo = os.path.join(proc, 'meminfo')
+  found = [(free, source) for free, source in [
+      (_field('MemAvailable', meminfo), 'MemAvailable in %s' % meminfo),
+      (headroom, 'under the memory limit of cgroup %s' % cgroup_dir)] if free is not None]
+  if not found:
     return None, None
-  if headroom is not None and (mem_available is None or headroom < mem_available):
-    free, source = headroom, 'under the memory limit of cgroup %s' % cgroup_dir
-  else:
-    free, source = mem_available, 'MemAvailable in %s' % os.path.join(proc, 'meminfo')
-  return free + _own_rss(proc), source
-
-
-def _two_digits(n):
-  """n rounded down to two significant digits (24880 -> 24000), at least 1."""
-  scale = 10 ** max(0, len(str(n)) - 2)
-  return max(1, n // scale * scale)
+  free, source = min(found, key=lambda f: f[0])
+  try:
+    rss = int(_read(proc, 'self', 'statm').split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (ValueError, IndexError):
+    rss = 0
+  return free + rss, source
 
 
 def check_training(impl, plan, batch_size, data_dir):
@@ -263,10 +226,7 @@ def check_training(impl, plan, batch_size, data_dir):
       largest --batch_size (and --num_gpus) that would fit.
   """
   examples = fmt.num_examples(fmt.train_files(data_dir))
-  # Not checked on GPU plans: whether the towers' activations and gradients
-  # fit in GPU memory (TensorFlow cannot tell before it allocates there).
-  on_host = plan.kind != 'gpu'
-  towers = plan.num_towers
+  on_host, towers = plan.kind != 'gpu', plan.num_towers
 
   def host_bytes(b, n):
     return estimate(impl, b, n, examples, towers_on_host=on_host).host
@@ -276,20 +236,20 @@ def check_training(impl, plan, batch_size, data_dir):
   if have is None or need.host <= have:
     return need
   advice = []
-  # The largest batch that fits: the estimate grows with the batch.
+  # The largest batch that fits (the estimate grows with the batch), rounded
+  # down to two significant digits (24880 -> 24000).
   fit_batch = bisect.bisect_right(range(1, batch_size + 1), have,
                                   key=lambda b: host_bytes(b, towers))
   if fit_batch:
-    advice.append('--batch_size %d or less' % _two_digits(fit_batch))
+    scale = 10 ** max(0, len(str(fit_batch)) - 2)
+    advice.append('--batch_size %d or less' % (fit_batch // scale * scale))
   fit_towers = max((n for n in range(1, towers) if host_bytes(batch_size, n) <= have),
                    default=0)
   if fit_towers:
     advice.append('--num_gpus %d or fewer' % fit_towers)
-  if advice:
-    todo = 'Pass %s.' % ', or '.join(advice)
-  else:
-    todo = ('Not even batch 1 fits on %d tower(s): free memory (stop other '
-            'processes) or use a larger machine.' % towers)
+  todo = ('Pass %s.' % ', or '.join(advice) if advice else
+          'Not even batch 1 fits on %d tower(s): free memory (stop other processes) or '
+          'use a larger machine.' % towers)
   raise NotEnoughMemory(
       '%s training of %d tower(s) x batch %d needs about %.1f GiB of %smemory '
       '(estimate), more than the %.1f GiB available to this process (%s). %s'

@@ -13,6 +13,7 @@ import time
 from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
+from cifar10_towers.common import prog
 from cifar10_towers.common import progress
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,6 @@ class Heartbeat:
 MEAN_LOSS_TAG = 'total_loss'  # the mean of the towers' total losses
 LEARNING_RATE_TAG = 'learning_rate'
 NUM_SUMMARY_IMAGES = 3  # tower 0's first images of the step
-EMA_SUFFIX = 'ExponentialMovingAverage'  # = common.model_spec.EMA_SUFFIX
 
 
 def loss_terms():
@@ -194,7 +194,8 @@ def gradients_tag(variable_name):
 
 def average_tag(variable_name):
   """A variable's moving average: 'conv1/weights/ExponentialMovingAverage'."""
-  return '%s/%s' % (variable_name, EMA_SUFFIX)
+  from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
+  return '%s/%s' % (variable_name, model_spec.EMA_SUFFIX)
 
 
 def image_tags():
@@ -209,21 +210,21 @@ def summary_tags(num_towers, activations=True):
   summaries and the images (False: the subset the replica engines write).
   """
   from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  layers = [layer.name for layer in model_spec.LAYERS]
+  layers, names = [layer.name for layer in model_spec.LAYERS], model_spec.VARIABLE_NAMES
   scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
-  histograms = list(model_spec.VARIABLE_NAMES)
-  histograms += [average_tag(v) for v in model_spec.VARIABLE_NAMES]
+  histograms = list(names) + [average_tag(v) for v in names]
   for i in range(num_towers):
     scalars.append(tower_tag(i, 'total_loss'))
     if activations:
-      scalars += [tower_tag(i, term) for term in loss_terms()]
       prefix = tower_tag(i, '')[:-1]
+      scalars += [tower_tag(i, term) for term in loss_terms()]
       scalars += [sparsity_tag(prefix, layer) for layer in layers]
       histograms += [activations_tag(prefix, layer) for layer in layers]
+  images = image_tags() if activations else []
   if activations:
-    histograms += [gradients_tag(v) for v in model_spec.VARIABLE_NAMES]
+    histograms += [gradients_tag(v) for v in names]
   return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
-          'images': sorted(image_tags()) if activations else []}
+          'images': sorted(images)}
 
 
 # What a tower's loss can be: its batch's mean cross-entropy plus the weight
@@ -257,13 +258,11 @@ def check_divergence(step, tower_losses):
     step: int, the global step just taken.
     tower_losses: the towers' total losses at that step, floats.
   """
-  for i, value in enumerate(tower_losses):
-    value = float(value)
+  for i, value in enumerate(map(float, tower_losses)):
     if math.isfinite(value) and value <= DIVERGED_LOSS:
       continue
-    bound = '' if not math.isfinite(value) else (
-        ' (above %.0f, 100 times a fresh model\'s loss of %.2f)'
-        % (DIVERGED_LOSS, INITIAL_LOSS))
+    bound = (' (above %.0f, 100 times a fresh model\'s loss of %.2f)'
+             % (DIVERGED_LOSS, INITIAL_LOSS) if math.isfinite(value) else '')
     raise TrainingError(
         'Model diverged with loss = %.4g at step %d in tower %d%s; the last good '
         'checkpoint is kept. Lower the learning rate or check the input data.'
@@ -301,21 +300,14 @@ def stopped_line(signal_name, step, path):
           'from it.' % (signal_name, step, path))
 
 
-def finished_line(train_dir, path, data_dir):
-  """The last line of a run that reached max_steps: its checkpoint, and how to evaluate it."""
-  from cifar10_towers.common import prog  # pylint: disable=import-outside-toplevel
-  return ('Done: the newest checkpoint is %s. Evaluate it: %s'
-          % (path, prog.command('eval --run_once --checkpoint_dir %s --data_dir %s'
-                                % (train_dir, data_dir))))
-
-
 def report_end(signal_name, step, path, config):
   """The last line of a run at `step`, `path` saved: stopped by `signal_name`
-  (the ending line, on stderr), or done (None)."""
+  (the ending line, on stderr), or done (None): its checkpoint, and how to evaluate it."""
   if signal_name:
     ending.say(stopped_line(signal_name, step, path))
   else:
-    logger.info(finished_line(config.train_dir, path, config.data_dir))
+    logger.info('Done: the newest checkpoint is %s. Evaluate it: %s', path, prog.command(
+        'eval --run_once --checkpoint_dir %s --data_dir %s' % (config.train_dir, config.data_dir)))
 
 
 def nothing_to_train(step, max_steps, train_dir):

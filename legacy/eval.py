@@ -9,7 +9,6 @@ stops after one epoch and the last batch is smaller.
 import tensorflow.compat.v1 as tf
 
 from cifar10_towers.common import checkpoints
-from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import evaluation
 from cifar10_towers.common import hparams
 from cifar10_towers.legacy import inputs
@@ -38,11 +37,8 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
     EvalError: the checkpoint cannot be read, is a modern one, or does not
       hold this model's moving averages.
   """
-  try:
-    contents = checkpoints.read(checkpoint_path)
-  except checkpoints.CheckpointError as e:
-    raise EvalError('cannot read checkpoint %s: %s' % (checkpoint_path, e)) from e
-  return evaluate_contents(contents, data_dir, batch_size, num_examples)
+  return evaluate_contents(evaluation.read(checkpoint_path), data_dir, batch_size,
+                           num_examples)
 
 
 def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -61,13 +57,6 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   Raises:
     As `eval_once`.
   """
-  if contents.kind != checkpoints.LEGACY:
-    raise EvalError(
-        '%s is a modern (tf.train.Checkpoint) checkpoint; evaluate it with '
-        'the modern evaluator.' % contents.path)
-  available = cifar10_format.num_examples(cifar10_format.eval_files(data_dir))
-  num_examples = min(num_examples or available, available)
-
   with tf.Graph().as_default() as graph:
     # One epoch in file order (one reader thread), the last batch smaller.
     images, labels = inputs.inputs(eval_data=True, data_dir=data_dir,
@@ -80,6 +69,9 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
     variable_averages = tf.train.ExponentialMovingAverage(
         hparams.MOVING_AVERAGE_DECAY)
     variables_to_restore = variable_averages.variables_to_restore()
+    values = evaluation.moving_averages(
+        contents, checkpoints.LEGACY,
+        {key: v.shape.as_list() for key, v in variables_to_restore.items()})
     # The epoch counter of the input is a local variable.
     local_init = tf.local_variables_initializer()
     close_queues = inputs.close_queue_ops()
@@ -90,45 +82,24 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       # Deviation from upstream: a Saver restored from the files; here the
       # values were read (and their checksums checked) before the graph was
       # built, so a checkpoint the trainer deletes meanwhile is still whole.
-      _load(sess, variables_to_restore, contents)
-      global_step = checkpoints.global_step(contents)
+      for key, variable in variables_to_restore.items():
+        variable.load(values[key], sess)
+
+      def batches():
+        try:
+          while not coord.should_stop():
+            yield sess.run(top_k_op)
+        except tf.errors.OutOfRangeError:
+          pass  # the epoch is over: every record was seen once
 
       coord = tf.train.Coordinator()
       threads = tf.train.start_queue_runners(sess=sess, coord=coord)
-      true_count = total_count = 0
       try:
-        while total_count < num_examples and not coord.should_stop():
-          if should_stop and should_stop():
-            return None
-          predictions = sess.run(top_k_op)
-          # Only the first num_examples records count.
-          predictions = predictions[:num_examples - total_count]
-          true_count += int(predictions.sum())
-          total_count += len(predictions)
-          if progress:
-            progress(total_count)
-      except tf.errors.OutOfRangeError:
-        pass  # the epoch is over: every record was seen once
+        return evaluation.count_correct(batches(), data_dir, num_examples,
+                                        checkpoints.global_step(contents), should_stop,
+                                        progress)
       finally:
         inputs.stop_queue_threads(sess, coord, threads, close_queues)
-  if total_count != num_examples:
-    raise EvalError('evaluated %d of %d test records from %s; the input '
-                    'ended early.' % (total_count, num_examples, data_dir))
-  return evaluation.EvalCounts(true_count, total_count, global_step)
-
-
-def _load(sess, variables_to_restore, contents):
-  """Loads each variable from its checkpoint key (its shadow's name)."""
-  for key, variable in sorted(variables_to_restore.items()):
-    value = contents.tensors.get(key)
-    shape = variable.shape.as_list()
-    if value is None or list(value.shape) != shape:
-      problem = ('no %s' % key if value is None else
-                 '%s has shape %s, this model %s' % (key, list(value.shape), shape))
-      raise EvalError('%s does not hold the moving averages of this model (%s). Point '
-                      '--checkpoint_dir at a train_dir written by `legacy`.'
-                      % (contents.path, problem))
-    variable.load(value, sess)
 
 
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -139,7 +110,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
     checkpoint_dir: str, the train_dir of `legacy.train.train`.
     data_dir, batch_size, num_examples: as `eval_once`.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (`common.evaluation.write_precision`).
+      there for TensorBoard (`common.evaluation.PrecisionWriter`).
 
   Returns:
     (precision, global_step): float in [0, 1], int.
@@ -151,9 +122,8 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   """
   return evaluation.evaluate_newest(
       checkpoint_dir,
-      lambda contents: evaluate_contents(contents, data_dir, batch_size,
-                                         num_examples),
-      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'legacy')), eval_dir)
+      lambda contents: evaluate_contents(contents, data_dir, batch_size, num_examples),
+      'legacy', eval_dir)
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,

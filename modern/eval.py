@@ -5,55 +5,36 @@ the newest checkpoint are restored *into* the model's variables, and every
 test record is classified once.
 """
 
-import datetime
-import logging
-
 import tensorflow as tf
 
 from cifar10_towers.common import checkpoints
 from cifar10_towers.common import evaluation
 from cifar10_towers.common import hparams
+from cifar10_towers.common import model_spec
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import model as model_lib
 from cifar10_towers.modern import checkpoints as ckpt_lib
 
-logger = logging.getLogger(__name__)
 EvalError = evaluation.EvalError  # one class, common to both evaluators
-
 
 
 def _model_of(contents):
   """A Cifar10Model holding the moving averages in `contents`, and the step."""
-  if contents.kind != checkpoints.MODERN:
-    raise EvalError(
-        '%s is a legacy (tf.compat.v1 Saver) checkpoint; evaluate it with the '
-        'legacy evaluator.' % contents.path)
   model = model_lib.Cifar10Model()
   # The shadow (moving-average) value of each variable goes into the variable,
   # as upstream eval's `variables_to_restore()`; the raw weights are not used.
-  for name, variable in model.variables_by_name().items():
-    key = ckpt_lib.checkpoint_key('%s/%s' % (name, ckpt_lib.EMA_SUFFIX))
-    value = contents.tensors.get(key)
-    if value is None or tuple(value.shape) != tuple(variable.shape):
-      raise EvalError('%s does not hold all 10 moving averages (%s: %s); is it '
-                      'a modern training checkpoint?'
-                      % (contents.path, key, 'missing' if value is None
-                         else 'shape %s' % list(value.shape)))
-    variable.assign(value)
+  variables = {ckpt_lib.checkpoint_key('%s/%s' % (name, model_spec.EMA_SUFFIX)): variable
+               for name, variable in model.variables_by_name().items()}
+  values = evaluation.moving_averages(
+      contents, checkpoints.MODERN, {key: v.shape.as_list() for key, v in variables.items()})
+  for key, variable in variables.items():
+    variable.assign(values[key])
   return model, checkpoints.global_step(contents)
-
-
-def _read(path):
-  """common.checkpoints.read(path), or EvalError."""
-  try:
-    return checkpoints.read(path)
-  except checkpoints.CheckpointError as e:
-    raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
 
 
 def _restore_moving_averages(path):
   """A Cifar10Model holding the moving averages saved at `path`, and the step."""
-  return _model_of(_read(path))
+  return _model_of(evaluation.read(path))
 
 
 def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
@@ -80,24 +61,13 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   @tf.function(input_signature=[
       tf.TensorSpec([None, size, size, 3], tf.float32),
       tf.TensorSpec([None], tf.int32)])
-  def count_correct(images, labels):
-    logits = model.inference(images)
-    return tf.reduce_sum(tf.cast(tf.math.in_top_k(labels, logits, 1), tf.int64))
+  def correct(images, labels):
+    return tf.math.in_top_k(labels, model.inference(images), 1)
 
-  dataset = inputs.inputs(True, data_dir, batch_size)
-  if num_examples is not None:
-    dataset = dataset.unbatch().take(num_examples).batch(batch_size)
-  true_count, total = 0, 0
-  for images, labels in dataset:
-    if should_stop and should_stop():
-      return None
-    true_count += int(count_correct(images, labels))
-    total += int(labels.shape[0])
-    if progress:
-      progress(total)
-  if total == 0:
-    raise EvalError('no test records were read from %s' % data_dir)
-  return evaluation.EvalCounts(true_count, total, global_step)
+  batches = (correct(images, labels).numpy()
+             for images, labels in inputs.inputs(True, data_dir, batch_size))
+  return evaluation.count_correct(batches, data_dir, num_examples, global_step,
+                                  should_stop, progress)
 
 
 def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None):
@@ -114,10 +84,8 @@ def evaluate_checkpoint(path, data_dir, batch_size=hparams.BATCH_SIZE, num_examp
     EvalError: the checkpoint cannot be read or lacks the moving averages.
     common.cifar10_format.DataError: the test file is missing or malformed.
   """
-  counts = evaluate_contents(_read(path), data_dir, batch_size, num_examples)
-  precision = counts.true_count / counts.total_count
-  logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
-  return precision, counts.global_step, counts.total_count
+  counts = evaluate_contents(evaluation.read(path), data_dir, batch_size, num_examples)
+  return evaluation.log_precision(counts), counts.global_step, counts.total_count
 
 
 def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
@@ -131,7 +99,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
     num_examples: optional int, evaluate only the first this many test
       records; default every record, each exactly once.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (`common.evaluation.write_precision`).
+      there for TensorBoard (`common.evaluation.PrecisionWriter`).
 
   Returns:
     (precision float in [0, 1], global step of the checkpoint int).
@@ -143,13 +111,12 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
   """
   return evaluation.evaluate_newest(
       checkpoint_dir,
-      lambda contents: evaluate_contents(contents, data_dir, batch_size,
-                                         num_examples),
-      EvalError(evaluation.no_checkpoint_line(checkpoint_dir, 'modern')), eval_dir)
+      lambda contents: evaluate_contents(contents, data_dir, batch_size, num_examples),
+      'modern', eval_dir)
 
 
 def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_examples=None,
-                  interval_secs=300, max_evals=None, eval_dir=None):
+                  eval_dir=None, interval_secs=300, max_evals=None):
   """Evaluates each new checkpoint, looking every interval_secs (upstream's loop).
 
   Runs until a stop signal (or `max_evals` evaluations); waits for the
