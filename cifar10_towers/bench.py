@@ -46,6 +46,7 @@ fresh one or a `--json` file read back) as a PNG with matplotlib, which is
 an optional extra.
 """
 
+import collections
 import dataclasses
 import datetime
 import json
@@ -425,7 +426,7 @@ def run(config, launch=Contender):
     specs = contender_specs(config, config.data_dir or tmp, records)
     logger.info('Starting %d contenders, one process each: %s',
                 len(specs), '; '.join(map(describe, specs)))
-    contenders, windows, inputs = [], {_key(s): [] for s in specs}, {}
+    contenders, windows, inputs = [], collections.defaultdict(list), {}
     try:
       contenders.extend(launch(spec, config.timeout_secs) for spec in specs)
       for i, contender in enumerate(contenders):
@@ -441,12 +442,11 @@ def run(config, launch=Contender):
                       '' if spec['kind'] == MATMUL else ', %d steps' % config.window_steps)
           windows[_key(spec)].append(dict(contender.window(), round=r))
       finals = {_key(c.spec): c.window() for c in contenders}
-      for spec in specs:  # then each input pipeline alone, one process each
-        if spec['kind'] == 'train':
-          spec = dict(spec, kind='input')
-          logger.info('[inputs] measuring %s', describe(spec))
-          contenders.append(launch(spec, config.timeout_secs))
-          inputs[_key(spec)] = contenders[-1].read()
+      # Then each input pipeline alone, one process each.
+      for spec in [dict(s, kind='input') for s in specs if s['kind'] == 'train']:
+        logger.info('[inputs] measuring %s', describe(spec))
+        contenders.append(launch(spec, config.timeout_secs))
+        inputs[_key(spec)] = contenders[-1].read()
     finally:
       for contender in contenders:
         contender.kill()
@@ -483,35 +483,35 @@ def summarize(config, windows, finals, inputs, data_description):
   estimate = max(matmul_runs) / flops
   towers_key = 'ratio_to_%d_tower' % min(config.num_gpus)
 
-  def timed(impl, num_gpus):
-    """Round -> (images/sec, images/CPU-second) of a contender's timed windows."""
+  def rates(impl, num_gpus, clock='seconds'):
+    """Images/sec (clock 'cpu_seconds': per CPU-second) of each timed window, in round order."""
     images = config.window_steps * config.batch_size * num_gpus
-    return {w['round']: (images / w['seconds'], images / w['cpu_seconds'])
-            for w in windows[(impl, num_gpus)] if w['round'] >= 0}
+    return [images / w[clock] for w in windows[(impl, num_gpus)] if w['round'] >= 0]
 
   rows = []
   for num_gpus in config.num_gpus:
     for impl in (BASELINE,) + tuple(config.impls):
-      base, few = timed(BASELINE, num_gpus), timed(impl, min(config.num_gpus))
       rounds = [{'round': r, 'images_per_sec': rate, 'images_per_cpu_second': cpu_rate,
-                 'baseline_images_per_sec': base[r][0], 'ratio_to_baseline': rate / base[r][0],
-                 towers_key: rate / few[r][0]}
-                for r, (rate, cpu_rate) in sorted(timed(impl, num_gpus).items())]
+                 'baseline_images_per_sec': base, 'ratio_to_baseline': rate / base,
+                 towers_key: rate / few}
+                for r, (rate, cpu_rate, base, few) in enumerate(zip(
+                    rates(impl, num_gpus), rates(impl, num_gpus, 'cpu_seconds'),
+                    rates(BASELINE, num_gpus), rates(impl, min(config.num_gpus))))]
       row = {key: statistics.median(r[key] for r in rounds) for key in (
           'images_per_sec', 'images_per_cpu_second', 'ratio_to_baseline', towers_key)}
-      rates = [r['images_per_sec'] for r in rounds]
       result = inputs.get((impl, num_gpus))  # None: Keras has no input pipeline
       input_rate = result and statistics.median(result['window_images_per_sec'])
-      row.update(impl=impl, num_gpus=num_gpus, batch_size=config.batch_size,
-                 jit=config.jit and impl != BASELINE, window_min=min(rates),
-                 window_max=max(rates), rounds=rounds,
-                 ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
-                 peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
-                 input_images_per_sec=input_rate,
-                 input_window_images_per_sec=result and result['window_images_per_sec'],
-                 input_to_training=input_rate and input_rate / row['images_per_sec'],
-                 input_peak_rss_bytes=result and result['peak_rss_bytes'])
-      rows.append(row)
+      rows.append(dict(
+          row, impl=impl, num_gpus=num_gpus, batch_size=config.batch_size, rounds=rounds,
+          jit=config.jit and impl != BASELINE,
+          window_min=min(r['images_per_sec'] for r in rounds),
+          window_max=max(r['images_per_sec'] for r in rounds),
+          ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
+          peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
+          input_images_per_sec=input_rate,
+          input_window_images_per_sec=result and result['window_images_per_sec'],
+          input_to_training=input_rate and input_rate / row['images_per_sec'],
+          input_peak_rss_bytes=result and result['peak_rss_bytes']))
   return {
       'settings': dict(dataclasses.asdict(config), data=data_description),
       'measured_at': datetime.datetime.now(datetime.timezone.utc).strftime(
