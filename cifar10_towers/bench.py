@@ -145,9 +145,7 @@ class Pacer:
   The first boundary reports {} (ready); every later one the window just run:
   its wall and CPU seconds (and any extra figures).
   """
-
-  def __init__(self):
-    self._start = None
+  _start = None  # (wall, CPU) clock at the window's start
 
   def boundary(self, **extra):
     if self._start:
@@ -391,9 +389,7 @@ def describe(spec):
 
 def contender_specs(config, data_dir, records):
   """The paced contenders: per tower count Keras and each trainer; then the matmul."""
-  common = dict(batch_size=config.batch_size, data_dir=data_dir, records=records, jit=config.jit,
-                window_steps=config.window_steps, matmul_size=config.matmul_size,
-                matmul_repeats=config.matmul_repeats,
+  common = dict(dataclasses.asdict(config), data_dir=data_dir, records=records,
                 windows=config.warmup_rounds + config.rounds)
   return [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
           for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]

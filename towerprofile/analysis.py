@@ -57,7 +57,7 @@ def tower_of(name):
   return int(match[1]) if match else None
 
 
-def categorize(name, op_type='', rest=OTHER):
+def categorize(name, op_type, rest=OTHER):
   """The category (one of CATEGORIES) of an op from its full name and its type if known.
 
   `rest` is the category of an op no rule knows.
