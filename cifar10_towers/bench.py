@@ -264,7 +264,10 @@ def contend_matmul(spec, pacer):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = spec['matmul_size']
   a, b = tf.random.normal([n, n]), tf.random.normal([n, n])
-  product = lambda: tf.matmul(a, b)[0, 0].numpy()  # eager CPU ops are synchronous; this makes sure
+
+  def product():  # eager CPU ops are synchronous; .numpy() makes sure
+    tf.matmul(a, b)[0, 0].numpy()
+
   product()
   pacer.boundary()
   for _ in range(spec['windows']):
@@ -629,7 +632,7 @@ def figure(report):
   """
   settings, machine, rows = report['settings'], report['machine'], report['rows']
   towers = sorted({row['num_gpus'] for row in rows})
-  names = list(dict.fromkeys(row['impl'] for row in rows))
+  names = [BASELINE, *settings['impls']]  # the rows' order within a tower count
   width = 0.8 / len(names)
   fig = check_plotting()(figsize=(8, 5.2))
   axes = fig.add_subplot()

@@ -199,17 +199,17 @@ def analyze(events, windows, planned, variable_device, wall_us=None):
   for key in ('split_us', 'busy_fraction'):
     median[key] = {k: _median([s[key].get(k, 0.0) for s in steps])
                    for k in dict.fromkeys(k for s in steps for k in s[key])}
-  placement, variable_device = [], canonical_device(variable_device)
+  placement = []
   for i, device in enumerate(map(canonical_device, planned)):
     times = _time_per_device([e for e in events if e.tower == i])
     shares = {d: t / sum(times.values()) for d, t in sorted(times.items())}
     main = max(shares, key=shares.get, default=None)
     placement.append({'tower': i, 'planned': device, 'ran_on': shares, 'main_device': main,
                       'misplaced': bool(shares) and 1 - shares.get(device, 0) > MISPLACED_SHARE,
-                      'on_variable_device': main == variable_device})
+                      'on_variable_device': main == canonical_device(variable_device)})
   inputs = _time_per_device([e for e in events if e.category == INPUT])
   report = {'num_towers': len(planned), 'planned': [p['planned'] for p in placement],
-            'variable_device': variable_device,
+            'variable_device': canonical_device(variable_device),
             'input_device': max(inputs, key=inputs.get, default='unknown'),  # where it ran longest
             'steps': steps, 'median': median, 'placement': placement}
   report['verdict'] = verdict(report)

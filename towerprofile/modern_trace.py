@@ -126,18 +126,14 @@ def trace(config, plan, decay_steps, steps, warmup):
     trainer.train_step(next(iterator))
   wall_us = []
   with tempfile.TemporaryDirectory(prefix='towerprofile_') as logdir:
-    tf.profiler.experimental.start(logdir)
-    try:
+    with tf.profiler.experimental.Profile(logdir):
       for k in range(steps):
         began = time.perf_counter()
         with tf.profiler.experimental.Trace(STEP_EVENT, step_num=k, _r=1):
           trainer.train_step(next(iterator)).numpy()  # the step ends when its result exists
         wall_us.append((time.perf_counter() - began) * 1e6)
-    finally:
-      tf.profiler.experimental.stop()
-    space = xplane_pb2.XSpace()
     with open(sorted(glob.glob(os.path.join(logdir, 'plugins/profile/*/*.xplane.pb')))[-1],
               'rb') as f:
-      space.ParseFromString(f.read())
+      space = xplane_pb2.XSpace.FromString(f.read())
   events, windows, sources = events_from_xspace(space, device_of)
   return events, windows, wall_us, sources

@@ -52,7 +52,7 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
   with tempfile.TemporaryDirectory(prefix='towerprofile_') as scratch:
     if data_dir is None:
       from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
-      data_dir = os.path.join(scratch, 'data')
+      data_dir = scratch
       synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10, seed=0)
     examples = cifar10_format.num_examples(cifar10_format.train_files(data_dir))
     if impl == 'legacy':
