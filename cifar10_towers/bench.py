@@ -660,15 +660,14 @@ def figure(report):
   axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
                  'windows min-max' % settings['batch_size'], fontsize=10)
   axes.legend(loc='upper left', fontsize=8, frameon=False)
-  where = ', '.join(str(part) for part in (
-      '%s CPUs' % machine.get('cpu_count'), machine.get('cpu_model'),
-      report.get('measured_at')) if part)
-  caption = ['%(rounds)d rounds of one %(window_steps)d-step window per contender (after '
-             '%(warmup_rounds)d warm-up); ratios: median of per-round ratios to Keras' % settings,
-             'matmul estimate: measured in its own process, taking turns with the '
-             'bars\' windows; a sample under the same load, not a bound (a window can beat it)',
-             'data: %s; machine: %s' % (settings['data'], where), report.get('note')]
-  caption = [line for line in caption if line]
+  where = ', '.join(filter(None, ('%s CPUs' % machine.get('cpu_count'), machine.get('cpu_model'),
+                                  report.get('measured_at'))))
+  caption = list(filter(None, [
+      '%(rounds)d rounds of one %(window_steps)d-step window per contender (after '
+      '%(warmup_rounds)d warm-up); ratios: median of per-round ratios to Keras' % settings,
+      'matmul estimate: measured in its own process, taking turns with the '
+      'bars\' windows; a sample under the same load, not a bound (a window can beat it)',
+      'data: %s; machine: %s' % (settings['data'], where), report.get('note')]))
   fig.text(0.01, 0.01, '\n'.join(caption), fontsize=7, va='bottom', ha='left', wrap=True)
   fig.tight_layout(rect=(0, 0.04 + 0.025 * len(caption), 1, 1))
   return fig
