@@ -46,6 +46,7 @@ fresh one or a `--json` file read back) as a PNG with matplotlib, which is
 an optional extra.
 """
 
+import collections
 import dataclasses
 import datetime
 import json
@@ -60,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+import timeit
 
 from cifar10_towers.common import errors
 
@@ -143,9 +145,7 @@ class Pacer:
   The first boundary reports {} (ready); every later one the window just run:
   its wall and CPU seconds (and any extra figures).
   """
-
-  def __init__(self):
-    self.boundaries, self._start = 0, None
+  _start = None  # (wall, CPU) clock at the window's start
 
   def boundary(self, **extra):
     if self._start:
@@ -154,7 +154,6 @@ class Pacer:
     _say(extra)
     if sys.stdin.readline().strip() != GO:
       raise SystemExit('bench contender: the parent went away')
-    self.boundaries += 1
     self._start = time.perf_counter(), time.process_time()
 
 
@@ -182,18 +181,14 @@ def contend_training(spec, pacer):
     from cifar10_towers.legacy import train as trainer  # pylint: disable=g-import-not-at-top
   else:
     from cifar10_towers.modern import train as trainer  # pylint: disable=g-import-not-at-top
-  steps = (spec['windows'] + 1) * spec['window_steps']
 
-  def on_step(step, seconds, images):
-    del seconds, images  # the pacer times whole windows
+  def on_step(step, *_):  # the pacer times whole windows
     if step % spec['window_steps'] == 0:
       pacer.boundary()
 
   with tempfile.TemporaryDirectory(prefix='bench_train_') as train_dir:
+    steps = (spec['windows'] + 1) * spec['window_steps']
     trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
-  if pacer.boundaries != spec['windows'] + 1:
-    raise BenchError('%s ran %d windows, expected %d'
-                     % (spec['impl'], pacer.boundaries - 1, spec['windows']))
 
 
 def keras_model(tf, keras):
@@ -208,15 +203,13 @@ def keras_model(tf, keras):
 
   def layer(name, activation='relu'):
     spec = model_spec.LAYERS_BY_NAME[name]
-    kwargs = dict(
-        name=name, activation=activation,
+    *kernel, _, units = spec.weight_shape
+    conv = dict(kernel_size=kernel, padding='same') if kernel else {}
+    return (layers.Conv2D if conv else layers.Dense)(
+        units, name=name, activation=activation, **conv,
         kernel_initializer=keras.initializers.TruncatedNormal(stddev=spec.stddev),
         bias_initializer=keras.initializers.Constant(spec.bias_init),
         kernel_regularizer=keras.regularizers.L2(spec.wd / 2.0) if spec.wd else None)
-    if len(spec.weight_shape) == 4:
-      return layers.Conv2D(spec.weight_shape[-1], spec.weight_shape[:2], padding='same',
-                           **kwargs)
-    return layers.Dense(spec.weight_shape[-1], **kwargs)
 
   def lrn(name):
     return layers.Lambda(lambda x: tf.nn.local_response_normalization(
@@ -271,22 +264,23 @@ def contend_matmul(spec, pacer):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = spec['matmul_size']
   a, b = tf.random.normal([n, n]), tf.random.normal([n, n])
-  tf.matmul(a, b).numpy()
+
+  def product():  # eager CPU ops are synchronous; .numpy() makes sure
+    tf.matmul(a, b)[0, 0].numpy()
+
+  product()
   pacer.boundary()
   for _ in range(spec['windows']):
-    seconds = []
-    for _ in range(spec['matmul_repeats']):
-      start = time.perf_counter()
-      tf.matmul(a, b)[0, 0].numpy()  # eager CPU ops are synchronous; this makes sure
-      seconds.append(time.perf_counter() - start)
+    seconds = timeit.repeat(product, number=1, repeat=spec['matmul_repeats'])
     pacer.boundary(flops_per_sec=2.0 * n ** 3 / min(seconds))
 
 
 def _input_batches(spec):
   """The towers' batches of one trainer's input pipeline, endlessly.
 
-  Legacy: a dequeue of its shared prefetch queue per tower; modern: one
-  tf.data element (all towers' batches).
+  Legacy: a dequeue of its shared prefetch queue per tower (a MonitoredSession
+  runs and at the end stops its queue threads); modern: one tf.data element
+  (all towers' batches).
   """
   plan = _plan(spec)
   if spec['impl'] == 'modern':
@@ -295,20 +289,13 @@ def _input_batches(spec):
                                        spec['num_gpus'])
     return
   import tensorflow.compat.v1 as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.legacy import inputs, train  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.legacy import train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     batches = train.tower_input_batches(_train_config(spec, tempfile.gettempdir(), 1))
-    init, close = tf.local_variables_initializer(), inputs.close_queue_ops()
-    with tf.Session(config=train.session_config(plan)) as sess:
-      sess.run(init)
-      coord = tf.train.Coordinator(clean_stop_exception_types=(
-          tf.errors.OutOfRangeError, tf.errors.CancelledError))
-      threads = tf.train.start_queue_runners(sess=sess, coord=coord)
-      try:
-        while True:
-          yield sess.run(batches)
-      finally:
-        inputs.stop_queue_threads(sess, coord, threads, close)
+    with tf.train.MonitoredSession(tf.train.ChiefSessionCreator(
+        config=train.session_config(plan))) as sess:
+      while True:
+        yield sess.run(batches)
 
 
 def measure_input(spec, pacer):
@@ -320,14 +307,10 @@ def measure_input(spec, pacer):
   del pacer
   batches = _input_batches(spec)
   next(batches)  # waits for the shuffle buffer (queue) to fill
-  stamps = [time.perf_counter()]
-  for _ in range(INPUT_WARMUP_WINDOWS + INPUT_WINDOWS):
-    for _ in range(spec['window_steps']):
-      next(batches)
-    stamps.append(time.perf_counter())
+  seconds = timeit.repeat(lambda: next(batches), number=spec['window_steps'],
+                          repeat=INPUT_WARMUP_WINDOWS + INPUT_WINDOWS)
   images = spec['window_steps'] * spec['batch_size'] * spec['num_gpus']
-  rates = [images / (b - a) for a, b in zip(stamps, stamps[1:])]
-  return {'window_images_per_sec': rates[INPUT_WARMUP_WINDOWS:]}
+  return {'window_images_per_sec': [images / s for s in seconds[INPUT_WARMUP_WINDOWS:]]}
 
 
 CONTENDERS = {'train': contend_training, 'baseline': contend_baseline,
@@ -356,10 +339,10 @@ class Contender:
   def __init__(self, spec, timeout_secs):
     self.spec, self._timeout = spec, timeout_secs
     self._stderr = tempfile.TemporaryFile(mode='w+')
-    path = [ROOT] + os.environ.get('PYTHONPATH', '').split(os.pathsep)
+    path = filter(None, [ROOT, os.environ.get('PYTHONPATH')])
     self._proc = subprocess.Popen(
         [sys.executable, '-m', 'cifar10_towers.bench', json.dumps(spec)],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path))),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
 
   def read(self):
@@ -400,20 +383,16 @@ def describe(spec):
   """What a contender measures, in words (the progress line)."""
   kind = spec['kind']
   if kind == MATMUL:
-    return 'matmul rate: %d fp32 %dx%d matmul(s)' % (
-        spec['matmul_repeats'], spec['matmul_size'], spec['matmul_size'])
+    return 'matmul rate: %(matmul_repeats)d fp32 %(matmul_size)dx%(matmul_size)d matmul(s)' % spec
   what = {'train': 'training', 'input': 'input pipeline alone',
           'baseline': 'Keras model.fit, MirroredStrategy, in-memory data'}.get(kind, kind)
-  return '%s, %d tower(s) x batch %d: %s%s' % (
-      spec['impl'], spec['num_gpus'], spec['batch_size'], what,
+  return '%(impl)s, %(num_gpus)d tower(s) x batch %(batch_size)d: ' % spec + what + (
       ' (XLA)' if spec.get('jit') and kind != 'baseline' else '')
 
 
 def contender_specs(config, data_dir, records):
   """The paced contenders: per tower count Keras and each trainer; then the matmul."""
-  common = dict(batch_size=config.batch_size, data_dir=data_dir, records=records, jit=config.jit,
-                window_steps=config.window_steps, matmul_size=config.matmul_size,
-                matmul_repeats=config.matmul_repeats,
+  common = dict(dataclasses.asdict(config), data_dir=data_dir, records=records,
                 windows=config.warmup_rounds + config.rounds)
   return [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
           for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]
@@ -439,40 +418,38 @@ def run(config, launch=Contender):
   from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
   from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
-    data_dir = config.data_dir or tmp
     if config.data_dir is None:
       logger.info('Generating %d training records in %s ...', 5 * config.synth_per_file, tmp)
       synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
-    records = fmt.num_examples(fmt.train_files(data_dir))
-    data = ('generated (common.synth)' if config.data_dir is None else data_dir)
-    specs = contender_specs(config, data_dir, records)
+    records = fmt.num_examples(fmt.train_files(config.data_dir or tmp))
+    specs = contender_specs(config, config.data_dir or tmp, records)
     logger.info('Starting %d contenders, one process each: %s',
                 len(specs), '; '.join(map(describe, specs)))
-    contenders, windows, inputs = [], {_key(s): [] for s in specs}, {}
+    contenders, windows, inputs = [], collections.defaultdict(list), {}
     try:
       contenders.extend(launch(spec, config.timeout_secs) for spec in specs)
       for i, contender in enumerate(contenders):
         contender.read()  # its TensorFlow import, graph or trace: seconds each
         logger.info('Ready: %s (%d of %d)', describe(contender.spec), i + 1, len(specs))
-      for r in range(-config.warmup_rounds, config.rounds):
-        label = ('warm-up %d/%d' % (r + config.warmup_rounds + 1, config.warmup_rounds)
-                 if r < 0 else 'round %d/%d' % (r + 1, config.rounds))
-        shift = (r + config.warmup_rounds) % len(specs)
-        for contender in contenders[shift:] + contenders[:shift]:
+      for i in range(config.warmup_rounds + config.rounds):
+        r = i - config.warmup_rounds  # < 0 in warm-up
+        label = ('warm-up %d/%d' % (i + 1, config.warmup_rounds) if r < 0
+                 else 'round %d/%d' % (r + 1, config.rounds))
+        for contender in contenders[i % len(specs):] + contenders[:i % len(specs)]:
           spec = contender.spec
           logger.info('[%s] measuring %s%s', label, describe(spec),
                       '' if spec['kind'] == MATMUL else ', %d steps' % config.window_steps)
           windows[_key(spec)].append(dict(contender.window(), round=r))
       finals = {_key(c.spec): c.window() for c in contenders}
-      for spec in specs:  # then each input pipeline alone, one process each
-        if spec['kind'] == 'train':
-          spec = dict(spec, kind='input')
-          logger.info('[inputs] measuring %s', describe(spec))
-          contenders.append(launch(spec, config.timeout_secs))
-          inputs[_key(spec)] = contenders[-1].read()
+      # Then each input pipeline alone, one process each.
+      for spec in [dict(s, kind='input') for s in specs if s['kind'] == 'train']:
+        logger.info('[inputs] measuring %s', describe(spec))
+        contenders.append(launch(spec, config.timeout_secs))
+        inputs[_key(spec)] = contenders[-1].read()
     finally:
       for contender in contenders:
         contender.kill()
+  data = config.data_dir or 'generated (common.synth)'
   return summarize(config, windows, finals, inputs, '%s, %d records' % (data, records))
 
 
@@ -501,41 +478,39 @@ def summarize(config, windows, finals, inputs, data_description):
     dict, JSON-serializable: settings, machine and one row per contender.
   """
   matmul_runs = [w['flops_per_sec'] for w in windows[(MATMUL, None)]]
-  estimate = max(matmul_runs) / training_flops_per_image()
+  flops = training_flops_per_image()
+  estimate = max(matmul_runs) / flops
   towers_key = 'ratio_to_%d_tower' % min(config.num_gpus)
-  median = lambda values: float(statistics.median(values))
 
-  def timed(impl, num_gpus):
-    """Round -> (images/sec, images/CPU-second) of a contender's timed windows."""
+  def rates(impl, num_gpus, clock='seconds'):
+    """Images/sec (clock 'cpu_seconds': per CPU-second) of each timed window, in round order."""
     images = config.window_steps * config.batch_size * num_gpus
-    return {w['round']: (images / w['seconds'], images / w['cpu_seconds'])
-            for w in windows[(impl, num_gpus)] if w['round'] >= 0}
+    return [images / w[clock] for w in windows[(impl, num_gpus)] if w['round'] >= 0]
 
   rows = []
   for num_gpus in config.num_gpus:
     for impl in (BASELINE,) + tuple(config.impls):
-      base, few = timed(BASELINE, num_gpus), timed(impl, min(config.num_gpus))
       rounds = [{'round': r, 'images_per_sec': rate, 'images_per_cpu_second': cpu_rate,
-                 'baseline_images_per_sec': base[r][0], 'ratio_to_baseline': rate / base[r][0],
-                 towers_key: rate / few[r][0]}
-                for r, (rate, cpu_rate) in sorted(timed(impl, num_gpus).items())]
-      rates = [r['images_per_sec'] for r in rounds]
-      row = {key: median([r[key] for r in rounds]) for key in (
+                 'baseline_images_per_sec': base, 'ratio_to_baseline': rate / base,
+                 towers_key: rate / few}
+                for r, (rate, cpu_rate, base, few) in enumerate(zip(
+                    rates(impl, num_gpus), rates(impl, num_gpus, 'cpu_seconds'),
+                    rates(BASELINE, num_gpus), rates(impl, min(config.num_gpus))))]
+      row = {key: statistics.median(r[key] for r in rounds) for key in (
           'images_per_sec', 'images_per_cpu_second', 'ratio_to_baseline', towers_key)}
-      row.update(impl=impl, num_gpus=num_gpus, batch_size=config.batch_size,
-                 jit=config.jit and impl != BASELINE, window_min=min(rates),
-                 window_max=max(rates), rounds=rounds,
-                 ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
-                 peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
-                 input_images_per_sec=None, input_window_images_per_sec=None,
-                 input_to_training=None, input_peak_rss_bytes=None)
-      if (impl, num_gpus) in inputs:
-        result = inputs[(impl, num_gpus)]
-        row.update(input_images_per_sec=median(result['window_images_per_sec']),
-                   input_window_images_per_sec=result['window_images_per_sec'],
-                   input_peak_rss_bytes=result['peak_rss_bytes'])
-        row['input_to_training'] = row['input_images_per_sec'] / row['images_per_sec']
-      rows.append(row)
+      result = inputs.get((impl, num_gpus))  # None: Keras has no input pipeline
+      input_rate = result and statistics.median(result['window_images_per_sec'])
+      rows.append(dict(
+          row, impl=impl, num_gpus=num_gpus, batch_size=config.batch_size, rounds=rounds,
+          jit=config.jit and impl != BASELINE,
+          window_min=min(r['images_per_sec'] for r in rounds),
+          window_max=max(r['images_per_sec'] for r in rounds),
+          ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
+          peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
+          input_images_per_sec=input_rate,
+          input_window_images_per_sec=result and result['window_images_per_sec'],
+          input_to_training=input_rate and input_rate / row['images_per_sec'],
+          input_peak_rss_bytes=result and result['peak_rss_bytes']))
   return {
       'settings': dict(dataclasses.asdict(config), data=data_description),
       'measured_at': datetime.datetime.now(datetime.timezone.utc).strftime(
@@ -543,51 +518,46 @@ def summarize(config, windows, finals, inputs, data_description):
       'machine': {
           'cpu_count': os.cpu_count(), 'cpu_model': cpu_model(),
           'matmul_size': config.matmul_size, 'matmul_flops_per_sec': max(matmul_runs),
-          'matmul_runs_flops_per_sec': matmul_runs,
-          'training_flops_per_image': training_flops_per_image(),
+          'matmul_runs_flops_per_sec': matmul_runs, 'training_flops_per_image': flops,
           'matmul_estimate_images_per_sec': estimate,
       },
       'rows': rows,
   }
 
 
+def _matmul_words(machine):
+  """The machine's figures with the rounds, the matmul rate in GFLOP/s, one image in MFLOP."""
+  return dict(machine, runs=len(machine['matmul_runs_flops_per_sec']),
+              gflops=machine['matmul_flops_per_sec'] / 1e9,
+              mflop=machine['training_flops_per_image'] / 1e6)
+
+
 def format_table(report):
   """The report as a text table with a header of how it was measured."""
-  machine, settings = report['machine'], report['settings']
+  settings = report['settings']
   fewest = min(settings['num_gpus'])
-  lines = [
-      'matmul estimate: best of %d rounds of fp32 %dx%d matmuls = %.1f GFLOP/s / '
-      '%.1f MFLOP per training image (forward x 3 less conv1\'s input gradient) = '
-      '%.0f images/sec (a sample under the same load, not a bound)'
-      % (len(machine['matmul_runs_flops_per_sec']), machine['matmul_size'],
-         machine['matmul_size'], machine['matmul_flops_per_sec'] / 1e9,
-         machine['training_flops_per_image'] / 1e6,
-         machine['matmul_estimate_images_per_sec']),
-      'training: median of %d rounds, one window of %d steps per contender each '
-      '(the order rotating; %d warm-up rounds first); ratios: median of the '
-      'per-round ratios; data: %s'
-      % (settings['rounds'], settings['window_steps'], settings['warmup_rounds'],
-         settings['data']),
-      '',
-  ]
-  table = [('impl', 'towers', 'batch', 'img/s', 'windows min-max', 'img/cpu-s',
-            'vs keras', 'vs matmul', 'vs %d tower' % fewest, 'input img/s',
-            'input/train', 'peak RSS MiB')]
+  table = [('impl|towers|batch|img/s|windows min-max|img/cpu-s|vs keras|vs matmul|vs %d tower|'
+            'input img/s|input/train|peak RSS MiB' % fewest).split('|')]
   for row in report['rows']:
-    cell = lambda key, form, row=row: '-' if row[key] is None else form % row[key]
-    table.append((
-        row['impl'] + (' (XLA)' if row['jit'] else ''), str(row['num_gpus']),
-        str(row['batch_size']), cell('images_per_sec', '%.0f'),
-        '%.0f-%.0f' % (row['window_min'], row['window_max']),
-        cell('images_per_cpu_second', '%.0f'), cell('ratio_to_baseline', '%.2fx'),
-        cell('ratio_to_matmul_estimate', '%.2f'), cell('ratio_to_%d_tower' % fewest, '%.2fx'),
-        cell('input_images_per_sec', '%.0f'), cell('input_to_training', '%.1fx'),
-        '%.0f' % (row['peak_rss_bytes'] / 2 ** 20)))
+    cells = dict(row, impl=row['impl'] + ' (XLA)' * row['jit'],
+                 fewest=row['ratio_to_%d_tower' % fewest], mib=row['peak_rss_bytes'] / 2 ** 20)
+    for key, form in (('input_images_per_sec', '%.0f'), ('input_to_training', '%.1fx')):
+      cells[key] = '-' if row[key] is None else form % row[key]
+    table.append(('%(impl)s|%(num_gpus)s|%(batch_size)s|%(images_per_sec).0f|%(window_min).0f-'
+                  '%(window_max).0f|%(images_per_cpu_second).0f|%(ratio_to_baseline).2fx|'
+                  '%(ratio_to_matmul_estimate).2f|%(fewest).2fx|%(input_images_per_sec)s|'
+                  '%(input_to_training)s|%(mib).0f' % cells).split('|'))
   widths = [max(map(len, column)) for column in zip(*table)]
-  for r in table:
-    lines.append('  '.join(c.ljust(w) if i == 0 else c.rjust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-  return '\n'.join(lines)
+  return '\n'.join([
+      'matmul estimate: best of %(runs)d rounds of fp32 %(matmul_size)dx%(matmul_size)d '
+      'matmuls = %(gflops).1f GFLOP/s / %(mflop).1f MFLOP per training image (forward x 3 '
+      'less conv1\'s input gradient) = %(matmul_estimate_images_per_sec).0f images/sec (a '
+      'sample under the same load, not a bound)' % _matmul_words(report['machine']),
+      'training: median of %(rounds)d rounds, one window of %(window_steps)d steps per '
+      'contender each (the order rotating; %(warmup_rounds)d warm-up rounds first); '
+      'ratios: median of the per-round ratios; data: %(data)s' % settings, ''] + [
+          '  '.join(c.ljust(w) if i == 0 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in table])
 
 
 def write_json(report, path):
@@ -617,12 +587,12 @@ def read_json(path):
     raise BenchError('%s is not a bench results file (one written by bench --json)' % path)
   machine = report['machine']
   if machine.pop('ceiling_images_per_sec', None) is not None:
-    machine['training_flops_per_image'] = training_flops_per_image()
-    estimate = machine['matmul_flops_per_sec'] / training_flops_per_image()
-    machine['matmul_estimate_images_per_sec'] = estimate
+    machine['training_flops_per_image'] = flops = training_flops_per_image()
+    machine['matmul_estimate_images_per_sec'] = machine['matmul_flops_per_sec'] / flops
     for row in report['rows']:
       row.pop('ratio_to_ceiling', None)
-      row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
+      row['ratio_to_matmul_estimate'] = (row['images_per_sec']
+                                         / machine['matmul_estimate_images_per_sec'])
   return report
 
 
@@ -662,20 +632,18 @@ def figure(report):
   """
   settings, machine, rows = report['settings'], report['machine'], report['rows']
   towers = sorted({row['num_gpus'] for row in rows})
-  names = list(dict.fromkeys(row['impl'] for row in rows))
+  names = [BASELINE, *settings['impls']]  # the rows' order within a tower count
   width = 0.8 / len(names)
   fig = check_plotting()(figsize=(8, 5.2))
   axes = fig.add_subplot()
-  labelled = set()
   for row in rows:
     impl, rate, top = row['impl'], row['images_per_sec'], row['window_max']
     x = towers.index(row['num_gpus']) + (names.index(impl) - (len(names) - 1) / 2) * width
     label = ('Keras model.fit of the same net (MirroredStrategy, in-memory data)'
              if impl == BASELINE else '%s%s: its own train() loop and input pipeline'
-             % (impl, ' (XLA)' if row['jit'] else ''))
+             % (impl, ' (XLA)' * row['jit']))
     axes.bar(x, rate, width * 0.9, yerr=[[rate - row['window_min']], [top - rate]], capsize=4,
-             color=COLOURS.get(impl), label=None if impl in labelled else label)
-    labelled.add(impl)
+             color=COLOURS.get(impl), label=label if row['num_gpus'] == towers[0] else None)
     axes.annotate('%.0f\n%s' % (rate, 'reference' if impl == BASELINE
                                 else '%.2fx Keras' % row['ratio_to_baseline']),
                   (x, top), xytext=(0, 3), textcoords='offset points', ha='center',
@@ -683,27 +651,23 @@ def figure(report):
                   bbox={'facecolor': 'white', 'edgecolor': 'none', 'pad': 1, 'alpha': 0.8})
   estimate = machine['matmul_estimate_images_per_sec']
   axes.axhline(estimate, color='black', linestyle=':', linewidth=1,
-               label='matmul estimate %.0f = best fp32 %dx%d matmul rate, %.1f '
-               'GFLOP/s, / %.1f MFLOP per training image'
-               % (estimate, machine['matmul_size'], machine['matmul_size'],
-                  machine['matmul_flops_per_sec'] / 1e9,
-                  machine['training_flops_per_image'] / 1e6))
+               label='matmul estimate %(matmul_estimate_images_per_sec).0f = best fp32 '
+               '%(matmul_size)dx%(matmul_size)d matmul rate, %(gflops).1f GFLOP/s, / '
+               '%(mflop).1f MFLOP per training image' % _matmul_words(machine))
   axes.set_xticks(range(len(towers)), ['%d tower%s' % (n, 's' * (n > 1)) for n in towers])
   axes.set_ylim(0, 1.25 * max([estimate] + [row['window_max'] for row in rows]))
   axes.set_ylabel('training images/sec (median of the windows)')
   axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
                  'windows min-max' % settings['batch_size'], fontsize=10)
   axes.legend(loc='upper left', fontsize=8, frameon=False)
-  where = ', '.join(str(part) for part in (
-      '%s CPUs' % machine.get('cpu_count'), machine.get('cpu_model'),
-      report.get('measured_at')) if part)
-  caption = ['%d rounds of one %d-step window per contender (after %d warm-up); '
-             'ratios: median of per-round ratios to Keras'
-             % (settings['rounds'], settings['window_steps'], settings['warmup_rounds']),
-             'matmul estimate: measured in its own process, taking turns with the '
-             'bars\' windows; a sample under the same load, not a bound (a window can beat it)',
-             'data: %s; machine: %s' % (settings['data'], where), report.get('note')]
-  caption = [line for line in caption if line]
+  where = ', '.join(filter(None, ('%s CPUs' % machine.get('cpu_count'), machine.get('cpu_model'),
+                                  report.get('measured_at'))))
+  caption = list(filter(None, [
+      '%(rounds)d rounds of one %(window_steps)d-step window per contender (after '
+      '%(warmup_rounds)d warm-up); ratios: median of per-round ratios to Keras' % settings,
+      'matmul estimate: measured in its own process, taking turns with the '
+      'bars\' windows; a sample under the same load, not a bound (a window can beat it)',
+      'data: %s; machine: %s' % (settings['data'], where), report.get('note')]))
   fig.text(0.01, 0.01, '\n'.join(caption), fontsize=7, va='bottom', ha='left', wrap=True)
   fig.tight_layout(rect=(0, 0.04 + 0.025 * len(caption), 1, 1))
   return fig

@@ -29,8 +29,8 @@ CATEGORIES = FORWARD, BACKWARD, AVERAGE, UPDATE, EMA, INPUT, COPY, OTHER = (
     'other')
 IDLE = 'idle'  # no op of the step runs
 COMPUTE = (FORWARD, BACKWARD)
-COPY_OPS = ('_Send', '_Recv', '_HostSend', '_HostRecv', 'MEMCPY', 'MEMCPYHtoD', 'MEMCPYDtoH',
-            'MEMCPYDtoD')
+# Copies between devices (_Send/_Recv, on a GPU its memcpy lane) and the step's input wait.
+COPY_OPS = re.compile(r'_(Host)?(Send|Recv)|MEMCPY(HtoD|DtoH|DtoD)?')
 INPUT_OPS = ('QueueDequeueV2', 'QueueDequeueManyV2', 'IteratorGetNext', 'IteratorGetNextSync')
 # The category of an op outside the towers by its first name scope (the first match wins).
 # Modern's step (modern/step.py) names its parts as legacy's: average_gradients, update,
@@ -57,12 +57,12 @@ def tower_of(name):
   return int(match[1]) if match else None
 
 
-def categorize(name, op_type='', rest=OTHER):
+def categorize(name, op_type, rest=OTHER):
   """The category (one of CATEGORIES) of an op from its full name and its type if known.
 
   `rest` is the category of an op no rule knows.
   """
-  if op_type in COPY_OPS or 'memcpy' in name.lower():
+  if COPY_OPS.fullmatch(op_type) or 'memcpy' in name.lower():
     return COPY
   if tower_of(name) is not None:
     # legacy: tower_i/gradients/...; modern: gradient_tape/tower_i/...
@@ -150,32 +150,31 @@ def analyze_step(events, window, num_towers, wall_us=None):
     wall_us: float, the step's time as the caller measured it, or None.
   """
   step_us = window[1] - window[0]
-
-  def busy(selected):  # time during which any of them runs, overlaps counted once
-    return sum(length for length, active in pieces(
-        [(e.start_us, e.end_us, 0) for e in selected], window) if active)
-
   split = dict.fromkeys(CATEGORIES + (IDLE,), 0.0)
-  for length, ranks in pieces(
-      [(e.start_us, e.end_us, CATEGORIES.index(e.category)) for e in events], window):
-    split[CATEGORIES[min(ranks)] if ranks else IDLE] += length
-  towers = list(pieces([(e.start_us, e.end_us, e.tower) for e in events
-                        if e.tower is not None], window))
-  computing = sum(length for length, active in towers if active)
-  slowest = max([sum(length for length, active in towers if i in active)
-                 for i in range(num_towers)], default=0)
+  # Device or tower -> time during which any of its ops runs (overlaps counted
+  # once); the number of towers computing at once -> time.
+  busy, computing = collections.Counter(), collections.Counter()
+  for length, active in pieces([(e.start_us, e.end_us, (CATEGORIES.index(e.category), e.device,
+                                                        e.tower)) for e in events], window):
+    split[CATEGORIES[min(rank for rank, _, _ in active)] if active else IDLE] += length
+    towers = {tower for _, _, tower in active} - {None}
+    for key in {device for _, device, _ in active} | towers:
+      busy[key] += length
+    computing[len(towers)] += length
+  compute_us = sum(t for count, t in computing.items() if count)
+  slowest = max([busy[i] for i in range(num_towers)], default=0)
   return {
       'step_us': step_us,
       'wall_us': wall_us,
       # The runtime's own time around the ops (dispatch, collecting the
       # trace): the step as measured in Python minus the traced window.
       'outside_trace_us': wall_us - step_us if wall_us is not None else None,
-      'busy_fraction': {device: busy([e for e in events if e.device == device]) / step_us
+      'busy_fraction': {device: busy[device] / step_us
                         for device in sorted({e.device for e in events})},
       'split_us': split,
       # Time 2+ towers compute at once / time 1+ tower computes.
-      'tower_overlap': None if num_towers < 2 else computing and sum(
-          length for length, active in towers if len(active) > 1) / computing,
+      'tower_overlap': None if num_towers < 2 else compute_us and sum(
+          t for count, t in computing.items() if count > 1) / compute_us,
       'step_over_slowest_tower': step_us / slowest if slowest else None,
   }
 
@@ -225,6 +224,6 @@ def verdict(report):
   if median['step_us']:
     parts.append('input waits %.0f%% of the step'
                  % (100.0 * median['split_us'][INPUT] / median['step_us']))
-  parts += ['tower %d ran on %s, planned %s' % (p['tower'], p['main_device'], p['planned'])
+  parts += ['tower %(tower)d ran on %(main_device)s, planned %(planned)s' % p
             for p in report['placement'] if p['misplaced']] or ['no misplaced ops']
   return '; '.join(parts)

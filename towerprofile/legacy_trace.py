@@ -1,7 +1,7 @@
 """The legacy adapter: a few FULL_TRACE steps of the queue-runner trainer.
 
-The only contact with legacy/: `build_train_graph`, `session_config` and the
-queue-thread helpers. RunMetadata.step_stats has one lane per device
+The only contact with legacy/: `build_train_graph` and `session_config` (a
+MonitoredSession runs the queue threads). RunMetadata.step_stats has one lane per device
 (`/job:localhost/replica:0/task:0/device:CPU:1`, on a GPU also
 `.../GPU:0/stream:all` and `.../GPU:0/memcpy`) with each op's start and end.
 """
@@ -10,7 +10,6 @@ import time
 
 import tensorflow.compat.v1 as tf
 
-from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import train
 from cifar10_towers.towerprofile import analysis
 
@@ -51,32 +50,26 @@ def trace(config, plan, decay_steps, steps, warmup):
     traced window (start_us, end_us), per step the time sess.run took (us).
   """
   events, windows, wall_us = [], [], []
-  with tf.Graph().as_default() as graph:
+  with tf.Graph().as_default():
     parts = train.build_train_graph(config, plan, decay_steps, INPUT_THREADS)
-    graph.finalize()
-    with tf.Session(config=train.session_config(plan)) as sess:
-      sess.run(parts.init_op)
-      coord = tf.train.Coordinator(clean_stop_exception_types=(
-          tf.errors.OutOfRangeError, tf.errors.CancelledError))
-      threads = tf.train.start_queue_runners(sess=sess, coord=coord)
-      try:
-        for _ in range(warmup):
-          sess.run(parts.towers.train_op)
-        for k in range(steps):
-          metadata = tf.RunMetadata()
-          # step_stats times are wall-clock microseconds since the epoch, so
-          # the call's own bounds place the window on the trace's clock: the
-          # runtime's time before the first and after the last op (dispatch,
-          # collecting the trace: 0.5 and 2-7 ms measured) is part of the step.
-          called, began = time.time() * 1e6, time.perf_counter()
-          sess.run(parts.towers.train_op, run_metadata=metadata,
-                   options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
-          wall_us.append((time.perf_counter() - began) * 1e6)
-          returned = time.time() * 1e6
-          step_events = events_from_step_stats(metadata.step_stats, k)
-          events += step_events
-          windows.append((min([called] + [e.start_us for e in step_events]),
-                          max([returned] + [e.end_us for e in step_events])))
-      finally:
-        inputs.stop_queue_threads(sess, coord, threads, parts.close_queues)
+    # The MonitoredSession starts the queue threads and at the end stops them.
+    with tf.train.MonitoredSession(tf.train.ChiefSessionCreator(
+        tf.train.Scaffold(init_op=parts.init_op), config=train.session_config(plan))) as sess:
+      for _ in range(warmup):
+        sess.run(parts.towers.train_op)
+      for k in range(steps):
+        metadata = tf.RunMetadata()
+        # step_stats times are wall-clock microseconds since the epoch, so
+        # the call's own bounds place the window on the trace's clock: the
+        # runtime's time before the first and after the last op (dispatch,
+        # collecting the trace: 0.5 and 2-7 ms measured) is part of the step.
+        called, began = time.time() * 1e6, time.perf_counter()
+        sess.run(parts.towers.train_op, run_metadata=metadata,
+                 options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
+        wall_us.append((time.perf_counter() - began) * 1e6)
+        returned = time.time() * 1e6
+        step_events = events_from_step_stats(metadata.step_stats, k)
+        events += step_events
+        windows.append((min([called] + [e.start_us for e in step_events]),
+                        max([returned] + [e.end_us for e in step_events])))
   return events, windows, wall_us, None

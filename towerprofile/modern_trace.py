@@ -66,15 +66,14 @@ def events_from_xspace(space, device_of):
     gpu = plane.name.startswith('/device:GPU:')
     for line in plane.lines if gpu or plane.name == '/host:CPU' else ():
       for event in line.events:
-        name = plane.event_metadata[event.metadata_id].name
+        name, stats = plane.event_metadata[event.metadata_id].name, _stats(plane, event)
         start = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
         span, device = (start, start + event.duration_ps / 1e6), None
-        op_name, _, op_type = name.rpartition(':')
+        op_name, _, op_type = (stats.get('tf_op', '') if gpu else name).rpartition(':')
         if name == STEP_EVENT:
-          windows[int(_stats(plane, event).get('step_num', 0))] = span
+          windows[int(stats.get('step_num', 0))] = span
           continue
         if gpu:
-          op_name, _, op_type = _stats(plane, event).get('tf_op', '').rpartition(':')
           device = analysis.canonical_device(plane.name)
           actual[op_name] = (device, 'gpu_plane')
         elif name == 'IteratorGetNextOp::DoCompute':  # the step waits for input
@@ -85,11 +84,9 @@ def events_from_xspace(space, device_of):
         elif ('::' in name or name.startswith('end: ') or op_type != op_type.strip()
               or line.name.startswith('tf_data')):
           continue
-        elif op_type == '_Send':
-          stats = _stats(plane, event)
-          if stats.get('key') and stats.get('from'):
-            device = analysis.canonical_device(stats['key'].split(';')[0])
-            actual.setdefault(stats['from'], (device, 'send_key'))
+        elif op_type == '_Send' and stats.get('key') and stats.get('from'):
+          device = analysis.canonical_device(stats['key'].split(';')[0])
+          actual.setdefault(stats['from'], (device, 'send_key'))
         if op_name and op_type:
           ops.append((op_name, op_type, span, device))
   spans = [windows[k] for k in sorted(windows)]
@@ -129,18 +126,14 @@ def trace(config, plan, decay_steps, steps, warmup):
     trainer.train_step(next(iterator))
   wall_us = []
   with tempfile.TemporaryDirectory(prefix='towerprofile_') as logdir:
-    tf.profiler.experimental.start(logdir)
-    try:
+    with tf.profiler.experimental.Profile(logdir):
       for k in range(steps):
         began = time.perf_counter()
         with tf.profiler.experimental.Trace(STEP_EVENT, step_num=k, _r=1):
           trainer.train_step(next(iterator)).numpy()  # the step ends when its result exists
         wall_us.append((time.perf_counter() - began) * 1e6)
-    finally:
-      tf.profiler.experimental.stop()
-    space = xplane_pb2.XSpace()
     with open(sorted(glob.glob(os.path.join(logdir, 'plugins/profile/*/*.xplane.pb')))[-1],
               'rb') as f:
-      space.ParseFromString(f.read())
+      space = xplane_pb2.XSpace.FromString(f.read())
   events, windows, sources = events_from_xspace(space, device_of)
   return events, windows, wall_us, sources

@@ -27,7 +27,7 @@ SYNTH_PER_FILE = 200  # generated examples per data_batch file when no data_dir 
 
 
 def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
-            misplace_tower=None, seed=0, warmup=WARMUP_STEPS):
+            misplace_tower=None, warmup=WARMUP_STEPS):
   """Trains a few traced steps of one trainer in scratch dirs and reports.
 
   Args:
@@ -40,32 +40,27 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
     misplace_tower: int or None, tower to pin to the variables' device: the
       stray `with tf.device('/cpu:0')` of the issue. The trainer builds with
       that plan, the report compares against `plan`.
-    seed: int, graph/global seed.
     warmup: int, untraced steps first.
 
   Returns:
     (report dict, dict name -> written path).
   """
-  trainer_plan = plan
-  if misplace_tower is not None:
-    tower_devices = list(plan.tower_devices)
-    tower_devices[misplace_tower] = devices.VARIABLE_DEVICE
-    trainer_plan = dataclasses.replace(plan, tower_devices=tuple(tower_devices))
-  adapter = legacy_trace if impl == 'legacy' else modern_trace
+  trainer_plan = dataclasses.replace(plan, tower_devices=tuple(
+      devices.VARIABLE_DEVICE if i == misplace_tower else device
+      for i, device in enumerate(plan.tower_devices)))
   # A scratch train_dir: the profile never reads or writes the user's.
   with tempfile.TemporaryDirectory(prefix='towerprofile_') as scratch:
     if data_dir is None:
       from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
-      data_dir = os.path.join(scratch, 'data')
-      synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10, seed=seed)
+      data_dir = scratch
+      synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10, seed=0)
     examples = cifar10_format.num_examples(cifar10_format.train_files(data_dir))
     if impl == 'legacy':
       logger.warning('legacy: the first step waits until the shuffle queue holds %d images.',
                      hparams.min_queue_examples(examples))
-    config = config_lib.TrainConfig(
-        data_dir=data_dir, train_dir=os.path.join(scratch, 'train'),
-        num_gpus=plan.num_towers, batch_size=batch_size, seed=seed)
-    events, windows, wall_us, sources = adapter.trace(
+    config = config_lib.TrainConfig(data_dir=data_dir, train_dir=scratch,
+                                    num_gpus=plan.num_towers, batch_size=batch_size, seed=0)
+    events, windows, wall_us, sources = (legacy_trace if impl == 'legacy' else modern_trace).trace(
         config, trainer_plan, max(1, hparams.decay_steps(examples, batch_size, plan.num_towers)),
         steps, warmup)
   report = analysis.analyze(events, windows, plan.tower_devices, devices.VARIABLE_DEVICE,
@@ -134,17 +129,17 @@ def write_all(events, windows, report, out_dir):
     dict name -> path of what was written.
   """
   os.makedirs(out_dir, exist_ok=True)
-  written = {'trace': os.path.join(out_dir, 'trace.json'),
-             'report': os.path.join(out_dir, 'report.json')}
+  written = {name: os.path.join(out_dir, file) for name, file in (
+      ('trace', 'trace.json'), ('report', 'report.json'), ('png', 'timeline.png'))}
   for name, content in (('trace', chrome_trace(events)), ('report', report)):
     with open(written[name], 'w', encoding='utf-8') as f:
       json.dump(content, f, indent=1, sort_keys=True)
   try:
-    png_timeline(events, windows, report, os.path.join(out_dir, 'timeline.png'))
-    written['png'] = os.path.join(out_dir, 'timeline.png')
+    png_timeline(events, windows, report, written['png'])
   except ImportError:
     logger.warning('matplotlib is not installed: no timeline.png '
                    '(pip install matplotlib, or the [profile] extra).')
+    del written['png']
   return written
 
 
@@ -152,17 +147,16 @@ def format_report(report):
   """The report as lines for the terminal."""
   median = report['median']
   step, slowest = median['step_us'] or 1.0, median['step_over_slowest_tower']
-  lines = ['%d tower(s); variables on %s; input on %s'
-           % (report['num_towers'], report['variable_device'], report['input_device']),
+  lines = ['%(num_towers)d tower(s); variables on %(variable_device)s; input on '
+           '%(input_device)s' % report,
            'step %.1f ms (traced), %.1f ms (wall); step / slowest tower %s'
            % (step / 1e3, (median['wall_us'] or 0) / 1e3,
               '%.2f' % slowest if slowest else '-'),
            'median split of the step (idle: no op ran, e.g. the runtime dispatching):']
   lines += ['  %-15s %8.2f ms %5.1f%%' % (category, value / 1e3, 100.0 * value / step)
             for category, value in median['split_us'].items()]
-  lines += ['busy fraction per device:']
-  lines += ['  %-15s %.2f' % item for item in median['busy_fraction'].items()]
-  lines += ['placement:']
+  lines += ['busy fraction per device:'] + [
+      '  %-15s %.2f' % item for item in median['busy_fraction'].items()] + ['placement:']
   for p in report['placement']:
     ran_on = ', '.join('%s %.1f%%' % (d, 100 * s) for d, s in p['ran_on'].items() if s >= 0.001)
     lines.append('  tower %d planned %s ran on %s%s' % (
