@@ -140,12 +140,12 @@ def _ensure_train_data(data_dir):
         '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
         'problem.' % (extra[0], len(extra), fmt.batches_dir(data_dir),
                       prog.command('data check')))
-  # Fail before building a graph on sizes and label bytes; say which files
-  # cannot be real data (all one image, one label, copies), and go on.
+  # Fail before building a graph on sizes and label bytes (judge_files reads
+  # and validates every record); say which files cannot be real data (all
+  # one image, one label, copies), and go on.
   for line in fmt.judge_files(paths):
     logger.warning('Warning: %s. Training goes on; `%s` lists every problem.',
                    line, prog.command('data check --data_dir %s' % data_dir))
-  fmt.num_examples(paths)  # each file a whole number of records
 
 
 def _download(data_dir):
