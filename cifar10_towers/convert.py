@@ -11,6 +11,7 @@ what that trainer would have saved itself, and it resumes or evaluates it
 without knowing it was converted.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -112,28 +113,47 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
   `optimizer` names the optimizer whose `slots` (name -> array) are saved:
   the graph holds TF1's own optimizer, so the slots are the variables it makes.
 
-  The graph is legacy's own `build_towers` (fed zeros it never runs),
-  so the Saver sees exactly the variables a legacy train_dir holds.
+  The graph is legacy's own (`legacy_session`, fed zeros it never runs), so
+  the Saver sees exactly the variables a legacy train_dir holds.
+  """
+  import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
+  with legacy_session(np.zeros([1, 1, 24, 24, 3], np.float32), np.zeros([1, 1], np.int32),
+                      _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer), values, shadows,
+                      {**(slots or {}), 'global_step': np.int64(step)}) as (sess, _, _):
+    return tf1.train.Saver(tf1.global_variables(), save_relative_paths=True).save(
+        sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME), global_step=step)
+
+
+@contextlib.contextmanager
+def legacy_session(images, labels, plan, decay_steps, optimizer, values, shadows, more=None):
+  """A Session on legacy's own graph with the variables set as given.
+
+  The graph is legacy's `build_towers`, fed the constant tower batches
+  `images` [N, B, 24, 24, 3] and `labels` [N, B] instead of the prefetch
+  queue. The weights and their moving averages are set to `values` and
+  `shadows` (name -> array), and each variable `more` names (optimizer
+  slots, 'global_step') to its value there; the rest keep their initial values.
+
+  Yields:
+    (tf.compat.v1.Session, legacy.train.Towers, dict name -> tf.Variable of
+     every global variable).
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
   from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     towers = legacy_train.build_towers(
-        [(tf.zeros([1, 24, 24, 3]), tf.zeros([1], tf.int32))], _HOST_PLAN, 1,
-        optimizer=optimizer_lib.Optimizer(name=optimizer))
+        [(tf.constant(i), tf.constant(l)) for i, l in zip(images, labels)], plan, decay_steps,
+        optimizer=optimizer)
     variables = {v.op.name: v for v in tf1.global_variables()}
-    saver = tf1.train.Saver(tf1.global_variables(), save_relative_paths=True)
-    with tf1.Session(config=legacy_train.session_config(_HOST_PLAN)) as sess:
+    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(values[name], sess)
         towers.ema.average(variables[name]).load(shadows[name], sess)
-      for name, value in (slots or {}).items():
+      for name, value in (more or {}).items():
         variables[name].load(value, sess)
-      towers.global_step.load(np.int64(step), sess)
-      return saver.save(sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),
-                        global_step=step)
+      yield sess, towers, variables
 
 
 def _check_directories(from_dir, to_dir):

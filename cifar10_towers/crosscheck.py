@@ -32,6 +32,7 @@ import os
 
 import numpy as np
 
+from cifar10_towers import convert
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import hparams
@@ -217,31 +218,20 @@ def _legacy_run(plan, images, labels, steps, init, decay_steps, optimizer):
   """Legacy's averaged (and applied) gradients, tower losses, and state after `steps` steps.
 
   The graph is legacy's own `build_towers`, fed constants instead of the
-  prefetch queue; the variables and their moving averages start at `init`,
-  the optimizer's slots as TF1 creates them.
+  prefetch queue (convert.legacy_session); the variables and their moving
+  averages start at `init`, the optimizer's slots as TF1 creates them.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
-  with tf.Graph().as_default():
-    towers = legacy_train.build_towers(
-        [(tf.constant(i), tf.constant(l)) for i, l in zip(images, labels)], plan, decay_steps,
-        optimizer=optimizer)
-    variables = {v.op.name: v for v in tf1.trainable_variables()}
-    shadows = {name: towers.ema.average(var) for name, var in variables.items()}
-    slots = {v.op.name: v for v in tf1.global_variables()
-             if v.op.name in optimizer.slot_names()}
-    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
-      sess.run(tf1.global_variables_initializer())
-      for name in model_spec.VARIABLE_NAMES:
-        variables[name].load(init[name], sess)
-        shadows[name].load(init[name], sess)
-      start = sess.run([{v.op.name: g for g, v in gv}
-                        for gv in (towers.averaged_grads, towers.applied_grads)]
-                       + [towers.tower_losses])
-      for _ in range(steps):
-        sess.run(towers.train_op)
-      return Result(*start, *sess.run([variables, shadows, slots]))
+  with convert.legacy_session(images, labels, plan, decay_steps, optimizer, init, init) as (
+      sess, towers, variables):
+    start = sess.run([{v.op.name: g for g, v in gv}
+                      for gv in (towers.averaged_grads, towers.applied_grads)]
+                     + [towers.tower_losses])
+    for _ in range(steps):
+      sess.run(towers.train_op)
+    names = model_spec.VARIABLE_NAMES
+    return Result(*start, *sess.run([{n: variables[n] for n in names},
+                                     {n: towers.ema.average(variables[n]) for n in names},
+                                     {n: variables[n] for n in optimizer.slot_names()}]))
 
 
 def _modern_run(engine, plan, images, labels, steps, init, decay_steps, optimizer):
