@@ -7,6 +7,7 @@ Progress and metrics go to stdout, diagnostics to stderr.
 import contextlib
 import dataclasses
 import functools
+import importlib
 import logging
 import os
 import sys
@@ -68,9 +69,10 @@ def _option(flags, type_, default, help_text=None, **settings):
   """click.option(*flags.split(), type=type_, default=default, help=help_text, **settings).
 
   flags: the option ('--out'), then its parameter's name where that differs
-  ('--out out_dir'). Flags (is_flag) are click.option's own.
+  ('--out out_dir'). type_ bool makes a flag (is_flag), off by default.
   """
-  return click.option(*flags.split(), type=type_, default=default, help=help_text, **settings)
+  return click.option(*flags.split(), type=type_, default=default, help=help_text,
+                      is_flag=type_ is bool, **settings)
 
 
 def _options(*options):
@@ -138,12 +140,12 @@ def _ensure_train_data(data_dir):
         '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
         'problem.' % (extra[0], len(extra), fmt.batches_dir(data_dir),
                       prog.command('data check')))
-  # Fail before building a graph on sizes and label bytes; say which files
-  # cannot be real data (all one image, one label, copies), and go on.
+  # Fail before building a graph on sizes and label bytes (judge_files reads
+  # and validates every record); say which files cannot be real data (all
+  # one image, one label, copies), and go on.
   for line in fmt.judge_files(paths):
     logger.warning('Warning: %s. Training goes on; `%s` lists every problem.',
                    line, prog.command('data check --data_dir %s' % data_dir))
-  fmt.num_examples(paths)  # each file a whole number of records
 
 
 def _download(data_dir):
@@ -187,12 +189,11 @@ _TRAIN_OPTIONS = _options(
     _option('--summary_every', _POSITIVE, 100, 'Steps between TensorBoard summaries.'),
     _option('--save_every', _POSITIVE, 1000, 'Steps between checkpoints; one is also written '
             'at the end and on Ctrl-C.'),
-    click.option('--log_device_placement', is_flag=True, help='Print the device of every op.'),
+    _option('--log_device_placement', bool, False, 'Print the device of every op.'),
     _option('--seed', int, None,
             'Random seed for initialization and input; unset means nondeterministic.'),
-    click.option('--crosscheck', 'run_crosscheck', is_flag=True,
-                 help='Before training, prove on batches of --data_dir that legacy and '
-                      'modern compute the same averaged gradients.'),
+    _option('--crosscheck run_crosscheck', bool, False, 'Before training, prove on batches '
+            'of --data_dir that legacy and modern compute the same averaged gradients.'),
 )
 
 # The update rule, shared by `legacy`, `modern` and `crosscheck` (common.optimizer);
@@ -258,10 +259,7 @@ def _train(impl, run_crosscheck, **options):
     if run_crosscheck:
       _crosscheck(plan, optimizer, config.strategy, batch_size=config.batch_size,
                   seed=config.seed or 0, data_dir=config.data_dir)
-    if impl == 'legacy':
-      from cifar10_towers.legacy import train as trainer
-    else:
-      from cifar10_towers.modern import train as trainer
+    trainer = importlib.import_module('cifar10_towers.%s.train' % impl)
   try:
     trainer.train(config, plan)
   finally:
@@ -428,8 +426,8 @@ def modern(**options):
 @_option('--num_examples', _POSITIVE, None,
          'Evaluate the first N test records; default all of them.')
 @_batch_size('Images per evaluation batch.')
-@click.option('--run_once', is_flag=True,
-              help='Evaluate the newest checkpoint and exit, instead of waiting for new ones.')
+@_option('--run_once', bool, False,
+         'Evaluate the newest checkpoint and exit, instead of waiting for new ones.')
 @_option('--eval_interval_secs', _POSITIVE, 300, 'How often to look for a new checkpoint.')
 @_option('--eval_dir', click.Path(), None,
          'Where precision @ 1 goes for TensorBoard (tag "Precision @ 1", at each checkpoint\'s '
@@ -448,7 +446,6 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   """
   # A signal while TensorFlow loads or a batch runs is a request to `stop`
   # (_Group), answered with one line and 128 + its number.
-  from cifar10_towers.common import checkpoints
   from cifar10_towers.common import cifar10_format as fmt
   from cifar10_towers.common import evaluation
   paths = fmt.eval_files(data_dir)
@@ -484,10 +481,7 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
     name = os.path.basename(contents.path)
     with progress.Progress(num_records, 'Evaluating %s' % name, 'records') as shown:
       shown.stage(0, 'Evaluating %s on %d test records...' % (name, num_records))
-      if contents.kind == checkpoints.LEGACY:
-        from cifar10_towers.legacy import eval as evaluator
-      else:
-        from cifar10_towers.modern import eval as evaluator
+      evaluator = importlib.import_module('cifar10_towers.%s.eval' % contents.kind)
       return evaluator.evaluate_contents(contents, data_dir, batch_size, num_examples,
                                          should_stop, progress=shown.update)
 
@@ -502,9 +496,10 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
   """
   from cifar10_towers import crosscheck as crosscheck_lib
   engines = ('towers', 'mirrored') if strategy == 'mirrored' else ('towers',)
+  if rtol is not None:  # else the contract's
+    run_args['grad_rtol'] = rtol
   reports, images, labels, init = crosscheck_lib.run(
-      plan, engines=engines, optimizer=optimizer,
-      tolerances=None if rtol is None else {'grad_rtol': rtol}, **run_args)
+      plan, engines=engines, optimizer=optimizer, **run_args)
   for engine, report in reports.items():
     click.echo('legacy vs modern (%s):\n%s' % (engine, crosscheck_lib.format_report(report)))
   if dump:
@@ -605,23 +600,15 @@ def convert(from_dir, to_dir):
   """
   click.echo('Converting the newest checkpoint of %s into %s...' % (from_dir, to_dir))
   from cifar10_towers import convert as convert_lib
-  from_kind, to_kind, step, path = convert_lib.convert(from_dir, to_dir)
-  optimizer = convert_lib.read_state(path)[4]
-  # A resume with another --optimizer is refused: say which one it needs.
-  again = '' if optimizer == 'sgd' else ' --optimizer %s' % optimizer
-  click.echo('Converted the %s checkpoint of %s at global step %d to a %s checkpoint '
-             '(optimizer %s, its slots included): %s\nContinue with `%s`.' % (
-                 from_kind, from_dir, step, to_kind, optimizer, path,
-                 prog.command('%s --train_dir %s%s' % (to_kind, to_dir, again))))
+  convert_lib.convert(from_dir, to_dir)
 
 
 def _comma_list(convert, allowed, refusal):
   """A click callback turning 'a,b' into a tuple; refusal % item if an item is not allowed."""
 
   def callback(ctx, param, value):  # pylint: disable=unused-argument
-    items = []  # each item once, in the order given
-    for text in value.split(','):
-      text = text.strip()
+    items = {}  # each item once, in the order given
+    for text in map(str.strip, value.split(',')):
       try:
         item = convert(text)
       except ValueError:
@@ -629,8 +616,7 @@ def _comma_list(convert, allowed, refusal):
                                  'list, e.g. %s.' % (text, param.default)) from None
       if item not in allowed:
         raise click.BadParameter(refusal % item)
-      if item not in items:
-        items.append(item)
+      items[item] = None
     return tuple(items)
 
   return callback
@@ -653,8 +639,8 @@ def _comma_list(convert, allowed, refusal):
 @_option('--matmul_size', _POSITIVE, 4096,
          'Size n of the n x n fp32 matmuls measuring the matmul rate.')
 @_option('--json json_path', _FILE, None, 'Also write the results to this JSON file.')
-@click.option('--jit', is_flag=True, help='Compile each tower\'s loss and gradients with XLA '
-              'in both trainers (the Keras baseline keeps its default).')
+@_option('--jit', bool, False, 'Compile each tower\'s loss and gradients with XLA in both '
+         'trainers (the Keras baseline keeps its default).')
 @_option('--plot plot_path', _FILE, None, 'Also draw the results as a PNG bar chart (needs '
          'matplotlib: pip install matplotlib, or the [profile] extra).')
 @_option('--from_json', click.Path(exists=True, dir_okay=False), None, 'Measure nothing: read '
@@ -714,9 +700,8 @@ def data(ctx):
 
 
 _DATA_DIR = _data_dir('Directory that holds (or will hold) cifar-10-batches-bin/.')
-_FORCE = click.option('--force', is_flag=True,
-                      help='Also replace data this command did not write: CIFAR-10, your '
-                           'own, or the other generator\'s.')
+_FORCE = _option('--force', bool, False, 'Also replace data this command did not write: '
+                 'CIFAR-10, your own, or the other generator\'s.')
 
 
 def _generate(data_dir, generator, force, write):

@@ -11,6 +11,8 @@ what that trainer would have saved itself, and it resumes or evaluates it
 without knowing it was converted.
 """
 
+import contextlib
+import logging
 import os
 import shutil
 
@@ -22,7 +24,11 @@ from cifar10_towers.common import devices
 from cifar10_towers.common import errors
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import prog
 from cifar10_towers.modern import checkpoints as modern_checkpoints
+
+logger = logging.getLogger(__name__)
+
 
 class ConvertError(errors.Failure):
   """A conversion cannot be done; the message says why and what to do."""
@@ -33,31 +39,8 @@ _PASS_A_TRAIN_DIR = ('nothing was converted. Pass as --from_dir a train_dir that
                      'the legacy or the modern trainer (or upstream\'s) trained.')
 
 
-def _host_plan():
-  """One tower on the variables' device: conversion builds, never trains."""
-  return devices.DevicePlan((devices.VARIABLE_DEVICE,), 'cpu', 1)
-
-
-def _key(kind, legacy_name):
-  if kind == checkpoints.LEGACY:
-    return legacy_name
-  return modern_checkpoints.checkpoint_key(legacy_name)
-
-
-def read_state(path):
-  """The weights, moving averages, global step and optimizer slots of a checkpoint.
-
-  Args:
-    path: checkpoint prefix of either trainer, e.g. '<dir>/model.ckpt-1000'.
-
-  Returns:
-    As `state_of`.
-
-  Raises:
-    common.checkpoints.CheckpointError: unreadable checkpoint.
-    ConvertError: it lacks a variable of this model, or has a wrong shape.
-  """
-  return state_of(checkpoints.read(path))
+# One tower on the variables' device: conversion builds, never trains.
+_HOST_PLAN = devices.DevicePlan((devices.VARIABLE_DEVICE,), 'cpu', 1)
 
 
 def state_of(contents):
@@ -78,11 +61,12 @@ def state_of(contents):
     ConvertError: it lacks a variable of this model, or has a wrong shape.
   """
   path, kind, tensors = contents
-  optimizer = optimizer_lib.of_names(tensors, lambda name: _key(kind, name))
+  key_of = modern_checkpoints.checkpoint_key if kind == checkpoints.MODERN else str
+  optimizer = optimizer_lib.of_names(tensors, key_of)
   slot_names = optimizer_lib.slot_names(optimizer)
   found = {}
   for name, shape in modern_checkpoints.legacy_shapes(optimizer).items():
-    key = _key(kind, name)
+    key = key_of(name)
     if key not in tensors:
       why = ('has no global step (%s): it is not a checkpoint of a training run' % key
              if name == 'global_step' else
@@ -110,7 +94,7 @@ def write_modern(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
-  state = modern_step.TrainState(_host_plan(), decay_steps=1,
+  state = modern_step.TrainState(_HOST_PLAN, decay_steps=1,
                                  optimizer=optimizer_lib.Optimizer(name=optimizer))
   state.assign_variables(values, shadows)
   state.assign_slots(slots or {})
@@ -129,30 +113,47 @@ def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
   `optimizer` names the optimizer whose `slots` (name -> array) are saved:
   the graph holds TF1's own optimizer, so the slots are the variables it makes.
 
-  The graph is legacy's own `build_towers` (fed placeholders it never runs),
-  so the Saver sees exactly the variables a legacy train_dir holds.
+  The graph is legacy's own (`legacy_session`, fed zeros it never runs), so
+  the Saver sees exactly the variables a legacy train_dir holds.
+  """
+  import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
+  with legacy_session(np.zeros([1, 1, 24, 24, 3], np.float32), np.zeros([1, 1], np.int32),
+                      _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer), values, shadows,
+                      {**(slots or {}), 'global_step': np.int64(step)}) as (sess, _, _):
+    return tf1.train.Saver(tf1.global_variables(), save_relative_paths=True).save(
+        sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME), global_step=step)
+
+
+@contextlib.contextmanager
+def legacy_session(images, labels, plan, decay_steps, optimizer, values, shadows, more=None):
+  """A Session on legacy's own graph with the variables set as given.
+
+  The graph is legacy's `build_towers`, fed the constant tower batches
+  `images` [N, B, 24, 24, 3] and `labels` [N, B] instead of the prefetch
+  queue. The weights and their moving averages are set to `values` and
+  `shadows` (name -> array), and each variable `more` names (optimizer
+  slots, 'global_step') to its value there; the rest keep their initial values.
+
+  Yields:
+    (tf.compat.v1.Session, legacy.train.Towers, dict name -> tf.Variable of
+     every global variable).
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
   from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
-    images = tf1.placeholder(tf.float32, [1, 24, 24, 3])
-    labels = tf1.placeholder(tf.int32, [1])
     towers = legacy_train.build_towers(
-        [(images, labels)], _host_plan(), 1,
-        optimizer=optimizer_lib.Optimizer(name=optimizer))
+        [(tf.constant(i), tf.constant(l)) for i, l in zip(images, labels)], plan, decay_steps,
+        optimizer=optimizer)
     variables = {v.op.name: v for v in tf1.global_variables()}
-    saver = tf1.train.Saver(tf1.global_variables(), save_relative_paths=True)
-    with tf1.Session(config=legacy_train.session_config(_host_plan())) as sess:
+    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(tf1.global_variables_initializer())
       for name in model_spec.VARIABLE_NAMES:
         variables[name].load(values[name], sess)
         towers.ema.average(variables[name]).load(shadows[name], sess)
-      for name, value in (slots or {}).items():
+      for name, value in (more or {}).items():
         variables[name].load(value, sess)
-      towers.global_step.load(np.int64(step), sess)
-      return saver.save(sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),
-                        global_step=step)
+      yield sess, towers, variables
 
 
 def _check_directories(from_dir, to_dir):
@@ -184,7 +185,8 @@ def convert(from_dir, to_dir):
   not passed over. `to_dir` must not hold a checkpoint yet; it is written in
   a temporary directory beside it first, so a failure leaves nothing
   half-written. Nothing in `from_dir` is changed: `to_dir` must be neither
-  `from_dir` nor inside it (`_check_directories`).
+  `from_dir` nor inside it (`_check_directories`). Then it says (logger.info)
+  what it wrote, and the command that trains on from it.
 
   Args:
     from_dir: str, a train_dir of either trainer (or upstream's).
@@ -224,4 +226,11 @@ def convert(from_dir, to_dir):
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  return kind, to_kind, step, os.path.join(target, os.path.basename(prefix))
+  path = os.path.join(target, os.path.basename(prefix))
+  # A resume with another --optimizer is refused: say which one it needs.
+  again = '' if optimizer == optimizer_lib.SGD else ' --optimizer ' + optimizer
+  logger.info('Converted the %s checkpoint of %s at global step %d to a %s checkpoint '
+              '(optimizer %s, its slots included): %s\nContinue with `%s`.', kind, from_dir,
+              step, to_kind, optimizer, path,
+              prog.command('%s --train_dir %s%s' % (to_kind, to_dir, again)))
+  return kind, to_kind, step, path

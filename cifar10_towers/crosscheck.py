@@ -32,6 +32,7 @@ import os
 
 import numpy as np
 
+from cifar10_towers import convert
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import hparams
@@ -94,12 +95,8 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
     labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
     raw = synth.make_images(rng, labels)
   else:
-    records = []
-    for path in fmt.train_files(data_dir):
-      records.append(fmt.read_records(path))
-      if sum(len(file_labels) for _, file_labels in records) >= n:
-        break
-    raw, labels = (np.concatenate(parts) for parts in zip(*records))
+    raw, labels = (np.concatenate(parts) for parts in zip(
+        *map(fmt.read_records, fmt.train_files(data_dir))))
     if len(labels) < n:
       raise fmt.DataError('%s holds %d training records; the cross-check needs '
                           '%d (num_gpus x batch_size).' % (data_dir, len(labels), n))
@@ -117,12 +114,12 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
 class Result:
   """What one implementation computed on the cross-check's inputs."""
   grads: dict  # variable name -> averaged gradient at the initial variables
-  tower_losses: np.ndarray  # [N] total loss of each tower
+  applied: dict  # the averaged gradient as applied: clipped if asked
+  tower_losses: list  # [N] total loss of each tower
   final: dict  # variable name -> value after K steps
   final_ema: dict  # variable name -> moving average after K steps
-  single_tower_grads: dict  # 1 tower on the concatenated batches (clipped if asked)
-  applied: dict = None  # the averaged gradient as applied: clipped if asked
-  final_slots: dict = None  # optimizer slot name -> value after K steps
+  final_slots: dict  # optimizer slot name -> value after K steps
+  single_tower_grads: dict = None  # 1 tower on the concatenated batches (clipped if asked)
 
 
 @dataclasses.dataclass
@@ -131,8 +128,7 @@ class Report:
   rows: list  # (check, variable, measured, tolerance)
   legacy: Result
   modern: Result
-
-  optimizer: optimizer_lib.Optimizer = optimizer_lib.Optimizer()
+  optimizer: optimizer_lib.Optimizer
 
   @property
   def passed(self):
@@ -141,9 +137,7 @@ class Report:
   def per_tower_identity_gap(self):
     """Max over variables and implementations of the identity rows not held
     (--clip_where per_tower), or None when there are none."""
-    gaps = [measured for check, _, measured, tol in self.rows
-            if check.startswith('4 identity') and tol == NOT_HELD]
-    return max(gaps) if gaps else None
+    return max((row[2] for row in self.rows if row[3] == NOT_HELD), default=None)
 
   def failures(self):
     return [row for row in self.rows if not row[2] <= row[3]]
@@ -152,28 +146,28 @@ class Report:
 NOT_HELD = math.inf  # the tolerance of a row reported but not held to one
 
 
-def compare(legacy, modern, grad_rtol=GRAD_RTOL, loss_rtol=LOSS_RTOL,
-            final_rtol=FINAL_RTOL, optimizer=optimizer_lib.Optimizer()):
-  """Builds the Report rows of docs/equivalence.md §2 from two Results."""
+def compare(legacy, modern, optimizer, grad_rtol=GRAD_RTOL):
+  """Builds the Report rows of docs/equivalence.md §2 from two Results.
+
+  grad_rtol: the tolerance of the averaged gradients and the identity (--rtol).
+  """
   names = model_spec.VARIABLE_NAMES
   groups = [('1 averaged gradient', 'grads', names, grad_rtol)]
   if optimizer.clips_averaged:
     groups.append(('1 clipped averaged gradient', 'applied', names, grad_rtol))
-  groups += [('2 tower loss', 'tower_losses', range(len(legacy.tower_losses)), loss_rtol),
-             ('3 variable after K steps', 'final', names, final_rtol),
-             ('3 moving average after K steps', 'final_ema', names, final_rtol),
-             ('3 slot after K steps', 'final_slots', optimizer.slot_names(), final_rtol)]
+  groups += [('2 tower loss', 'tower_losses', range(len(legacy.tower_losses)), LOSS_RTOL),
+             ('3 variable after K steps', 'final', names, FINAL_RTOL),
+             ('3 moving average after K steps', 'final_ema', names, FINAL_RTOL),
+             ('3 slot after K steps', 'final_slots', optimizer.slot_names(), FINAL_RTOL)]
   rows = [(check, 'tower_%d' % key if field == 'tower_losses' else key,
            rel_diff(getattr(legacy, field)[key], getattr(modern, field)[key]), tol)
           for check, field, keys, tol in groups for key in keys]
   # Per-tower clipping breaks the identity by design: reported, not held.
   held = not optimizer.clips_per_tower
-  for impl, result in (('legacy', legacy), ('modern', modern)):
-    for name in names:
-      rows.append(('4 identity (%s): N towers vs 1 on concat%s'
-                   % (impl, '' if held else ' [per_tower]'), name,
-                   rel_diff(result.applied[name], result.single_tower_grads[name]),
-                   grad_rtol if held else NOT_HELD))
+  rows += [('4 identity (%s): N towers vs 1 on concat%s' % (impl, '' if held else ' [per_tower]'),
+            name, rel_diff(result.applied[name], result.single_tower_grads[name]),
+            grad_rtol if held else NOT_HELD)
+           for impl, result in (('legacy', legacy), ('modern', modern)) for name in names]
   return Report(rows, legacy, modern, optimizer)
 
 
@@ -193,31 +187,26 @@ def format_report(report):
                  'not clipping their mean; the applied gradients differ by up to '
                  '%.3e (max|a-b|/max|b|) on these batches. --clip_where averaged '
                  'keeps the identity.' % gap)
-  failures = report.failures()
-  if failures:
-    lines.append('FAIL: %d of %d figures outside the contract.'
-                 % (len(failures), len(report.rows)))
-  else:
-    lines.append('PASS: all %d figures within the contract (docs/equivalence.md §2).'
-                 % len(report.rows))
+  failed = len(report.failures())
+  lines.append('FAIL: %d of %d figures outside the contract.' % (failed, len(report.rows))
+               if failed else 'PASS: all %d figures within the contract '
+               '(docs/equivalence.md §2).' % len(report.rows))
   return '\n'.join(lines)
 
 
 def write_evidence(path_dir, images, labels, init, report):
   """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2."""
   os.makedirs(path_dir, exist_ok=True)
-  names = model_spec.VARIABLE_NAMES
   arrays = {'images': images.astype(np.float32), 'labels': labels.astype(np.int32)}
-  arrays.update(('init/' + name, init[name]) for name in names)
+  arrays.update(('init/' + name, init[name]) for name in model_spec.VARIABLE_NAMES)
+  groups = [('grad', 'grads'), ('final', 'final'), ('slot', 'final_slots')]
+  if report.optimizer.clips_averaged:
+    groups.append(('clipped_grad', 'applied'))
   for impl, result in (('legacy', report.legacy), ('modern', report.modern)):
     arrays[impl + '/tower_loss'] = np.asarray(result.tower_losses, np.float32)
-    groups = [('grad', result.grads, names), ('final', result.final, names),
-              ('slot', result.final_slots, report.optimizer.slot_names())]
-    if report.optimizer.clips_averaged:
-      groups.append(('clipped_grad', result.applied, names))
-    for what, values, keys in groups:
-      arrays.update(('%s/%s/%s' % (impl, what, key), np.asarray(values[key], np.float32))
-                    for key in keys)
+    for what, field in groups:
+      arrays.update(('%s/%s/%s' % (impl, what, key), np.asarray(value, np.float32))
+                    for key, value in getattr(result, field).items())
   path = os.path.join(path_dir, 'crosscheck.npz')
   tmp = path + '.tmp.npz'
   np.savez(tmp, **arrays)
@@ -225,89 +214,64 @@ def write_evidence(path_dir, images, labels, init, report):
   return path
 
 
-def _legacy_run(plan, init, images, labels, steps, decay_steps, optimizer):
+def _legacy_run(plan, images, labels, steps, init, decay_steps, optimizer):
   """Legacy's averaged (and applied) gradients, tower losses, and state after `steps` steps.
 
   The graph is legacy's own `build_towers`, fed constants instead of the
-  prefetch queue; the variables and their moving averages start at `init`,
-  the optimizer's slots as TF1 creates them.
+  prefetch queue (convert.legacy_session); the variables and their moving
+  averages start at `init`, the optimizer's slots as TF1 creates them.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
-  num_towers = images.shape[0]
-  with tf.Graph().as_default():
-    batches = [(tf.constant(images[i]), tf.constant(labels[i]))
-               for i in range(num_towers)]
-    towers = legacy_train.build_towers(batches, plan, decay_steps,
-                                       optimizer=optimizer)
-    variables = {v.op.name: v for v in tf1.trainable_variables()}
-    shadows = {name: towers.ema.average(var) for name, var in variables.items()}
-    everything = {v.op.name: v for v in tf1.global_variables()}
-    slots = {name: everything[name] for name in optimizer.slot_names()}
-    grads = {var.op.name: grad for grad, var in towers.averaged_grads}
-    applied = {var.op.name: grad for grad, var in towers.applied_grads}
-    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
-      sess.run(tf1.global_variables_initializer())
-      for name in model_spec.VARIABLE_NAMES:
-        variables[name].load(init[name], sess)
-        shadows[name].load(init[name], sess)
-      grad_values, applied_values, losses = sess.run(
-          [grads, applied, towers.tower_losses])
-      for _ in range(steps):
-        sess.run(towers.train_op)
-      final, final_ema, final_slots = sess.run([variables, shadows, slots])
-  return Result(grad_values, np.asarray(losses), final, final_ema, None, applied_values,
-                final_slots)
+  with convert.legacy_session(images, labels, plan, decay_steps, optimizer, init, init) as (
+      sess, towers, variables):
+    start = sess.run([{v.op.name: g for g, v in gv}
+                      for gv in (towers.averaged_grads, towers.applied_grads)]
+                     + [towers.tower_losses])
+    for _ in range(steps):
+      sess.run(towers.train_op)
+    names = model_spec.VARIABLE_NAMES
+    return Result(*start, *sess.run([{n: variables[n] for n in names},
+                                     {n: towers.ema.average(variables[n]) for n in names},
+                                     {n: variables[n] for n in optimizer.slot_names()}]))
 
 
-def _modern_run(build, plan, init, images, labels, steps, decay_steps, optimizer):
-  """The same with a modern engine's step (the tf.function towers, or a strategy)."""
-  trainer = build(plan, decay_steps, optimizer)
+def _modern_run(engine, plan, images, labels, steps, init, decay_steps, optimizer):
+  """The same with a modern engine's step.
+
+  engine: 'towers' (modern's own tf.function towers) or 'mirrored' (the same
+  step under tf.distribute.MirroredStrategy; 'multiworker' needs several
+  processes and has its own test).
+  """
+  from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
+  trainer = engines.make(config_lib.TrainConfig(
+      num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
   state = trainer.state
   state.assign_variables(init)
   grads, losses = trainer.compute_gradients((images, labels))
   # What the step applies: the engine's own clipping of these gradients.
   applied = _numpy(zip(grads, state.clip_averaged(list(grads.values()))))
-  grads, losses = _numpy(grads.items()), np.asarray(losses)
+  grads = _numpy(grads.items())
   for _ in range(steps):
     trainer.train_step((images, labels))
-  return Result(grads, losses, _numpy(state.variables().items()),
-                _numpy(state.shadow_variables().items()), None, applied,
-                _numpy(state.slot_variables().items()))
+  return Result(grads, applied, np.asarray(losses), *(_numpy(v.items()) for v in (
+      state.variables(), state.shadow_variables(), state.slot_variables())))
 
 
 def _numpy(pairs):
   return {name: np.asarray(value) for name, value in pairs}
 
 
-def _result(run, plan, init, images, labels, steps, decay_steps, optimizer):
+def _result(run, plan, images, labels, *args):
+  """run's Result on the N towers, with the identity's 1 tower on their concatenation."""
   from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
-  result = run(plan, init, images, labels, steps, decay_steps, optimizer)
-  n, b = labels.shape
+  result = run(plan, images, labels, *args)
   single_tower = devices.DevicePlan(plan.tower_devices[:1], plan.kind, plan.num_cpu_devices)
-  result.single_tower_grads = run(single_tower, init,
-                                  images.reshape((1, n * b) + images.shape[2:]),
-                                  labels.reshape(1, n * b), 0, decay_steps, optimizer).applied
+  result.single_tower_grads = run(single_tower, images.reshape((1, -1) + images.shape[2:]),
+                                  labels.reshape(1, -1), 0, *args[1:]).applied
   return result
 
 
-def modern_engines():
-  """Name -> callable(plan, decay_steps, optimizer) building that modern engine's step.
-
-  'towers' is modern's own tf.function towers; 'mirrored' runs the same step
-  under tf.distribute.MirroredStrategy (see modern.engines; 'multiworker'
-  needs several processes and has its own test).
-  """
-  from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
-
-  return {name: lambda plan, decay_steps, optimizer, name=name: engines.make(
-      config_lib.TrainConfig(num_gpus=plan.num_towers, strategy=name, optimizer=optimizer),
-      plan).build(decay_steps) for name in ('towers', 'mirrored')}
-
-
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
-        engines=('towers',), tolerances=None, optimizer=optimizer_lib.Optimizer()):
+        engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.Optimizer()):
   """Runs the whole cross-check.
 
   Args:
@@ -318,11 +282,11 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     data_dir: draw the batches from this data dir; None = generated data.
     decay_steps: learning-rate decay interval; small by default so that K
       steps cross the staircase.
-    engines: the modern engines to compare with legacy (`modern_engines()`);
-      with several, each is held to the same contract against legacy, which
-      makes the comparison N-way.
-    tolerances: optional dict overriding GRAD_RTOL / LOSS_RTOL / FINAL_RTOL
-      (keys 'grad_rtol', 'loss_rtol', 'final_rtol').
+    engines: the modern engines to compare with legacy ('towers', 'mirrored';
+      `_modern_run`); with several, each is held to the same contract against
+      legacy, which makes the comparison N-way.
+    grad_rtol: the tolerance of the averaged gradients and the identity;
+      GRAD_RTOL, the contract's, unless asked (--rtol).
     optimizer: common.optimizer.Optimizer both trainers use (default
       upstream's SGD, no clipping).
 
@@ -332,17 +296,14 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
   """
   images, labels = draw_batches(plan.num_towers, batch_size, seed, data_dir)
   init = initial_values(seed)
+  args = (plan, images, labels, steps, init, decay_steps, optimizer)
   logger.info('legacy: %d tower(s) x %d images, %d steps...', plan.num_towers, batch_size,
               steps)
-  legacy = _result(_legacy_run, plan, init, images, labels, steps, decay_steps,
-                   optimizer)
-  classes = modern_engines()
+  legacy = _result(_legacy_run, *args)
   reports = {}
   for engine in engines:
     logger.info('modern (%s): %d tower(s) x %d images, %d steps...', engine, plan.num_towers,
                 batch_size, steps)
-    modern = _result(functools.partial(_modern_run, classes[engine]), plan, init,
-                     images, labels, steps, decay_steps, optimizer)
-    reports[engine] = compare(legacy, modern, optimizer=optimizer,
-                              **(tolerances or {}))
+    reports[engine] = compare(legacy, _result(functools.partial(_modern_run, engine), *args),
+                              optimizer, grad_rtol)
   return reports, images, labels, init
