@@ -163,16 +163,8 @@ def _download(data_dir):
             file=sys.stderr))
       bar.update(done - bar.pos)
 
-    try:
-      return download.maybe_download_and_extract(
-          data_dir, url=url, sha256=download.ARCHIVE_SHA256, progress=report)
-    except download.DownloadError as e:
-      if not str(e).startswith('refusing to unpack'):
-        raise
-      # An unsafe archive that passed the digest: say what to do as well.
-      raise download.DownloadError(
-          '%s; nothing was written. This is not the CIFAR-10 archive: fetch it '
-          'from %s instead (unset CIFAR10_DATA_URL).' % (e.line(), download.DATA_URL)) from None
+    return download.maybe_download_and_extract(
+        data_dir, url=url, sha256=download.ARCHIVE_SHA256, progress=report)
 
 
 # The original's flags, shared by `legacy` and `modern` so they mean the same.

@@ -143,7 +143,10 @@ def check_members(tar):
       why = 'is a device or FIFO' if m.isdev() else 'has the unsupported type %r' % m.type
     else:
       continue
-    raise DownloadError('refusing to unpack: archive member %r %s' % (m.name, why))
+    # It passed the digest check only if that was skipped or another URL was given.
+    raise DownloadError('refusing to unpack: archive member %r %s; nothing was written. This '
+                        'is not the CIFAR-10 archive: fetch it from %s instead (unset '
+                        'CIFAR10_DATA_URL).' % (m.name, why, DATA_URL))
   return members
 
 
