@@ -163,7 +163,7 @@ def _plan(spec):
 
 
 def _train_config(spec, train_dir, max_steps):
-  from cifar10_towers.common import config  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.runtime import config  # pylint: disable=g-import-not-at-top
   return config.TrainConfig(
       data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
       batch_size=spec['batch_size'], max_steps=max_steps,
@@ -416,7 +416,7 @@ def run(config, launch=Contender):
     common.cifar10_format.DataError: data_dir holds no valid training data.
   """
   from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
     if config.data_dir is None:
       logger.info('Generating %d training records in %s ...', 5 * config.synth_per_file, tmp)
@@ -449,7 +449,7 @@ def run(config, launch=Contender):
     finally:
       for contender in contenders:
         contender.kill()
-  data = config.data_dir or 'generated (common.synth)'
+  data = config.data_dir or 'generated (datasets.synth)'
   return summarize(config, windows, finals, inputs, '%s, %d records' % (data, records))
 
 
@@ -674,7 +674,7 @@ def figure(report):
 
 
 if __name__ == '__main__':
-  from cifar10_towers.common import stderr_filter
+  from cifar10_towers.runtime import stderr_filter
   stderr_filter.install()  # as cli.main: TensorFlow's known noise never shows
   if len(sys.argv) != 2:
     sys.exit('usage: python -m cifar10_towers.bench SPEC_JSON (internal: use the bench '

@@ -23,17 +23,17 @@ if os.environ['TF_CPP_MIN_LOG_LEVEL'] != '0':
 
 # No TensorFlow (nor numpy) behind these: `--help` stays instant.
 # pylint: disable=wrong-import-position
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
-from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
-from cifar10_towers.common import progress
-from cifar10_towers.common import stderr_filter
-from cifar10_towers.common import training
 from cifar10_towers.common import version
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import progress
+from cifar10_towers.runtime import stderr_filter
+from cifar10_towers.runtime import training
 # pylint: enable=wrong-import-position
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ _FILE = click.Path(dir_okay=False)
 def _configure_logging():
   """What the library says (loggers under cifar10_towers) goes to the CLI's one handler, once.
 
-  common.progress.LogHandler: progress and metrics (below WARNING) to stdout,
+  runtime.progress.LogHandler: progress and metrics (below WARNING) to stdout,
   diagnostics to stderr, each line as it was said.
   """
   package = logging.getLogger('cifar10_towers')
@@ -122,7 +122,7 @@ def _ensure_train_data(data_dir):
   if data_dir is None:
     return
   from cifar10_towers.common import cifar10_format as fmt
-  from cifar10_towers.common import download
+  from cifar10_towers.datasets import download
   # Like upstream, download only when cifar-10-batches-bin/ is not there at
   # all: a download into a partial directory would replace the files in it.
   if not os.path.isdir(fmt.batches_dir(data_dir)):
@@ -150,7 +150,7 @@ def _ensure_train_data(data_dir):
 
 def _download(data_dir):
   """Downloads and unpacks CIFAR-10 unless it is there, with a bar on stderr."""
-  from cifar10_towers.common import download
+  from cifar10_towers.datasets import download
   url = os.environ.get('CIFAR10_DATA_URL', download.DATA_URL)
   with contextlib.ExitStack() as stack:
     bar = None
@@ -246,7 +246,7 @@ def _train(impl, run_crosscheck, **options):
     _ensure_train_data(config.data_dir)
     _say_if_generated(config.data_dir, 'Training')
     plan = devices.plan_devices(config.num_gpus)
-    from cifar10_towers.common import memory  # refuse what cannot fit, before building
+    from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
     memory.check_training(impl, plan, config.batch_size, config.data_dir)
     if run_crosscheck:
       _crosscheck(plan, optimizer, config.strategy, batch_size=config.batch_size,
@@ -277,7 +277,7 @@ class _Group(click.Group):
   problem or the closed stream it is. Anything else is a bug: its traceback
   shows.
 
-  A StopRequest is held around every command (common.training.STOP_SIGNALS).
+  A StopRequest is held around every command (runtime.training.STOP_SIGNALS).
   A stop before a loop's first step, or in a command without a loop, raises
   training.Stopped, which ends here with one line; a loop that stopped at a
   boundary has said what it kept. Either way the exit status is 128 + the
@@ -439,7 +439,7 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   # A signal while TensorFlow loads or a batch runs is a request to `stop`
   # (_Group), answered with one line and 128 + its number.
   from cifar10_towers.common import cifar10_format as fmt
-  from cifar10_towers.common import evaluation
+  from cifar10_towers.runtime import evaluation
   paths = fmt.eval_files(data_dir)
   for line in fmt.judge_files(paths):  # reads and validates every record
     logger.warning('Warning: %s; a precision measured on it means nothing.', line)
@@ -462,12 +462,12 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
       eval_dir = config_lib.DEFAULT_EVAL_DIR
 
   def evaluate(contents, should_stop):
-    """What `common.evaluation.run` calls: each checkpoint by its own trainer's evaluator.
+    """What `runtime.evaluation.run` calls: each checkpoint by its own trainer's evaluator.
 
     Chosen per checkpoint, not once: one train_dir can hold either trainer's
     checkpoints over time. legacy/ and modern/ never import each other; the
     dispatch is here. Each evaluation shows its progress over the num_records
-    test records (`common.progress`): a bar on a terminal, else a line as it
+    test records (`runtime.progress`): a bar on a terminal, else a line as it
     begins and a few more if it is slow.
     """
     name = os.path.basename(contents.path)
@@ -704,7 +704,7 @@ def _generate(data_dir, generator, force, write):
   (CIFAR-10, a 170 MB download, or the user's own) or the other generator's
   data - only with --force. write() returns the records written per file.
   """
-  from cifar10_towers.common import generated
+  from cifar10_towers.datasets import generated
   marker = generated.read(data_dir)
   what = ('data not marked as generated (CIFAR-10, or your own)' if marker is None
           else generated.describe(marker))
@@ -727,7 +727,7 @@ def _generate(data_dir, generator, force, write):
 
 def _say_if_generated(data_dir, doing):
   """One line on stderr when data_dir holds generated data, not CIFAR-10."""
-  from cifar10_towers.common import generated
+  from cifar10_towers.datasets import generated
   marker = generated.read(data_dir)
   if marker is not None:
     logger.warning('%s on %s in %s, not on CIFAR-10 (%s).', doing,
@@ -745,7 +745,7 @@ def synth(data_dir, train_per_file, num_test, seed, force):
 
   def write():
     from cifar10_towers.common import cifar10_format as fmt
-    from cifar10_towers.common import synth as synth_lib
+    from cifar10_towers.datasets import synth as synth_lib
     # CIFAR-10's size takes ~10 s: a bar over the files, or a line for each.
     with progress.Progress(len(fmt.TRAIN_FILES + fmt.EVAL_FILES), 'Generating',
                            'files') as shown:
@@ -772,7 +772,7 @@ def download(data_dir):
 def check(data_dir):
   """Validate every data file and report all problems at once."""
   from cifar10_towers.common import cifar10_format as fmt
-  from cifar10_towers.common import generated
+  from cifar10_towers.datasets import generated
   problems, counts = fmt.check_data_dir(data_dir)
   marker = generated.read(data_dir)
   for name, count in counts.items():
@@ -802,7 +802,7 @@ def digits(data_dir, seed, force):
 
   def write():
     click.echo('Converting scikit-learn\'s digits to CIFAR format in %s...' % data_dir)
-    from cifar10_towers.common import digits as digits_lib
+    from cifar10_towers.datasets import digits as digits_lib
     try:
       return digits_lib.convert_digits(data_dir, seed=seed)
     except ImportError as e:

@@ -18,14 +18,14 @@ import shutil
 
 import numpy as np
 
-from cifar10_towers.common import checkpoints
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import errors
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
 from cifar10_towers.modern import checkpoints as modern_checkpoints
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import config as config_lib
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def state_of(contents):
   """The weights, moving averages, global step and slots of a checkpoint read whole.
 
   Args:
-    contents: common.checkpoints.Contents.
+    contents: runtime.checkpoints.Contents.
 
   Returns:
     (kind, values, shadows, step, optimizer, slots): kind is
@@ -181,7 +181,7 @@ def convert(from_dir, to_dir):
   """Converts the newest checkpoint of `from_dir` into the other trainer's format.
 
   The newest checkpoint must be intact and the `checkpoint` state file
-  readable (`common.checkpoints.for_conversion`): a damaged one is refused,
+  readable (`runtime.checkpoints.for_conversion`): a damaged one is refused,
   not passed over. `to_dir` must not hold a checkpoint yet; it is written in
   a temporary directory beside it first, so a failure leaves nothing
   half-written. Nothing in `from_dir` is changed: `to_dir` must be neither
@@ -196,7 +196,7 @@ def convert(from_dir, to_dir):
     (from_kind, to_kind, step, new checkpoint prefix).
 
   Raises:
-    ConvertError, common.checkpoints.CheckpointError: as the message says.
+    ConvertError, runtime.checkpoints.CheckpointError: as the message says.
   """
   _check_directories(from_dir, to_dir)
   if not os.path.exists(from_dir):

@@ -34,10 +34,10 @@ import numpy as np
 
 from cifar10_towers import convert
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.runtime import config as config_lib
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
   n = num_towers * batch_size
   rng = np.random.default_rng(seed)
   if data_dir is None:
-    from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
+    from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
     labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
     raw = synth.make_images(rng, labels)
   else:

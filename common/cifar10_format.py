@@ -37,7 +37,7 @@ BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
 TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))
 EVAL_FILES = ('test_batch.bin',)
 META_FILE = 'batches.meta.txt'
-# Written with a generated data set (common.generated); never in CIFAR-10's.
+# Written with a generated data set (datasets.generated); never in CIFAR-10's.
 GENERATED_FILE = 'GENERATED.json'
 
 LABEL_BYTES = 1

@@ -4,7 +4,7 @@ Each module raises its own subclass of `Failure` (DataError, CheckpointError,
 LockError, ...) with one line that says what is wrong and what to do; the
 CLI catches `Failure` in one place and prints that line with `exit_code`.
 Anything else that escapes is a bug, and shows its traceback.
-(`common.training.Stopped`, a stop signal, is not a failure: it is a
+(`runtime.training.Stopped`, a stop signal, is not a failure: it is a
 BaseException, so that no `except Exception` on the way swallows it.)
 """
 

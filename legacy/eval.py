@@ -8,11 +8,11 @@ stops after one epoch and the last batch is smaller.
 
 import tensorflow.compat.v1 as tf
 
-from cifar10_towers.common import checkpoints
-from cifar10_towers.common import evaluation
 from cifar10_towers.common import hparams
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import evaluation
 
 
 EvalError = evaluation.EvalError  # one class, common to both evaluators
@@ -30,7 +30,7 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
       records (in file order); None or more than the file holds means all.
 
   Returns:
-    common.evaluation.EvalCounts.
+    runtime.evaluation.EvalCounts.
 
   Raises:
     common.cifar10_format.DataError: the test file is missing or malformed.
@@ -43,10 +43,10 @@ def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
 
 def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
                       num_examples=None, should_stop=None, progress=None):
-  """`eval_once` of a checkpoint already read (`common.checkpoints.read`).
+  """`eval_once` of a checkpoint already read (`runtime.checkpoints.read`).
 
   Args:
-    contents: common.checkpoints.Contents of a legacy checkpoint.
+    contents: runtime.checkpoints.Contents of a legacy checkpoint.
     data_dir, batch_size, num_examples: as `eval_once`.
     should_stop: optional callable() -> bool, asked between batches.
     progress: optional callable(records_done), called after each batch.
@@ -110,7 +110,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
     checkpoint_dir: str, the train_dir of `legacy.train.train`.
     data_dir, batch_size, num_examples: as `eval_once`.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (`common.evaluation.PrecisionWriter`).
+      there for TensorBoard (`runtime.evaluation.PrecisionWriter`).
 
   Returns:
     (precision, global_step): float in [0, 1], int.
@@ -118,7 +118,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   Raises:
     EvalError: checkpoint_dir has no intact checkpoint, or it does not fit.
     common.cifar10_format.DataError: the test file is missing or malformed.
-    common.evaluation.EvalDirError: eval_dir cannot be written.
+    runtime.evaluation.EvalDirError: eval_dir cannot be written.
   """
   return evaluation.evaluate_newest(
       checkpoint_dir,
@@ -131,7 +131,7 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
   """Evaluates each new checkpoint of checkpoint_dir once, as it appears.
 
   Looks every `interval_secs` seconds until a stop signal (or until
-  `max_evals` checkpoints were evaluated); see `common.evaluation.run`.
+  `max_evals` checkpoints were evaluated); see `runtime.evaluation.run`.
 
   Args:
     checkpoint_dir, data_dir, batch_size, num_examples, eval_dir: as for `evaluate`.

@@ -17,18 +17,18 @@ import time
 import tensorflow.compat.v1 as tf
 from tf_slim.data import prefetch_queue
 
-from cifar10_towers.common import checkpoints
 from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import devices
-from cifar10_towers.common import ending
 from cifar10_towers.common import hparams
-from cifar10_towers.common import lock
 from cifar10_towers.common import lrn as lrn_lib
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
-from cifar10_towers.common import training
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import lock
+from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ Towers = collections.namedtuple('Towers', [
     'averaged_grads',  # list of (gradient, variable), mean over the towers
     'applied_grads',  # what the optimizer applies: averaged_grads, clipped if asked
     'ema',  # the tf.train.ExponentialMovingAverage of the trainable variables
-    'summary_op',  # common.training.summary_tags' summaries, merged (variables after the step)
+    'summary_op',  # runtime.training.summary_tags' summaries, merged (variables after the step)
 ])
 
 
@@ -230,7 +230,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     with tf.name_scope('mean_loss'):
       mean_loss = tf.reduce_mean(tf.stack(tower_losses))
 
-    # The tags of common.training.summary_tags, as modern writes them (a
+    # The tags of runtime.training.summary_tags, as modern writes them (a
     # summary op takes its tag as a value: name scopes do not change it).
     with tf.name_scope('summaries') as summaries_scope:
       summaries.append(model.scalar_summary(training.LEARNING_RATE_TAG, lr))
@@ -267,7 +267,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
           summaries.append(model.histogram_summary(var.op.name, var.read_value()))
           summaries.append(model.histogram_summary(
               training.average_tag(var.op.name), ema.average(var).read_value()))
-      # Deviation from upstream: both trainers write the tags of common.training.summary_tags.
+      # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
       # The towers' summaries only: not the input pipeline's queue-fill
       # fractions and image summary, which the modern trainer has no counterpart of.
       summary_op = tf.summary.merge(summaries)
@@ -293,7 +293,7 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
   """Trains until `global_step == config.max_steps`, resuming if possible.
 
   Args:
-    config: common.config.TrainConfig.
+    config: runtime.config.TrainConfig.
     plan: common.devices.DevicePlan with `config.num_gpus` tower devices.
     num_threads: int, input preprocessing threads (upstream: 16).
     on_step: optional callable(step, seconds, images) after every step: the
@@ -306,12 +306,12 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
 
   Raises:
     common.cifar10_format.DataError: the training data is missing or bad.
-    common.training.TrainingError: the loss diverged, or the checkpoint in
+    runtime.training.TrainingError: the loss diverged, or the checkpoint in
       train_dir is a modern one or does not fit the model.
-    common.checkpoints.CheckpointError: the latest checkpoint is damaged or
+    runtime.checkpoints.CheckpointError: the latest checkpoint is damaged or
       of another model, or a write into train_dir failed (e.g. disk full).
-    common.lock.LockError: another run trains in train_dir.
-    common.training.Stopped: a stop signal came before the first step;
+    runtime.lock.LockError: another run trains in train_dir.
+    runtime.training.Stopped: a stop signal came before the first step;
       nothing was written.
     ValueError: the plan does not have `config.num_gpus` towers.
   """
@@ -356,7 +356,7 @@ def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
   (the benchmark times it alone).
 
   Args:
-    config: common.config.TrainConfig.
+    config: runtime.config.TrainConfig.
     num_threads: int, input preprocessing threads.
 
   Returns:
@@ -382,7 +382,7 @@ def build_train_graph(config, plan, decay_steps,
   """Builds, in the default graph, everything `train` runs.
 
   Args:
-    config: common.config.TrainConfig.
+    config: runtime.config.TrainConfig.
     plan: common.devices.DevicePlan with `config.num_gpus` tower devices.
     decay_steps: int, steps between learning-rate decays.
     num_threads: int, input preprocessing threads.
@@ -418,12 +418,12 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer=optimizer_lib
   instead of through the Saver, which cannot convert a dtype.
 
   Raises:
-    common.checkpoints.CheckpointError: the latest checkpoint is damaged, or
+    runtime.checkpoints.CheckpointError: the latest checkpoint is damaged, or
       is one of another model (names or shapes differ).
-    common.training.TrainingError: it is a modern checkpoint, or one of
+    runtime.training.TrainingError: it is a modern checkpoint, or one of
       another optimizer than `optimizer` (common.optimizer.Optimizer).
   """
-  # The newest checkpoint that passes its checksums (see common.checkpoints).
+  # The newest checkpoint that passes its checksums (see runtime.checkpoints).
   checkpoint = checkpoints.resume_point(train_dir)
   sess.run(graph_parts.init_op)
   if checkpoint is None:
@@ -500,7 +500,7 @@ def _first_step_progress(sess, graph_parts, fill):
 def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   """Runs the steps with the queue threads, and always stops them.
 
-  A stop request (`stop`, a common.training.StopRequest) ends the loop at the
+  A stop request (`stop`, a runtime.training.StopRequest) ends the loop at the
   next step boundary, with a checkpoint of that step. A step waiting for its
   batch (the first one waits while the shuffle queue fills: tens of seconds
   with CIFAR-10) is ended at once by closing the input queues under it.
@@ -509,7 +509,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     int, the final global step.
 
   Raises:
-    common.training.Stopped: the stop came before this run's first step.
+    runtime.training.Stopped: the stop came before this run's first step.
   """
   towers = graph_parts.towers
   # Input threads end with CancelledError when a stop closes the queues

@@ -30,13 +30,13 @@ import threading
 
 import tensorflow as tf
 
-from cifar10_towers.common import checkpoints
-from cifar10_towers.common import config as config_lib
-from cifar10_towers.common import lock
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
-from cifar10_towers.common import training
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import lock
+from cifar10_towers.runtime import training
 
 MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
 EMA_SUFFIX = model_spec.EMA_SUFFIX  # legacy's shadow-variable name suffix
@@ -46,10 +46,10 @@ class StepSaver:
 
   Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
   already saved, and returns the checkpoint's path. A failed write is a
-  one-line `common.checkpoints` error: the manager names a checkpoint latest
+  one-line `runtime.checkpoints` error: the manager names a checkpoint latest
   only after writing it whole, so the previous one stays in place. Nothing
   is written if the directory, locked by this process, was removed under it
-  (`common.lock.LockError`). Safe to call from another thread (the
+  (`runtime.lock.LockError`). Safe to call from another thread (the
   multiworker watchdog saves while the main thread waits for the peers).
   """
 
@@ -85,7 +85,7 @@ def checkpoint_object(state):
 def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
   """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
 
-  The newest checkpoint that passes its checksums (`common.checkpoints`),
+  The newest checkpoint that passes its checksums (`runtime.checkpoints`),
   usually the manager's latest.
 
   Args:
@@ -104,9 +104,9 @@ def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
     The restored checkpoint's path, or None when train_dir has none.
 
   Raises:
-    common.training.TrainingError: it is a legacy checkpoint, of another
+    runtime.training.TrainingError: it is a legacy checkpoint, of another
       model, or of another optimizer.
-    common.checkpoints.CheckpointError: see `checkpoints.resume_point`.
+    runtime.checkpoints.CheckpointError: see `checkpoints.resume_point`.
   """
   resume_from = checkpoints.resume_point(train_dir)
   if not resume_from:

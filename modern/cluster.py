@@ -29,7 +29,7 @@ import threading
 import time
 
 from cifar10_towers.common import errors
-from cifar10_towers.common import training
+from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 

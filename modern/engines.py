@@ -37,16 +37,16 @@ import time
 
 import tensorflow as tf
 
-from cifar10_towers.common import checkpoints
 from cifar10_towers.common import devices
-from cifar10_towers.common import ending
-from cifar10_towers.common import lock
 from cifar10_towers.common import optimizer as optimizer_lib
-from cifar10_towers.common import stderr_filter
-from cifar10_towers.common import training
 from cifar10_towers.modern import cluster as cluster_lib
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import step as step_lib
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import lock
+from cifar10_towers.runtime import stderr_filter
+from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Engine:
   """What the training loop asks of an engine; the defaults are one process's.
 
   Attributes:
-    config: common.config.TrainConfig.
+    config: runtime.config.TrainConfig.
     plan: common.devices.DevicePlan of this process.
     trainer: the step (set by `start`); has `.state`, a modern.step.TrainState,
       and `.num_towers`, the replicas in sync over all workers.
@@ -91,7 +91,7 @@ class Engine:
 
     Args:
       batches: an element of `dataset()`.
-      stop: common.training.StopRequest of this process.
+      stop: runtime.training.StopRequest of this process.
     """
     return self.trainer.train_step(batches).numpy(), None
 
@@ -103,7 +103,7 @@ class Engine:
       'histograms' (dicts tag -> tensor) and 'images' (tower 0's first
       images). This default, the replica engines' (mirrored, multiworker),
       returns none: their summaries are the losses, the learning rate and
-      the variables (common.training.summary_tags(activations=False)).
+      the variables (runtime.training.summary_tags(activations=False)).
     """
     tower_losses, agreed = self.step(batches, stop)
     return tower_losses, agreed, {}
@@ -589,7 +589,7 @@ class MultiWorker(Engine):
       the wait: the run stopped.
 
     Raises:
-      common.training.TrainingError: the peers were lost.
+      runtime.training.TrainingError: the peers were lost.
     """
     saved = self._save_completed(step, first_step)
     step = step if step is not None else int(self.trainer.state.global_step.numpy())
@@ -620,7 +620,7 @@ class MultiWorker(Engine):
           '%s stopped at global step %d because another worker was stopped '
           '(by a stop signal); %s saved %s. %s'
           % (name, step, 'it' if self.is_chief else 'the chief', path, _RESTART))
-    # The run's one ending line, on stderr (common.ending).
+    # The run's one ending line, on stderr (runtime.ending).
     if self.is_chief:
       ending.say(training.stopped_line(stopped_by, step, path))
     else:

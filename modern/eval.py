@@ -7,13 +7,13 @@ test record is classified once.
 
 import tensorflow as tf
 
-from cifar10_towers.common import checkpoints
-from cifar10_towers.common import evaluation
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
+from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import model as model_lib
-from cifar10_towers.modern import checkpoints as ckpt_lib
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import evaluation
 
 EvalError = evaluation.EvalError  # one class, common to both evaluators
 
@@ -42,13 +42,13 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   """Counts the correct top-1 predictions of a checkpoint already read.
 
   Args:
-    contents: common.checkpoints.Contents of a modern checkpoint.
+    contents: runtime.checkpoints.Contents of a modern checkpoint.
     data_dir, batch_size, num_examples: as `evaluate`.
     should_stop: optional callable() -> bool, asked between batches.
     progress: optional callable(records_done), called after each batch.
 
   Returns:
-    common.evaluation.EvalCounts, or None when should_stop() turned true
+    runtime.evaluation.EvalCounts, or None when should_stop() turned true
     first.
 
   Raises:
@@ -99,7 +99,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
     num_examples: optional int, evaluate only the first this many test
       records; default every record, each exactly once.
     eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (`common.evaluation.PrecisionWriter`).
+      there for TensorBoard (`runtime.evaluation.PrecisionWriter`).
 
   Returns:
     (precision float in [0, 1], global step of the checkpoint int).
@@ -107,7 +107,7 @@ def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_exampl
   Raises:
     EvalError: no intact (modern) checkpoint in checkpoint_dir.
     common.cifar10_format.DataError: the test file is missing or malformed.
-    common.evaluation.EvalDirError: eval_dir cannot be written.
+    runtime.evaluation.EvalDirError: eval_dir cannot be written.
   """
   return evaluation.evaluate_newest(
       checkpoint_dir,
@@ -121,7 +121,7 @@ def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE, num_e
 
   Runs until a stop signal (or `max_evals` evaluations); waits for the
   first checkpoint instead of failing when there is none yet. See
-  `common.evaluation.run`.
+  `runtime.evaluation.run`.
 
   Args:
     checkpoint_dir, data_dir, batch_size, num_examples, eval_dir: as `evaluate`.

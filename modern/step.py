@@ -24,8 +24,8 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
-from cifar10_towers.common import training
 from cifar10_towers.modern import model as model_lib
+from cifar10_towers.runtime import training
 
 
 def tower_loss(model, images, labels, params=None, activation_hook=None):
@@ -381,7 +381,7 @@ class Trainer:
       images: float32 [num_towers, batch, 24, 24, 3].
       labels: int32 [num_towers, batch].
       summaries: bool, also return each tower's loss terms, activations and
-        sparsity (tags of `common.training.summary_tags`).
+        sparsity (tags of `runtime.training.summary_tags`).
 
     Returns:
       (list of averaged gradients in VARIABLE_NAMES order,
@@ -466,7 +466,7 @@ class Trainer:
 
     Returns:
       (tower losses float32 tensor [num_towers], scalars, histograms): dicts
-      tag -> tensor of `common.training.summary_tags`, the towers' loss
+      tag -> tensor of `runtime.training.summary_tags`, the towers' loss
       terms and sparsity, their activations and the averaged gradients.
     """
     return self._train_step_fn(*self._check(tower_batches), True)

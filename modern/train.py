@@ -14,16 +14,16 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from cifar10_towers.common import checkpoints
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import config as config_lib
-from cifar10_towers.common import ending
 from cifar10_towers.common import hparams
-from cifar10_towers.common import lock
 from cifar10_towers.common import model_spec
-from cifar10_towers.common import training
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import lock
+from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ def _displayable(image):
   return (image * scale + 127.0) / 255.0
 
 
-# Deviation from upstream: both trainers write the tags of common.training.summary_tags.
+# Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
 def _write_summaries(state, step, tower_losses, lr, summaries):
-  """The tags of common.training.summary_tags with tf.summary, at `step`.
+  """The tags of runtime.training.summary_tags with tf.summary, at `step`.
 
   Args:
     state: modern.step.TrainState after the step.
@@ -100,7 +100,7 @@ def train(config, plan, on_step=None):
   that lasts past --peer_timeout ends the run (see modern.engines).
 
   Args:
-    config: common.config.TrainConfig.
+    config: runtime.config.TrainConfig.
     plan: common.devices.DevicePlan with config.num_gpus tower devices.
     on_step: optional callable(step, seconds, images) after every step: the
       global step reached, the step's wall seconds, and the images it
@@ -111,13 +111,13 @@ def train(config, plan, on_step=None):
 
   Raises:
     common.cifar10_format.DataError: training data missing or malformed.
-    common.training.TrainingError: the loss diverged, train_dir holds a
+    runtime.training.TrainingError: the loss diverged, train_dir holds a
       checkpoint this trainer cannot resume, the peers were lost or another
       worker was stopped (modern.cluster.StartupError: they never started).
-    common.checkpoints.CheckpointError: the latest checkpoint is damaged or
+    runtime.checkpoints.CheckpointError: the latest checkpoint is damaged or
       of another model, or a write into train_dir failed (e.g. disk full).
-    common.lock.LockError: another run trains in train_dir.
-    common.training.Stopped: a stop signal came before the first step
+    runtime.lock.LockError: another run trains in train_dir.
+    runtime.training.Stopped: a stop signal came before the first step
       was done; nothing was written.
     modern.cluster.ClusterError: the multiworker cluster is missing or malformed.
   """
@@ -163,7 +163,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
                 examples_per_worker=0):
   """The steps, with log lines, summaries and checkpoints, until max_steps or a stop.
 
-  A stop request (`stop`, a common.training.StopRequest) ends the loop at the
+  A stop request (`stop`, a runtime.training.StopRequest) ends the loop at the
   next step boundary, with a checkpoint of that step. `examples_per_worker`
   (the records of this worker's shard) sizes the shuffle buffer the first
   batch waits for, which the first step's heartbeat line names.
@@ -172,7 +172,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     int, the global step reached.
 
   Raises:
-    common.training.Stopped: the stop came before or during this run's
+    runtime.training.Stopped: the stop came before or during this run's
       first step, in a single process.
   """
   state = engine.trainer.state

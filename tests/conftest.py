@@ -60,7 +60,7 @@ def synth_data_dir(tmp_path_factory):
   eval on it print nothing about generated data, and the tests pin their
   stderr as on the real set. tests/test_generated.py covers marked data.
   """
-  from cifar10_towers.common import synth
+  from cifar10_towers.datasets import synth
   data_dir = str(tmp_path_factory.mktemp('synth_data'))
   synth.generate(data_dir, train_per_file=200, num_test=300, seed=0, mark=False)
   return data_dir

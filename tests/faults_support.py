@@ -63,7 +63,7 @@ def cli_env(extra=None):
 
 
 # A line TensorFlow's C++ (absl) logging writes to stderr: some CPUs print a
-# few at start-up that no setting silences (common.stderr_filter drops the
+# few at start-up that no setting silences (runtime.stderr_filter drops the
 # known ones), and CIFAR10_TOWERS_TF_NOISE=1 adds an unknown one. Tests assert
 # on the lines we print, never on the absence of TensorFlow's.
 TF_LOG_LINE = re.compile(r'[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\] |'
@@ -225,7 +225,7 @@ def trained_dir(impl, data_dir):
   TensorFlow import. Copy it with `copy_trained`; never modify it.
   """
   if impl not in _TRAINED:
-    from cifar10_towers.common import config as config_lib
+    from cifar10_towers.runtime import config as config_lib
     from cifar10_towers.common import devices
     path = tempfile.mkdtemp(prefix='faults_%s_' % impl)
     config = config_lib.TrainConfig(
@@ -539,7 +539,7 @@ def read_tags(train_dir):
 
 
 class ScriptedStop:
-  """A stand-in StopRequest for common.evaluation.run: never stops; each wait
+  """A stand-in StopRequest for runtime.evaluation.run: never stops; each wait
   runs the next scripted change (a save, a deletion) instead of sleeping."""
 
   def __init__(self, *changes):

@@ -1,9 +1,9 @@
-"""common.training pieces both trainers call, so they behave alike."""
+"""runtime.training pieces both trainers call, so they behave alike."""
 
 import pytest
 
 from cifar10_towers.common import hparams
-from cifar10_towers.common import training
+from cifar10_towers.runtime import training
 
 
 def test_checked_decay_steps_is_upstreams_formula():

@@ -15,12 +15,12 @@ from click.testing import CliRunner
 
 from cifar10_towers import cli
 from cifar10_towers import convert
-from cifar10_towers.common import checkpoints
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import preprocess
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import config as config_lib
 
 import faults_support as fs
 

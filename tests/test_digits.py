@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import digits
+from cifar10_towers.datasets import digits
 
 
 @pytest.fixture(scope='module')

@@ -16,16 +16,16 @@ from click.testing import CliRunner
 
 from cifar10_towers import cli
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import model_spec
+from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.modern import cluster as cluster_lib
 from cifar10_towers.modern import engines
 from cifar10_towers.modern import eval as eval_lib
 from cifar10_towers.modern import inputs
-from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.modern import step as modern_step
 from cifar10_towers.modern import train
+from cifar10_towers.runtime import config as config_lib
 import faults_support as fs
 
 # docs/equivalence.md §2 tolerances.

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import download
-from cifar10_towers.common import synth
+from cifar10_towers.datasets import download
+from cifar10_towers.datasets import synth
 
 DATA_NAMES = fmt.TRAIN_FILES + fmt.EVAL_FILES
 

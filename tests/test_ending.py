@@ -20,8 +20,8 @@ import sys
 import pytest
 
 import faults_support as fs
-from cifar10_towers.common import checkpoints
-from cifar10_towers.common import training
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import training
 
 ALL_SIGNALS = ('SIGHUP', 'SIGINT', 'SIGQUIT', 'SIGTERM', 'SIGUSR1', 'SIGUSR2',
                'SIGALRM', 'SIGXCPU', 'SIGPWR')

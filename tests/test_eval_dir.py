@@ -16,7 +16,7 @@ import re
 import pytest
 
 import faults_support as fs
-from cifar10_towers.common import evaluation
+from cifar10_towers.runtime import evaluation
 
 NUM_EXAMPLES = 40  # precision k/40 prints exactly with 3 decimals
 PRINTED = re.compile(r'^.*: precision @ 1 = (\d\.\d{3}) \(global step (\d+), '
@@ -78,7 +78,7 @@ def test_two_checkpoints_two_points_the_old_file_kept(synth_data_dir, tmp_path):
 
 
 def test_the_loop_writes_each_checkpoint_as_it_comes(synth_data_dir, tmp_path):
-  """common.evaluation.run, either kind: legacy's model.ckpt-1, then its -2."""
+  """runtime.evaluation.run, either kind: legacy's model.ckpt-1, then its -2."""
   from cifar10_towers.legacy import eval as legacy_eval
   train_dir = fs.copy_trained('legacy', synth_data_dir, str(tmp_path / 'train'))
   later = str(tmp_path / 'later')
@@ -180,7 +180,7 @@ def test_a_train_dir_that_cannot_be_written_falls_back_with_a_notice(
     synth_data_dir, tmp_path, monkeypatch):
   """The old default, /tmp/cifar10_eval (here a temp dir), and one line saying so."""
   from cifar10_towers import cli
-  from cifar10_towers.common import config as config_lib
+  from cifar10_towers.runtime import config as config_lib
   monkeypatch.delenv('CIFAR10_EVAL_DIR', raising=False)
   fallback = str(tmp_path / 'cifar10_eval')
   monkeypatch.setattr(config_lib, 'DEFAULT_EVAL_DIR', fallback)

@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import faults_support as fs
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import download
+from cifar10_towers.datasets import download
 
 Case = collections.namedtuple('Case', [
     'name',  # test id

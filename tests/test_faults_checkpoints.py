@@ -23,7 +23,7 @@ import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 
 import faults_support as fs
-from cifar10_towers.common import checkpoints
+from cifar10_towers.runtime import checkpoints
 
 NO_SPACE = 'No space left on device'
 

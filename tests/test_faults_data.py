@@ -27,8 +27,8 @@ import pytest
 
 import faults_support as fs
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import download
-from cifar10_towers.common import synth
+from cifar10_towers.datasets import download
+from cifar10_towers.datasets import synth
 
 Case = collections.namedtuple('Case', [
     'name',  # test id

@@ -17,9 +17,9 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from cifar10_towers.common import checkpoints
 from cifar10_towers.common import devices
-from cifar10_towers.common import training
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import training
 
 # How train_dir's model.ckpt-2 is blown up: (variable, factor, what follows).
 BLOW_UPS = {

@@ -21,8 +21,8 @@ import signal
 import pytest
 
 import faults_support as fs
-from cifar10_towers.common import checkpoints
-from cifar10_towers.common import evaluation
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import evaluation
 
 NUM_EXAMPLES = 40  # test records per evaluation
 RESULT = re.compile(r'^.*: precision @ 1 = \d\.\d{3} \(global step (\d+), '

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from cifar10_towers.common import checkpoints
+from cifar10_towers.runtime import checkpoints
 
 STEP_LINE = re.compile(r': step (\d+), loss = ')
 EXIT_WITHIN_SECS = 10

@@ -32,9 +32,9 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from cifar10_towers.common import checkpoints
-from cifar10_towers.common import lock
-from cifar10_towers.common import training
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import lock
+from cifar10_towers.runtime import training
 
 STEP_LINE = re.compile(r': step (\d+), loss = ')
 EXIT_WITHIN_SECS = 10
@@ -109,7 +109,7 @@ def two_runs(synth_data_dir, tmp_path_factory):
         _train_args(pair[1], synth_data_dir, firsts[pair[0]][0],
                     '--max_steps', PAIR_STEPS, '--save_every', 5),
         env=fs.hooks_env(str(base / 'hooks'),
-                         [fs.hook('common.lock:exclusive', say='HOOK lock',
+                         [fs.hook('runtime.lock:exclusive', say='HOOK lock',
                                   dwell=5)]))
     seconds[pair] = (second, fs.Frozen(second, lambda line: line == 'HOOK lock'))
   runs = [run for _, run, _ in firsts.values()] + [run for run, _ in seconds.values()]

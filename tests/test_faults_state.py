@@ -134,7 +134,7 @@ def test_train(damaged, synth_data_dir):
         _errors(err)[0]), err
     assert code == 1
     assert fs.changed(before, after) == []
-    # Only the run's lock file (common.lock) may have been added.
+    # Only the run's lock file (runtime.lock) may have been added.
     assert [p for p in set(after) - set(before)
             if os.path.basename(p) != '.train.lock'] == []
     return

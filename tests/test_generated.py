@@ -16,8 +16,8 @@ import pytest
 
 import faults_support as fs
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import generated
-from cifar10_towers.common import synth
+from cifar10_towers.datasets import generated
+from cifar10_towers.datasets import synth
 
 SMALL = ['--train_per_file', '20', '--num_test', '20']
 # `data synth`'s progress without a terminal (tests/test_progress.py).

@@ -12,13 +12,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = 'cifar10_towers'
 # Directory in the checkout -> the package it installs as (pyproject.toml).
 DIRECTORIES = {PACKAGE: PACKAGE, 'common': 'cifar10_towers.common',
+               'runtime': 'cifar10_towers.runtime', 'datasets': 'cifar10_towers.datasets',
                'legacy': 'cifar10_towers.legacy',
                'modern': 'cifar10_towers.modern',
                'towerprofile': 'cifar10_towers.towerprofile'}
 PACKAGES = tuple(DIRECTORIES.values())
 # Names the project's modules had before they moved into one namespace; an
 # import of one of them would load a second copy of a module from a checkout.
-BARE_NAMES = ('common', 'legacy', 'modern', 'towerprofile', 'cli', 'bench',
+BARE_NAMES = ('common', 'runtime', 'datasets', 'legacy', 'modern', 'towerprofile', 'cli', 'bench',
               'convert', 'crosscheck')
 
 
@@ -132,11 +133,19 @@ def test_no_import_cycles():
 
 
 def test_layers_point_one_way():
-  """cli -> crosscheck/convert/bench -> legacy, modern -> common."""
+  """cli -> crosscheck/convert/bench -> legacy, modern -> runtime, datasets -> common.
+
+  common/ is the contract both trainers agree on: it imports nothing else of
+  the project; runtime/ (run machinery) and datasets/ (data tools) import
+  common/ and each other, never a trainer or a command.
+  """
   graph = _project_graph()
   for module, targets in graph.items():
     if module.startswith('common'):
       assert not [t for t in targets if not t.startswith('common')], module
+    if module.startswith(('runtime', 'datasets')):
+      assert not [t for t in targets
+                  if not t.startswith(('common', 'runtime', 'datasets'))], module
     if module.startswith('legacy'):
       assert not [t for t in targets if t.startswith('modern')], module
     if module.startswith('modern'):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.legacy import train
+from cifar10_towers.runtime import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = 4  # images per tower in the graph tests

@@ -9,11 +9,11 @@ import pytest
 import tensorflow as tf
 
 from cifar10_towers.common import cifar10_format
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
-from cifar10_towers.common import training
 from cifar10_towers.legacy import eval as legacy_eval
 from cifar10_towers.legacy import train
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import training
 import faults_support as fs
 
 NUM_THREADS = 2  # preprocessing threads; upstream's 16 only slow 2 cores down
@@ -123,7 +123,7 @@ def test_learns_synthetic_data(synth_data_dir, tmp_path):
   precision, step = legacy_eval.evaluate(train_dir, synth_data_dir)
   assert step == 150
   # Chance is 0.1; a third of the generated images are faint, guessed this
-  # early (common/synth.py): measured 0.62 and 0.65 in two runs.
+  # early (datasets/synth.py): measured 0.62 and 0.65 in two runs.
   assert precision > 0.4
 
 

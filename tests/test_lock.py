@@ -1,4 +1,4 @@
-"""common.lock: one run per train_dir, and no stale lock after a kill."""
+"""runtime.lock: one run per train_dir, and no stale lock after a kill."""
 
 import os
 import signal
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from cifar10_towers.common import lock
+from cifar10_towers.runtime import lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +30,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
   script = textwrap.dedent('''
       import sys, time
       sys.path.insert(0, %r)
-      from cifar10_towers.common import lock
+      from cifar10_towers.runtime import lock
       with lock.exclusive(%r, what='a run about to be killed'):
         print('locked', flush=True)
         time.sleep(60)

@@ -2,7 +2,7 @@
 
 The estimate is checked against the layer shapes of the real model, against
 the peak RSS of real runs of both trainers (within the factor stated in
-common/memory.py: never below the measured peak, at most twice it), and
+runtime/memory.py: never below the measured peak, at most twice it), and
 against the design range (batch 128 x 64 towers fits a 24 GiB machine). The
 refusal is checked as a user sees it: exit 1, one line, no traceback,
 nothing written, before TensorFlow builds anything.
@@ -21,8 +21,8 @@ import tensorflow as tf
 import faults_support as fs
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
-from cifar10_towers.common import memory
 from cifar10_towers.common import model_spec
+from cifar10_towers.runtime import memory
 
 GIB = memory.GIB
 CPU_PLAN = devices.DevicePlan(('/device:CPU:0', '/device:CPU:1'), 'cpu', 2)

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
-from cifar10_towers.common import training
-from cifar10_towers.modern import eval as eval_lib
 from cifar10_towers.modern import checkpoints as modern_checkpoints
+from cifar10_towers.modern import eval as eval_lib
 from cifar10_towers.modern import step as modern_step
 from cifar10_towers.modern import train
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import training
 import faults_support as fs
 
 

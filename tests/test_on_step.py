@@ -4,8 +4,8 @@ import importlib
 
 import pytest
 
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
+from cifar10_towers.runtime import config as config_lib
 
 
 @pytest.mark.parametrize('impl', ['legacy', 'modern'])

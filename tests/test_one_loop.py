@@ -6,7 +6,7 @@ process: MultiWorkerMirroredStrategy must start before any other op) then
 trains 4 steps through `python cli.py modern`'s code and saves model.ckpt-4.
 Summaries are on (steps 2 and 4), and the event files are read back as
 TensorBoard reads them: towers writes every tag of
-common.training.summary_tags, the replica engines the subset the README's
+runtime.training.summary_tags, the replica engines the subset the README's
 TensorBoard section names (summary_tags(n, activations=False)), all a graph.
 """
 
@@ -17,11 +17,11 @@ import sys
 import tensorflow as tf
 
 import faults_support as fs
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
-from cifar10_towers.common import training
 from cifar10_towers.modern import engines
 from cifar10_towers.modern import train
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import training
 
 # Runs the CLI with modern.train._train_loop wrapped to print its engine's class.
 _SPY = '''

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 from cifar10_towers import cli
 from cifar10_towers import convert
 from cifar10_towers import crosscheck
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
-from cifar10_towers.common import training
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import training
 
 CLIP = 1.0  # well below the initial gradients' global norm: clipping is active
 

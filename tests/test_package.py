@@ -24,7 +24,7 @@ from cifar10_towers.common import version
 
 # Top-level names the project's modules had before they moved into one
 # namespace; none may reach site-packages.
-GENERIC_NAMES = ('common', 'cli', 'bench', 'convert', 'crosscheck', 'legacy',
+GENERIC_NAMES = ('common', 'runtime', 'datasets', 'cli', 'bench', 'convert', 'crosscheck', 'legacy',
                  'modern', 'towerprofile')
 
 
@@ -97,8 +97,9 @@ def test_the_wheel_adds_one_package(installed):
 def test_the_wheel_holds_the_subpackages(dist):
   with zipfile.ZipFile(dist[1]) as wheel:
     names = wheel.namelist()
-  for module in ('cli.py', 'common/training.py', 'legacy/train.py',
-                 'modern/train.py', 'towerprofile/run.py', 'bench.py'):
+  for module in ('cli.py', 'runtime/training.py', 'legacy/train.py',
+                 'modern/train.py', 'towerprofile/run.py', 'bench.py',
+                 'common/hparams.py', 'datasets/synth.py'):
     assert 'cifar10_towers/' + module in names
   assert not [n for n in names if n.split('/')[0] in GENERIC_NAMES]
   assert [n for n in names if n.endswith('licenses/LICENSE')]

@@ -2,7 +2,7 @@
 
 On a terminal a click progress bar; on a file or a pipe a line as each stage
 begins and, within a slow stage, at most one more per quarter of it
-(`common.progress`). No test here depends on how fast the machine is: the
+(`runtime.progress`). No test here depends on how fast the machine is: the
 clock is a fake one, or the interval between lines is 0.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 import faults_support as fs
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import progress as progress_lib
+from cifar10_towers.runtime import progress as progress_lib
 
 NUM_EXAMPLES = 40  # test records per evaluation: 5 batches of 8
 RESULT = re.compile(r'^.*: precision @ 1 = \d\.\d{3} \(global step 2, '
@@ -105,7 +105,7 @@ def test_data_synth_says_each_file_and_then_what_it_wrote(tmp_path):
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_each_evaluator_reports_the_records_done_after_each_batch(
     impl, synth_data_dir):
-  from cifar10_towers.common import checkpoints
+  from cifar10_towers.runtime import checkpoints
   if impl == 'legacy':
     from cifar10_towers.legacy import eval as impl_eval
   else:

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 import faults_support as fs
-from cifar10_towers.common import stderr_filter
+from cifar10_towers.runtime import stderr_filter
 
 NOISE_DIR = os.path.join(fs.ROOT, 'tests', 'tf_noise')
 sys.path.insert(0, NOISE_DIR)
@@ -25,7 +25,7 @@ def test_known_lines_dropped_the_rest_passed_in_order_and_the_ending_last():
       import os, sys
       sys.path.insert(0, %r)
       import sitecustomize as tf_noise
-      from cifar10_towers.common import ending, stderr_filter
+      from cifar10_towers.runtime import ending, stderr_filter
       stderr_filter.install()
       os.write(2, b'first\\n' + tf_noise.noise().encode())
       print('from python', file=sys.stderr, flush=True)

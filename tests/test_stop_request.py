@@ -1,4 +1,4 @@
-"""common.training.StopRequest: signals as a stop request, also while TensorFlow blocks."""
+"""runtime.training.StopRequest: signals as a stop request, also while TensorFlow blocks."""
 
 import os
 import signal
@@ -11,7 +11,7 @@ import time
 import pytest
 import tensorflow as tf
 
-from cifar10_towers.common import training
+from cifar10_towers.runtime import training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_SECS = 5.0  # a callback must have ended a blocked wait by then
@@ -91,7 +91,7 @@ def test_a_second_signal_ends_the_process_at_once(sig):
   script = textwrap.dedent('''
       import os, signal, sys, time
       sys.path.insert(0, %r)
-      from cifar10_towers.common import training
+      from cifar10_towers.runtime import training
       with training.StopRequest():
         print('ready', flush=True)
         time.sleep(60)
@@ -140,7 +140,7 @@ def test_a_second_signal_ends_the_process_even_while_a_callback_blocks():
   script = textwrap.dedent('''
       import sys, threading, time
       sys.path.insert(0, %r)
-      from cifar10_towers.common import training
+      from cifar10_towers.runtime import training
       with training.StopRequest() as stop:
         with stop.while_blocked(lambda name: threading.Event().wait()):
           print('ready', flush=True)

@@ -11,7 +11,7 @@ import pytest
 
 import faults_support as fs
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import synth
+from cifar10_towers.datasets import synth
 
 
 def _read_dir(data_dir):

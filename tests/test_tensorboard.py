@@ -14,10 +14,10 @@ import time
 import pytest
 from tensorboard.util import tensor_util
 
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import model_spec
-from cifar10_towers.common import training
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import training
 import faults_support as fs
 
 SLOW_WRITE = 1.5  # seconds each summary write is slowed by

@@ -39,7 +39,7 @@ def trace(config, plan, decay_steps, steps, warmup):
   """Trains `warmup` then `steps` traced steps; nothing is written anywhere.
 
   Args:
-    config: common.config.TrainConfig (train_dir is not used).
+    config: runtime.config.TrainConfig (train_dir is not used).
     plan: common.devices.DevicePlan the trainer builds with.
     decay_steps: int, of the learning rate schedule.
     steps: int >= 1, traced steps.

@@ -12,9 +12,9 @@ import os
 import tempfile
 
 from cifar10_towers.common import cifar10_format
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
+from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.towerprofile import analysis
 from cifar10_towers.towerprofile import legacy_trace
 from cifar10_towers.towerprofile import modern_trace
@@ -51,7 +51,7 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
   # A scratch train_dir: the profile never reads or writes the user's.
   with tempfile.TemporaryDirectory(prefix='towerprofile_') as scratch:
     if data_dir is None:
-      from cifar10_towers.common import synth  # pylint: disable=g-import-not-at-top
+      from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
       data_dir = scratch
       synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10, seed=0)
     examples = cifar10_format.num_examples(cifar10_format.train_files(data_dir))

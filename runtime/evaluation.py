@@ -1,7 +1,7 @@
 """Which checkpoint to evaluate, and upstream's loop that evaluates each new one.
 
 Both evaluators (legacy/eval.py, modern/eval.py) evaluate a checkpoint's
-`common.checkpoints.Contents`: read whole and checked against its checksums
+`runtime.checkpoints.Contents`: read whole and checked against its checksums
 before any graph is built, so a checkpoint the trainer deletes meanwhile
 (max_to_keep) is still evaluated whole. This module picks the checkpoint - the
 newest intact one, saying what it skipped - and hands it to the evaluator of
@@ -27,12 +27,12 @@ import tempfile
 
 import tensorflow as tf
 
-from cifar10_towers.common import checkpoints
 from cifar10_towers.common import cifar10_format
-from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import prog
-from cifar10_towers.common import training
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class PrecisionWriter:
 
 
 def read(path):
-  """common.checkpoints.read(path) for an evaluator: EvalError if it cannot be read."""
+  """runtime.checkpoints.read(path) for an evaluator: EvalError if it cannot be read."""
   try:
     return checkpoints.read(path)
   except checkpoints.CheckpointError as e:
@@ -150,7 +150,7 @@ def moving_averages(contents, kind, shapes):
   """The moving-average (shadow) values an evaluator restores into its model.
 
   Args:
-    contents: common.checkpoints.Contents.
+    contents: runtime.checkpoints.Contents.
     kind: checkpoints.LEGACY or MODERN, the evaluator's own.
     shapes: dict checkpoint key -> the shape (list of ints) of its variable.
 
@@ -287,7 +287,7 @@ def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval
     evaluate: callable(contents, should_stop) -> EvalCounts, or None when
       should_stop() turned true before the evaluation finished; it raises
       for a checkpoint it cannot evaluate (e.g. of another model).
-    stop: an entered common.training.StopRequest; a signal ends the run with
+    stop: an entered runtime.training.StopRequest; a signal ends the run with
       a line saying what was evaluated.
     interval_secs: None to evaluate once; else seconds between looks for a
       new checkpoint.
@@ -301,7 +301,7 @@ def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval
     list of Evaluation, one per checkpoint evaluated.
 
   Raises:
-    common.checkpoints.CheckpointError: evaluating once, and there is no
+    runtime.checkpoints.CheckpointError: evaluating once, and there is no
       intact checkpoint; the message says why and what to do.
     EvalDirError: eval_dir cannot be written.
   """

@@ -23,8 +23,8 @@ import urllib.request
 
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import errors
-from cifar10_towers.common import generated
 from cifar10_towers.common import prog
+from cifar10_towers.datasets import generated
 
 DATA_URL = 'https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz'
 ARCHIVE_NAME = 'cifar-10-binary.tar.gz'  # also the name of a local copy in data_dir
@@ -192,7 +192,7 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
   """Makes sure `<data_dir>/cifar-10-batches-bin` holds the CIFAR-10 files.
 
   Does nothing when all six .bin files are there and are not generated data
-  (`common.generated`); refuses when generated data is there. Otherwise uses
+  (`datasets.generated`); refuses when generated data is there. Otherwise uses
   `<data_dir>/cifar-10-binary.tar.gz` if it exists, else downloads `url` (http,
   https or file) to it through a staging directory; verifies the SHA-256 either way,
   then unpacks safely (see the module docstring). The verified archive is kept,

@@ -11,7 +11,7 @@ imported only when a conversion runs.
 import numpy as np
 
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import generated
+from cifar10_towers.datasets import generated
 
 CLASS_NAMES = tuple(str(d) for d in range(10))
 VERSION = 1  # of the conversion, in GENERATED.json
@@ -62,7 +62,7 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
 
   The training images are spread evenly over `data_batch_1..5.bin`, the test
   images go to `test_batch.bin`, `batches.meta.txt` names the classes
-  '0'..'9', and the marker `GENERATED.json` (`common.generated`) says the set
+  '0'..'9', and the marker `GENERATED.json` (`datasets.generated`) says the set
   is generated. The files are written aside and replace an existing
   directory's files all at once (`generated.write_set`): an interrupted or
   failed run changes nothing.

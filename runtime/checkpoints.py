@@ -46,8 +46,8 @@ import re
 
 import tensorflow as tf
 
-from cifar10_towers.common import config as config_lib
 from cifar10_towers.common import errors
+from cifar10_towers.runtime import config as config_lib
 
 logger = logging.getLogger(__name__)
 
@@ -500,7 +500,7 @@ def write_failed(directory, what, error):
 
   Returns:
     CheckpointError, for the caller to raise: the cause and what to do about
-    it. What the run kept is said by the one ending path (common.ending).
+    it. What the run kept is said by the one ending path (runtime.ending).
   """
   cause = reason(error).rsplit('; ', 1)[-1]
   return CheckpointError('could not write %s in %s (%s). %s, or pass another '

@@ -12,8 +12,8 @@ import re
 import sys
 
 from cifar10_towers.common import errors
-from cifar10_towers.common import progress
-from cifar10_towers.common import stderr_filter
+from cifar10_towers.runtime import progress
+from cifar10_towers.runtime import stderr_filter
 
 
 def say(line):
@@ -75,7 +75,7 @@ def cause(error):
     return '%s: %s' % (error.filename, error.strerror or error)
   module = type(error).__module__ or ''
   if module.startswith('tensorflow'):
-    from cifar10_towers.common import checkpoints  # pylint: disable=import-outside-toplevel
+    from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
     text = re.sub(r'\s*(\[\[|\[Op:).*', '', checkpoints.reason(error)).strip()
     kind = re.sub(r'(?<!^)(?=[A-Z])', ' ', type(error).__name__.replace('Error', ''))
     return 'TensorFlow failed (%s): %s' % (kind.lower() or 'error', text)
@@ -136,7 +136,7 @@ def failed(error, first_step, step, held, saved, save, train_dir):
       if again not in line:
         problem = ' Saving global step %d failed too: %s.' % (step, again)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from cifar10_towers.common import checkpoints  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
   try:
     newest = tf.train.latest_checkpoint(train_dir)
   except (tf.errors.OpError, OSError, ValueError):

@@ -138,10 +138,10 @@ class LogHandler(logging.Handler):
   with extra=IN_PLACE: step, loss, speed, step/max_steps, time left) replaces
   the one before, as Keras' fit draws its bar line; any other line (a
   heartbeat, a warning, the last line) ends it first, and so does the
-  ending line (common.ending). Elsewhere (a log, a pipe) every line is
+  ending line (runtime.ending). Elsewhere (a log, a pipe) every line is
   printed as it is, so the log keeps upstream's lines for the scripts that
   parse them. A failed write raises (no handleError): a closed stdout ends
-  a run as the closed stream it is (common.ending.stream_closed).
+  a run as the closed stream it is (runtime.ending.stream_closed).
   """
 
   def emit(self, record):

@@ -10,11 +10,11 @@ import socket
 import threading
 import time
 
-from cifar10_towers.common import ending
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 from cifar10_towers.common import prog
-from cifar10_towers.common import progress
+from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import progress
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class StepLog:
   `log_every` steps (LogWindow's means) and the `on_step` hook.
 
   Args:
-    config: common.config.TrainConfig (log_every, max_steps).
+    config: runtime.config.TrainConfig (log_every, max_steps).
     images: int, the images of one step over all replicas.
     on_step: optional callable(step, seconds, images) after every step (bench
       paces itself with it).

@@ -58,7 +58,7 @@ import re
 
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import hparams
-from cifar10_towers.common import training
+from cifar10_towers.runtime import training
 
 GIB = 2 ** 30
 RUNTIME_BYTES = 1 * GIB  # TensorFlow's own footprint in a training process

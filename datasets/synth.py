@@ -54,8 +54,8 @@ import copy
 import numpy as np
 
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import generated
 from cifar10_towers.common import hparams
+from cifar10_towers.datasets import generated
 
 CLASS_NAMES = ('hstripes4', 'hstripes8', 'vstripes4', 'vstripes8', 'checker4',
                'checker8', 'crosshatch', 'rings', 'disk', 'noise')
@@ -201,7 +201,7 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
   Creates `<data_dir>/cifar-10-batches-bin/` with `data_batch_1.bin` ..
   `data_batch_5.bin` (`train_per_file` records each), `test_batch.bin`
   (`num_test` records), `batches.meta.txt` (the class names, one a line) and
-  the marker `GENERATED.json` (`common.generated`).
+  the marker `GENERATED.json` (`datasets.generated`).
   The files are written aside and replace an existing directory's files all
   at once (`generated.write_set`): an interrupted or failed run changes
   nothing. The files are made and written one at a time, so the

@@ -1,7 +1,7 @@
 """Generated data is labelled as such, so no command reports it as CIFAR-10.
 
-`data synth` and `data digits` (`common.synth.generate`,
-`common.digits.convert_digits`) write `cifar-10-batches-bin/GENERATED.json`
+`data synth` and `data digits` (`datasets.synth.generate`,
+`datasets.digits.convert_digits`) write `cifar-10-batches-bin/GENERATED.json`
 with the .bin files, inside the same staged swap, so a data set and its label
 appear together or not at all. It names the generator ('synth' or 'digits')
 and its version (a new version writes other bytes for the same command), the
