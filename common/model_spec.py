@@ -38,8 +38,8 @@ EMA_SUFFIX = 'ExponentialMovingAverage'  # a shadow variable's name: '<variable>
 def variable_shape(name):
   """Shape of a variable named like 'local3/weights'."""
   layer_name, kind = name.split('/')
-  layer = LAYERS_BY_NAME[layer_name]
-  return layer.weight_shape if kind == 'weights' else (layer.weight_shape[-1],)
+  shape = LAYERS_BY_NAME[layer_name].weight_shape
+  return shape if kind == 'weights' else shape[-1:]
 
 
 def _max_pool(x, name):
@@ -62,8 +62,6 @@ def forward(images, params, activation_hook=None, lrn=None):
   Returns:
     logits: float32 [batch, NUM_CLASSES], unscaled (no softmax).
   """
-  hook = activation_hook or (lambda _: None)
-
   def normalize(x, name):
     if lrn is None:
       return lrn_lib.upstream_lrn(x, name=name)
@@ -77,8 +75,9 @@ def forward(images, params, activation_hook=None, lrn=None):
       x = tf.nn.bias_add(tf.nn.conv2d(x, weights, [1, 1, 1, 1], padding='SAME'), biases)
     else:
       x = tf.add(tf.matmul(x, weights), biases)
-    out = tf.nn.relu(x, name=name) if relu else tf.identity(x, name=name)
-    hook(out)
+    out = (tf.nn.relu if relu else tf.identity)(x, name=name)
+    if activation_hook:
+      activation_hook(out)
     return out
 
   pool1 = _max_pool(layer(images, 'conv1'), 'pool1')
@@ -99,9 +98,8 @@ def cross_entropy_mean(logits, labels):
   Returns:
     float32 scalar.
   """
-  labels = tf.cast(labels, tf.int64)
   cross_entropy = tf.nn.sparse_softmax_cross_entropy_with_logits(
-      labels=labels, logits=logits, name='cross_entropy_per_example')
+      labels=tf.cast(labels, tf.int64), logits=logits, name='cross_entropy_per_example')
   return tf.reduce_mean(cross_entropy, name='cross_entropy')
 
 
@@ -118,8 +116,8 @@ def learning_rate(global_step, decay_steps, initial=hparams.INITIAL_LEARNING_RAT
   `initial` is upstream's INITIAL_LEARNING_RATE unless --learning_rate says
   otherwise.
   """
-  exponent = tf.floor(tf.cast(global_step, tf.float32) / float(decay_steps))
-  return initial * tf.pow(hparams.LEARNING_RATE_DECAY_FACTOR, exponent)
+  return initial * tf.pow(hparams.LEARNING_RATE_DECAY_FACTOR,
+                          tf.floor(tf.cast(global_step, tf.float32) / float(decay_steps)))
 
 
 def ema_decay(num_updates):

@@ -27,16 +27,16 @@ def scalar_summary(tag, value):
   raw op takes the tag as a value, so both trainers' tags read the same
   (`common.training.summary_tags`).
   """
-  return _collected(tf.raw_ops.ScalarSummary(tags=tag, values=value, name='scalar_summary'))
+  return collected(tf.raw_ops.ScalarSummary(tags=tag, values=value, name='scalar_summary'))
 
 
 def histogram_summary(tag, values):
   """A histogram summary op written under exactly `tag`, added to SUMMARIES."""
-  return _collected(tf.raw_ops.HistogramSummary(tag=tag, values=values,
+  return collected(tf.raw_ops.HistogramSummary(tag=tag, values=values,
                                                 name='histogram_summary'))
 
 
-def _collected(op):
+def collected(op):
   tf.add_to_collection(tf.GraphKeys.SUMMARIES, op)
   return op
 

@@ -69,10 +69,9 @@ def tower_loss(scope, images, labels, lrn=None):
     float32 scalar: the tower's mean cross-entropy plus the weight decay of
     local3 and local4, each counted once.
   """
-  logits = model.inference(images, lrn=lrn)
   # model.loss sums the 'losses' of the whole graph, so with several towers
   # its result double counts; as upstream, only its side effect is used.
-  _ = model.loss(logits, labels)
+  model.loss(model.inference(images, lrn=lrn), labels)
 
   # Assemble the losses of the current tower only: its cross-entropy and the
   # weight decay terms built inside its scope. The trailing slash keeps
@@ -81,10 +80,10 @@ def tower_loss(scope, images, labels, lrn=None):
   total_loss = tf.add_n(losses, name='total_loss')
 
   # Scalar summaries of each term and of the total, tagged with the tower's
-  # name scope, e.g. 'tower_0/local3/weight_loss'.
+  # name scope, e.g. 'tower_0/local3/weight_loss': its op's name.
   # (The total's op is 'total_loss_1': model.loss took 'total_loss'.)
   for l in losses:
-    model.scalar_summary(scope + l.op.name[len(scope):], l)
+    model.scalar_summary(l.op.name, l)
   model.scalar_summary(scope + 'total_loss', total_loss)
   return total_loss
 
@@ -102,17 +101,13 @@ def average_gradients(tower_grads):
   Returns:
     list of (gradient, variable), the gradient being the mean over towers.
   """
-  average_grads = []
   # Deviation from upstream: a name scope, so traces (towerprofile) can tell
   # the averaging from the update.
   with tf.name_scope('average_gradients'):
-    for grad_and_vars in zip(*tower_grads):
-      # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0)).
-      grads = [tf.expand_dims(g, 0) for g, _ in grad_and_vars]
-      grad = tf.reduce_mean(tf.concat(grads, 0), 0)
-      # The variables are shared, so the first tower's pointer is enough.
-      average_grads.append((grad, grad_and_vars[0][1]))
-  return average_grads
+    # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0));
+    # the variables are shared, so the first tower's pointer is enough.
+    return [(tf.reduce_mean(tf.concat([tf.expand_dims(g, 0) for g, _ in grad_and_vars], 0), 0),
+             grad_and_vars[0][1]) for grad_and_vars in zip(*tower_grads)]
 
 
 def make_optimizer(spec, lr):
@@ -131,8 +126,8 @@ def make_optimizer(spec, lr):
 
 def _clip(grads_and_vars, clip_norm):
   """The gradients scaled together so that their global norm is <= clip_norm."""
-  clipped, _ = tf.clip_by_global_norm([g for g, _ in grads_and_vars], clip_norm)
-  return list(zip(clipped, [v for _, v in grads_and_vars]))
+  grads, variables = zip(*grads_and_vars)
+  return list(zip(tf.clip_by_global_norm(grads, clip_norm)[0], variables))
 
 
 @contextlib.contextmanager
@@ -192,7 +187,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
                                       staircase=True)
     opt = make_optimizer(optimizer, lr)
 
-    tower_grads, tower_losses, summaries = [], [], []
+    tower_grads, tower_losses = [], []
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
     # The same function as tf.nn.lrn to ~4e-7 relative
     # (tests/test_lrn.py) and the same kernels as modern's towers, so the two
@@ -203,26 +198,24 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
         # With `jit`, the tower's forward and backward ops form XLA clusters
         # on its device (explicitly requested, so also on CPUs); the
         # variables, on another device, stay outside them.
-        xla = (tf.xla.experimental.jit_scope() if jit
-               else contextlib.nullcontext())
-        with tf.device(plan.tower_devices[i]), xla:
-          with tf.name_scope('%s_%d' % (model.TOWER_NAME, i)) as scope:
-            loss = tower_loss(scope, images, labels, lrn=lrn)
-            # The next towers share this tower's variables.
-            tf.get_variable_scope().reuse_variables()
-            # Deviation from upstream: every tower's loss summary is written.
-            summaries.extend(tf.get_collection(tf.GraphKeys.SUMMARIES, scope))
-            grads_and_vars = opt.compute_gradients(loss)
-            if optimizer.clips_per_tower:
-              # Each tower's gradients by their own global norm, before the
-              # average: not the same as clipping the average (README).
-              grads_and_vars = _clip(grads_and_vars, optimizer.clip_norm)
-            tower_grads.append(grads_and_vars)
-            tower_losses.append(loss)
+        xla = tf.xla.experimental.jit_scope() if jit else contextlib.nullcontext()
+        with tf.device(plan.tower_devices[i]), xla, tf.name_scope(
+            '%s_%d' % (model.TOWER_NAME, i)) as scope:
+          # Deviation from upstream: every tower's loss summary is written
+          # (summary_op merges the summaries of every tower's scope).
+          loss = tower_loss(scope, images, labels, lrn=lrn)
+          # The next towers share this tower's variables.
+          tf.get_variable_scope().reuse_variables()
+          grads_and_vars = opt.compute_gradients(loss)
+          if optimizer.clips_per_tower:
+            # Each tower's gradients by their own global norm, before the
+            # average: not the same as clipping the average (README).
+            grads_and_vars = _clip(grads_and_vars, optimizer.clip_norm)
+          tower_grads.append(grads_and_vars)
+          tower_losses.append(loss)
 
     # Synchronization point: every tower's gradients and losses meet here.
-    grads = average_gradients(tower_grads)
-    applied = grads
+    grads = applied = average_gradients(tower_grads)
     if optimizer.clips_averaged:
       with tf.name_scope('clip_gradients'):
         applied = _clip(grads, optimizer.clip_norm)
@@ -233,13 +226,12 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     # The tags of common.training.summary_tags, as modern writes them (a
     # summary op takes its tag as a value: name scopes do not change it).
     with tf.name_scope('summaries') as summaries_scope:
-      summaries.append(model.scalar_summary(training.LEARNING_RATE_TAG, lr))
-      summaries.append(model.scalar_summary(training.MEAN_LOSS_TAG, mean_loss))
+      model.scalar_summary(training.LEARNING_RATE_TAG, lr)
+      model.scalar_summary(training.MEAN_LOSS_TAG, mean_loss)
       for grad, var in grads:
-        summaries.append(model.histogram_summary(
-            training.gradients_tag(var.op.name), grad))
+        model.histogram_summary(training.gradients_tag(var.op.name), grad)
       # A few of tower 0's images, as TF1's image summary scales them.
-      summaries.append(tf.raw_ops.ImageSummary(
+      model.collected(tf.raw_ops.ImageSummary(
           tag='images', tensor=tower_batches[0][0],
           max_images=training.NUM_SUMMARY_IMAGES, name='image_summary'))
 
@@ -264,13 +256,14 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     with tf.name_scope(summaries_scope):
       with tf.control_dependencies([train_op]):
         for var in tf.trainable_variables():
-          summaries.append(model.histogram_summary(var.op.name, var.read_value()))
-          summaries.append(model.histogram_summary(
-              training.average_tag(var.op.name), ema.average(var).read_value()))
+          model.histogram_summary(var.op.name, var.read_value())
+          model.histogram_summary(training.average_tag(var.op.name),
+                                  ema.average(var).read_value())
       # Deviation from upstream: both trainers write the tags of common.training.summary_tags.
       # The towers' summaries only: not the input pipeline's queue-fill
       # fractions and image summary, which the modern trainer has no counterpart of.
-      summary_op = tf.summary.merge(summaries)
+      summary_op = tf.summary.merge(tf.get_collection(
+          tf.GraphKeys.SUMMARIES, r'%s_\d+/|summaries/' % model.TOWER_NAME))
 
   return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
                 applied, ema, summary_op)
@@ -538,19 +531,17 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     with stop.while_blocked(lambda _: inputs.close_queues(sess, graph_parts.close_queues[::-1])):
       while (step < config.max_steps and not stop.requested
              and not coord.should_stop()):
-        fetches = [towers.train_op, towers.mean_loss, towers.tower_losses]
         write_summary = (step + 1) % config.summary_every == 0
-        if write_summary:
-          # Deviation from upstream: the summaries are fetched with the step;
-          # upstream ran them separately, dequeuing batches it never trained on.
-          fetches.append(towers.summary_op)
+        # Deviation from upstream: the summaries are fetched with the step;
+        # upstream ran them separately, dequeuing batches it never trained on.
+        fetches = [towers.train_op, towers.mean_loss, towers.tower_losses,
+                   towers.summary_op if write_summary else []]
         start_time = time.time()
         # The first step waits for the shuffle queue to fill: tens of seconds,
         # said on stdout past training.HEARTBEAT_AFTER.
-        heartbeat = (training.Heartbeat(_first_step_progress(sess, graph_parts, fill))
-                     if step == first_step else contextlib.nullcontext())
         try:
-          with heartbeat:
+          with (training.Heartbeat(_first_step_progress(sess, graph_parts, fill))
+                if step == first_step else contextlib.nullcontext()):
             results = sess.run(fetches)
         except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
           if not stop.requested:
