@@ -54,8 +54,8 @@ def _activation_summary(x):
   # scope already took its name; the prefix is the tower's name scope.
   # Deviation from upstream: every tower's loss summary is written.
   # And its activations, each under its own tag.
-  parts = x.op.name.split('/')
-  prefix, layer = '/'.join(parts[:-1]), re.sub(r'_\d+$', '', parts[-1])
+  prefix, _, layer = x.op.name.rpartition('/')
+  layer = re.sub(r'_\d+$', '', layer)
   histogram_summary(training.activations_tag(prefix, layer), x)
   scalar_summary(training.sparsity_tag(prefix, layer), tf.nn.zero_fraction(x))
 
@@ -115,15 +115,12 @@ def inference(images, lrn=None):
   params = {}
   for layer in model_spec.LAYERS:
     with tf.variable_scope(layer.name):
-      weights = _variable_with_weight_decay(
-          'weights', shape=list(layer.weight_shape), stddev=layer.stddev,
-          wd=layer.wd)
-      biases = _variable_on_cpu(
-          'biases', [layer.weight_shape[-1]],
-          tf.constant_initializer(layer.bias_init))
-      params[layer.name] = (weights, biases)
-  return model_spec.forward(images, params, activation_hook=_activation_summary,
-                            lrn=lrn)
+      params[layer.name] = (
+          _variable_with_weight_decay('weights', list(layer.weight_shape), layer.stddev,
+                                      layer.wd),
+          _variable_on_cpu('biases', [layer.weight_shape[-1]],
+                           tf.constant_initializer(layer.bias_init)))
+  return model_spec.forward(images, params, _activation_summary, lrn)
 
 
 def loss(logits, labels):

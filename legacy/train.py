@@ -328,8 +328,7 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
       with stop.raising():
         graph_parts = build_train_graph(config, plan, decay_steps, num_threads)
         graph.finalize()
-      with tf.Session(config=session_config(
-          plan, config.log_device_placement)) as sess:
+      with tf.Session(config=session_config(plan, config.log_device_placement)) as sess:
         with stop.raising():
           step = _restore_or_initialize(sess, graph_parts, config.train_dir,
                                         config.optimizer)
@@ -357,11 +356,9 @@ def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
     [batch]) dequeues, one per tower.
   """
   with tf.device(devices.VARIABLE_DEVICE):
-    images, labels = inputs.distorted_inputs(
-        config.data_dir, config.batch_size, num_threads=num_threads,
-        seed=config.seed)
-    batch_queue = prefetch_queue.prefetch_queue(
-        [images, labels], capacity=2 * config.num_gpus)
+    images, labels = inputs.distorted_inputs(config.data_dir, config.batch_size, num_threads,
+                                             config.seed)
+    batch_queue = prefetch_queue.prefetch_queue([images, labels], 2 * config.num_gpus)
     # Each tower gets its own full batch from the one shared queue.
     # Deviation from upstream: the dequeues are built here on the CPU, not
     # inside each tower's scope; the placer put them next to the queue on the
@@ -390,8 +387,7 @@ def build_train_graph(config, plan, decay_steps,
     close_queues = inputs.close_queue_ops()
     queue_size = next(runner.queue for runner in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)
                       if isinstance(runner.queue, tf.RandomShuffleQueue)).size()
-  towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit,
-                        optimizer=config.optimizer)
+  towers = build_towers(tower_batches, plan, decay_steps, config.jit, config.optimizer)
 
   # Deviation from upstream: the `checkpoint` state file records paths
   # relative to train_dir, so a copied or moved train_dir resumes from its
@@ -447,9 +443,8 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer=optimizer_lib
       # Each value is fed into its variable's initializer: no new op in the
       # finalized graph.
       for variable in tf.global_variables():
-        value = contents.tensors[variable.op.name]
-        variable.load(value.astype(variable.dtype.base_dtype.as_numpy_dtype),
-                      sess)
+        variable.load(contents.tensors[variable.op.name].astype(
+            variable.dtype.base_dtype.as_numpy_dtype), sess)
     else:
       graph_parts.saver.restore(sess, checkpoint)
   except (tf.errors.OpError, ValueError) as e:

@@ -76,9 +76,8 @@ def clip(grads, clip_norm):
 # variable's slots and the optimizer's non-slot variables in
 # common.optimizer's order); a table so that a test can break one.
 
-def apply_sgd(var, grad, lr, spec):
-  """var -= lr * grad."""
-  del spec
+def apply_sgd(var, grad, lr, _):
+  """var -= lr * grad (the Optimizer, last, has nothing to say)."""
   return var.assign_sub(lr * grad)
 
 
@@ -166,7 +165,7 @@ class TrainState:
       decay_steps: int >= 1, `training.checked_decay_steps(...)`.
       optimizer: common.optimizer.Optimizer; default upstream's SGD.
     """
-    self.decay_steps = int(decay_steps)
+    self.decay_steps = decay_steps
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
     # The same function as tf.nn.lrn to ~4e-7 relative (tests/test_lrn.py).
     self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
