@@ -78,9 +78,8 @@ def make_fast_lrn(depth_radius, bias, alpha, beta):
 
 def upstream_lrn(x, name=None):
   """Upstream's `tf.nn.lrn` with the hyperparameters of docs/equivalence.md §1."""
-  return tf.nn.local_response_normalization(
-      x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
-      alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA, name=name)
+  return tf.nn.local_response_normalization(x, hparams.LRN_DEPTH_RADIUS, hparams.LRN_BIAS,
+                                            hparams.LRN_ALPHA, hparams.LRN_BETA, name)
 
 
 def fast_lrn(x):

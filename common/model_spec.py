@@ -43,9 +43,8 @@ def variable_shape(name):
 
 
 def _max_pool(x, name):
-  k, s = hparams.POOL_KSIZE, hparams.POOL_STRIDE
-  return tf.nn.max_pool2d(x, ksize=[1, k, k, 1], strides=[1, s, s, 1],
-                          padding='SAME', name=name)
+  # An int window and stride mean [1, k, k, 1] (NHWC).
+  return tf.nn.max_pool2d(x, hparams.POOL_KSIZE, hparams.POOL_STRIDE, 'SAME', name=name)
 
 
 def forward(images, params, activation_hook=None, lrn=None):
@@ -72,7 +71,7 @@ def forward(images, params, activation_hook=None, lrn=None):
     """conv1, conv2 (SAME, stride 1) or a fully connected layer, then ReLU."""
     weights, biases = params[name]
     if len(weights.shape) == 4:
-      x = tf.nn.bias_add(tf.nn.conv2d(x, weights, [1, 1, 1, 1], padding='SAME'), biases)
+      x = tf.nn.bias_add(tf.nn.conv2d(x, weights, 1, 'SAME'), biases)
     else:
       x = tf.add(tf.matmul(x, weights), biases)
     out = (tf.nn.relu if relu else tf.identity)(x, name=name)

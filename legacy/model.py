@@ -72,7 +72,7 @@ def _variable_on_cpu(name, shape, initializer):
     a float32 variable on `common.devices.VARIABLE_DEVICE` ('/cpu:0').
   """
   with tf.device(devices.VARIABLE_DEVICE):
-    return tf.get_variable(name, shape, initializer=initializer, dtype=tf.float32)
+    return tf.get_variable(name, shape, tf.float32, initializer)
 
 
 def _variable_with_weight_decay(name, shape, stddev, wd):

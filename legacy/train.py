@@ -32,26 +32,25 @@ from cifar10_towers.legacy import model
 
 logger = logging.getLogger(__name__)
 
-Towers = collections.namedtuple('Towers', [
-    'train_op',  # one synchronous step: average, apply, then moving average
-    'global_step',  # int64 variable, incremented by train_op
-    'lr',  # float32 scalar, the learning rate at global_step
-    'tower_losses',  # list of N float32 scalars, each tower's total loss
-    'mean_loss',  # float32 scalar, mean of tower_losses
-    'averaged_grads',  # list of (gradient, variable), mean over the towers
-    'applied_grads',  # what the optimizer applies: averaged_grads, clipped if asked
-    'ema',  # the tf.train.ExponentialMovingAverage of the trainable variables
-    'summary_op',  # common.training.summary_tags' summaries, merged (variables after the step)
-])
+# train_op: one synchronous step: average, apply, then moving average
+# global_step: int64 variable, incremented by train_op
+# lr: float32 scalar, the learning rate at global_step
+# tower_losses: list of N float32 scalars, each tower's total loss
+# mean_loss: float32 scalar, mean of tower_losses
+# averaged_grads: list of (gradient, variable), mean over the towers
+# applied_grads: what the optimizer applies: averaged_grads, clipped if asked
+# ema: the tf.train.ExponentialMovingAverage of the trainable variables
+# summary_op: common.training.summary_tags' summaries, merged (variables after the step)
+Towers = collections.namedtuple('Towers', 'train_op global_step lr tower_losses mean_loss '
+                                'averaged_grads applied_grads ema summary_op')
 
 
-TrainGraph = collections.namedtuple('TrainGraph', [
-    'towers',  # Towers
-    'saver',  # tf.train.Saver of all global variables
-    'init_op',  # initializes global and local variables
-    'close_queues',  # ops closing each queue, cancelling pending enqueues
-    'queue_size',  # int32 scalar, the examples in the shuffle queue (progress)
-])
+# towers: Towers
+# saver: tf.train.Saver of all global variables
+# init_op: initializes global and local variables
+# close_queues: ops closing each queue, cancelling pending enqueues
+# queue_size: int32 scalar, the examples in the shuffle queue (progress)
+TrainGraph = collections.namedtuple('TrainGraph', 'towers saver init_op close_queues queue_size')
 
 
 
@@ -119,8 +118,7 @@ def make_optimizer(spec, lr):
   if spec.name == optimizer_lib.MOMENTUM:
     return tf.train.MomentumOptimizer(lr, spec.momentum)
   if spec.name == optimizer_lib.ADAM:
-    return tf.train.AdamOptimizer(lr, beta1=spec.adam_beta1, beta2=spec.adam_beta2,
-                                  epsilon=spec.adam_epsilon)
+    return tf.train.AdamOptimizer(lr, spec.adam_beta1, spec.adam_beta2, spec.adam_epsilon)
   return tf.train.GradientDescentOptimizer(lr)
 
 

@@ -44,8 +44,7 @@ def tower_loss(model, images, labels, params=None, activation_hook=None):
     once. (Upstream filtered the 'losses' collection by the tower's name scope
     for the same reason: weight decay counted once per tower.)
   """
-  logits = model.inference(images, params, activation_hook)
-  return model.loss(logits, labels, params)
+  return model.loss(model.inference(images, params, activation_hook), labels, params)
 
 
 def average_gradients(tower_grads):
@@ -175,11 +174,11 @@ class TrainState:
     # power of step 1).
     initial = {'beta1_power': optimizer.adam_beta1, 'beta2_power': optimizer.adam_beta2}
     with tf.device(devices.VARIABLE_DEVICE):
-      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name='global_step')
+      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
+      # float32, as a Python float and tf.zeros are.
       self._slots = {
           name: tf.Variable(initial.get(name, tf.zeros(optimizer_lib.slot_shape(name))),
-                            dtype=tf.float32, trainable=False, name=name)
+                            trainable=False, name=name)
           for name in optimizer.slot_names()}
     self.slots = slot_tree(self._slots) if self._slots else None
 
