@@ -397,7 +397,7 @@ def build_train_graph(config, plan, decay_steps,
   return TrainGraph(towers, saver, init_op, close_queues, queue_size)
 
 
-def _restore_or_initialize(sess, graph_parts, train_dir, optimizer=optimizer_lib.Optimizer()):
+def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
   A train_dir of the upstream script resumes too: its `global_step` is
@@ -472,17 +472,6 @@ def _save(saver, sess, config, step):
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _first_step_progress(sess, graph_parts, fill):
-  """The heartbeat line of the first step: the queue's filling, then the step."""
-  def message(seconds):
-    held = int(sess.run(graph_parts.queue_size))
-    if held < fill:
-      return ('Filling the queue: %d of %d examples... %d s'
-              % (held, fill, seconds))
-    return 'Running the first step... %d s' % seconds
-  return message
-
-
 def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   """Runs the steps with the queue threads, and always stops them.
 
@@ -514,6 +503,13 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     last_saved = step
     return path
 
+  def first_step_progress(seconds):
+    """The heartbeat line of the first step: the queue's filling, then the step."""
+    held = int(sess.run(graph_parts.queue_size))
+    if held < fill:
+      return 'Filling the queue: %d of %d examples... %d s' % (held, fill, seconds)
+    return 'Running the first step... %d s' % seconds
+
   try:
     # On the stop request's own thread, while this one may wait in sess.run
     # for a batch: the dequeue then fails with OutOfRangeError. The towers'
@@ -527,22 +523,22 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
         write_summary = (step + 1) % config.summary_every == 0
         # Deviation from upstream: the summaries are fetched with the step;
         # upstream ran them separately, dequeuing batches it never trained on.
-        fetches = [towers.train_op, towers.mean_loss, towers.tower_losses,
-                   towers.summary_op if write_summary else []]
         start_time = time.time()
         # The first step waits for the shuffle queue to fill: tens of seconds,
         # said on stdout past training.HEARTBEAT_AFTER.
         try:
-          with (training.Heartbeat(_first_step_progress(sess, graph_parts, fill))
-                if step == first_step else contextlib.nullcontext()):
-            results = sess.run(fetches)
+          with (training.Heartbeat(first_step_progress) if step == first_step
+                else contextlib.nullcontext()):
+            _, mean_loss, tower_losses, summary = sess.run([
+                towers.train_op, towers.mean_loss, towers.tower_losses,
+                towers.summary_op if write_summary else []])
         except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
           if not stop.requested:
             raise
           break  # the stop closed the queues under this step: it did not run
         duration = time.time() - start_time
         # Before `step` counts it: a diverged step is never saved.
-        training.check_divergence(step + 1, results[2])
+        training.check_divergence(step + 1, tower_losses)
         # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
         step += 1  # this process is the only one moving global_step
         if summary_writer is None:
@@ -550,11 +546,10 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
         # Deviation from upstream: examples/sec and sec/batch are means over the
         # steps since the last line, not divided by the towers. Steps writing
         # summaries or checkpoints count only their step (training.LogWindow).
-        log.add(step, results[1], duration,
-                extra=write_summary or step == first_step + 1)
+        log.add(step, mean_loss, duration, write_summary or step == first_step + 1)
         if write_summary:
           try:
-            summary_writer.add_summary(results[3], step)
+            summary_writer.add_summary(summary, step)
           except (RuntimeError, OSError) as e:  # the writer thread failed
             raise checkpoints.write_failed(
                 config.train_dir, 'TensorBoard summaries', e) from e
