@@ -46,7 +46,7 @@ def _negative_power(s, beta):
   return tf.pow(s, -beta)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_fast_lrn(depth_radius, bias, alpha, beta):
   """An XLA-compiled `tf.nn.local_response_normalization` with these parameters.
 
@@ -65,8 +65,7 @@ def make_fast_lrn(depth_radius, bias, alpha, beta):
 
   @tf.function(jit_compile=True)
   def backward(x, p, q, g):
-    window = _window_sum(g * x * q, depth_radius)
-    return g * p - (2.0 * alpha * beta) * x * window
+    return g * p - (2.0 * alpha * beta) * x * _window_sum(g * x * q, depth_radius)
 
   @tf.custom_gradient
   def fast_lrn(x):

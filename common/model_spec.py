@@ -13,8 +13,7 @@ import tensorflow as tf
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn as lrn_lib
 
-LayerSpec = collections.namedtuple(
-    'LayerSpec', ['name', 'weight_shape', 'stddev', 'wd', 'bias_init'])
+LayerSpec = collections.namedtuple('LayerSpec', 'name weight_shape stddev wd bias_init')
 
 # Flattened size of pool2: 24 -> 12 -> 6 spatially, 64 channels.
 FLAT_DIM = (hparams.IMAGE_SIZE // 4) * (hparams.IMAGE_SIZE // 4) * 64  # 2304

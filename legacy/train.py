@@ -179,10 +179,8 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     # meet, as upstream's did, instead of their ops strewn over the top level.
     # Variable names (checkpoint keys) do not depend on name scopes.
     with tf.name_scope('learning_rate'):
-      lr = tf.train.exponential_decay(optimizer.learning_rate,
-                                      global_step, decay_steps,
-                                      hparams.LEARNING_RATE_DECAY_FACTOR,
-                                      staircase=True)
+      lr = tf.train.exponential_decay(optimizer.learning_rate, global_step, decay_steps,
+                                      hparams.LEARNING_RATE_DECAY_FACTOR, True)  # staircase
     opt = make_optimizer(optimizer, lr)
 
     tower_grads, tower_losses = [], []
@@ -235,8 +233,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
 
     # Named by `name`, not by a name scope around it, which would rename
     # Adam's 'beta1_power' and 'beta2_power' (tf.Variables).
-    apply_gradient_op = opt.apply_gradients(applied, global_step=global_step,
-                                            name='update')
+    apply_gradient_op = opt.apply_gradients(applied, global_step, 'update')
 
     ema = tf.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY,
                                             global_step)
@@ -489,9 +486,8 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   towers = graph_parts.towers
   # Input threads end with CancelledError when a stop closes the queues
   # under them: that is a clean stop, not an error to re-raise.
-  coord = tf.train.Coordinator(clean_stop_exception_types=(
-      tf.errors.OutOfRangeError, tf.errors.CancelledError))
-  threads = tf.train.start_queue_runners(sess=sess, coord=coord)
+  coord = tf.train.Coordinator((tf.errors.OutOfRangeError, tf.errors.CancelledError))
+  threads = tf.train.start_queue_runners(sess, coord)
   summary_writer = None  # opened after the first step: a stop before it writes nothing
   first_step = last_saved = step
   error = None
