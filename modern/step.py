@@ -128,8 +128,8 @@ def _check_and_assign(groups):
   """
   for what, given, targets in groups:
     if set(given) != set(targets):
-      raise ValueError('%s: missing %s, unknown %s'
-                       % (what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
+      raise ValueError('%s: missing %s, unknown %s' % (
+          what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
     for name, var in targets.items():
       shape = tuple(tf.shape(given[name]).numpy())
       if shape != tuple(var.shape):
