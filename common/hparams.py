@@ -42,8 +42,7 @@ def decay_steps(examples_per_epoch, batch_size, num_gpus):
   Returns:
     int, `int(examples_per_epoch / batch_size / num_gpus * NUM_EPOCHS_PER_DECAY)`.
   """
-  num_batches_per_epoch = examples_per_epoch / batch_size / num_gpus
-  return int(num_batches_per_epoch * NUM_EPOCHS_PER_DECAY)
+  return int(examples_per_epoch / batch_size / num_gpus * NUM_EPOCHS_PER_DECAY)
 
 
 def min_queue_examples(examples_per_epoch):

@@ -46,7 +46,7 @@ def _negative_power(s, beta):
   return tf.pow(s, -beta)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def make_fast_lrn(depth_radius, bias, alpha, beta):
   """An XLA-compiled `tf.nn.local_response_normalization` with these parameters.
 
@@ -65,8 +65,7 @@ def make_fast_lrn(depth_radius, bias, alpha, beta):
 
   @tf.function(jit_compile=True)
   def backward(x, p, q, g):
-    window = _window_sum(g * x * q, depth_radius)
-    return g * p - (2.0 * alpha * beta) * x * window
+    return g * p - (2.0 * alpha * beta) * x * _window_sum(g * x * q, depth_radius)
 
   @tf.custom_gradient
   def fast_lrn(x):
@@ -78,9 +77,8 @@ def make_fast_lrn(depth_radius, bias, alpha, beta):
 
 def upstream_lrn(x, name=None):
   """Upstream's `tf.nn.lrn` with the hyperparameters of docs/equivalence.md §1."""
-  return tf.nn.local_response_normalization(
-      x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
-      alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA, name=name)
+  return tf.nn.local_response_normalization(x, hparams.LRN_DEPTH_RADIUS, hparams.LRN_BIAS,
+                                            hparams.LRN_ALPHA, hparams.LRN_BETA, name)
 
 
 def fast_lrn(x):

@@ -13,8 +13,7 @@ import tensorflow as tf
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn as lrn_lib
 
-LayerSpec = collections.namedtuple(
-    'LayerSpec', ['name', 'weight_shape', 'stddev', 'wd', 'bias_init'])
+LayerSpec = collections.namedtuple('LayerSpec', 'name weight_shape stddev wd bias_init')
 
 # Flattened size of pool2: 24 -> 12 -> 6 spatially, 64 channels.
 FLAT_DIM = (hparams.IMAGE_SIZE // 4) * (hparams.IMAGE_SIZE // 4) * 64  # 2304
@@ -38,14 +37,13 @@ EMA_SUFFIX = 'ExponentialMovingAverage'  # a shadow variable's name: '<variable>
 def variable_shape(name):
   """Shape of a variable named like 'local3/weights'."""
   layer_name, kind = name.split('/')
-  layer = LAYERS_BY_NAME[layer_name]
-  return layer.weight_shape if kind == 'weights' else (layer.weight_shape[-1],)
+  shape = LAYERS_BY_NAME[layer_name].weight_shape
+  return shape if kind == 'weights' else shape[-1:]
 
 
 def _max_pool(x, name):
-  k, s = hparams.POOL_KSIZE, hparams.POOL_STRIDE
-  return tf.nn.max_pool2d(x, ksize=[1, k, k, 1], strides=[1, s, s, 1],
-                          padding='SAME', name=name)
+  # An int window and stride mean [1, k, k, 1] (NHWC).
+  return tf.nn.max_pool2d(x, hparams.POOL_KSIZE, hparams.POOL_STRIDE, 'SAME', name=name)
 
 
 def forward(images, params, activation_hook=None, lrn=None):
@@ -62,8 +60,6 @@ def forward(images, params, activation_hook=None, lrn=None):
   Returns:
     logits: float32 [batch, NUM_CLASSES], unscaled (no softmax).
   """
-  hook = activation_hook or (lambda _: None)
-
   def normalize(x, name):
     if lrn is None:
       return lrn_lib.upstream_lrn(x, name=name)
@@ -74,11 +70,12 @@ def forward(images, params, activation_hook=None, lrn=None):
     """conv1, conv2 (SAME, stride 1) or a fully connected layer, then ReLU."""
     weights, biases = params[name]
     if len(weights.shape) == 4:
-      x = tf.nn.bias_add(tf.nn.conv2d(x, weights, [1, 1, 1, 1], padding='SAME'), biases)
+      x = tf.nn.bias_add(tf.nn.conv2d(x, weights, 1, 'SAME'), biases)
     else:
       x = tf.add(tf.matmul(x, weights), biases)
-    out = tf.nn.relu(x, name=name) if relu else tf.identity(x, name=name)
-    hook(out)
+    out = (tf.nn.relu if relu else tf.identity)(x, name=name)
+    if activation_hook:
+      activation_hook(out)
     return out
 
   pool1 = _max_pool(layer(images, 'conv1'), 'pool1')
@@ -99,9 +96,8 @@ def cross_entropy_mean(logits, labels):
   Returns:
     float32 scalar.
   """
-  labels = tf.cast(labels, tf.int64)
   cross_entropy = tf.nn.sparse_softmax_cross_entropy_with_logits(
-      labels=labels, logits=logits, name='cross_entropy_per_example')
+      labels=tf.cast(labels, tf.int64), logits=logits, name='cross_entropy_per_example')
   return tf.reduce_mean(cross_entropy, name='cross_entropy')
 
 
@@ -118,8 +114,8 @@ def learning_rate(global_step, decay_steps, initial=hparams.INITIAL_LEARNING_RAT
   `initial` is upstream's INITIAL_LEARNING_RATE unless --learning_rate says
   otherwise.
   """
-  exponent = tf.floor(tf.cast(global_step, tf.float32) / float(decay_steps))
-  return initial * tf.pow(hparams.LEARNING_RATE_DECAY_FACTOR, exponent)
+  return initial * tf.pow(hparams.LEARNING_RATE_DECAY_FACTOR,
+                          tf.floor(tf.cast(global_step, tf.float32) / float(decay_steps)))
 
 
 def ema_decay(num_updates):

@@ -48,8 +48,7 @@ class Optimizer:
     if self.name not in NAMES:
       raise ValueError('optimizer must be one of %s, got %r' % (NAMES, self.name))
     if self.clip_where not in CLIP_WHERE:
-      raise ValueError('clip_where must be one of %s, got %r'
-                       % (CLIP_WHERE, self.clip_where))
+      raise ValueError('clip_where must be one of %s, got %r' % (CLIP_WHERE, self.clip_where))
     if self.clip_norm is not None and not self.clip_norm > 0:
       raise ValueError('clip_norm must be > 0, got %r' % self.clip_norm)
     if not self.learning_rate > 0:
@@ -67,13 +66,6 @@ class Optimizer:
     """Legacy names of every slot and non-slot variable, in a fixed order."""
     return slot_names(self.name)
 
-  def describe(self):
-    """One phrase for messages, e.g. 'adam (lr 0.001), clip 1 averaged'."""
-    text = '%s (lr %g)' % (self.name, self.learning_rate)
-    if self.clip_norm is not None:
-      text += ', clip_norm %g %s' % (self.clip_norm, self.clip_where)
-    return text
-
 
 def slot_names(name):
   """Legacy names of the slots and non-slot variables of optimizer `name`."""
@@ -85,17 +77,15 @@ def slot_names(name):
 
 def slot_shape(slot_name):
   """Shape of a slot named like 'conv1/weights/Adam' (scalars: ())."""
-  if '/' not in slot_name:
-    return ()
   from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
-  return model_spec.variable_shape(slot_name.rsplit('/', 1)[0])
+  return model_spec.variable_shape(slot_name.rsplit('/', 1)[0]) if '/' in slot_name else ()
 
 
 def of_names(names, key=lambda name: name):
   """Which optimizer wrote a checkpoint, from the names it holds.
 
   Args:
-    names: iterable of a checkpoint's keys.
+    names: a collection (dict, set, list) of a checkpoint's keys.
     key: callable mapping a legacy name to the checkpoint's key for it
       (identity for legacy; modern.checkpoints.checkpoint_key for modern).
 
@@ -103,14 +93,10 @@ def of_names(names, key=lambda name: name):
     'sgd', 'momentum' or 'adam': the optimizer whose first slot is there
     (a checkpoint without any slot is plain SGD's, as before this existed).
   """
-  names = set(names)
-  for name in (ADAM, MOMENTUM):
-    if key(slot_names(name)[0]) in names:
-      return name
-  return SGD
+  return next((name for name in (ADAM, MOMENTUM) if key(slot_names(name)[0]) in names), SGD)
 
 
-def mismatch(path, saved, wanted, flag_hint=''):
+def mismatch(path, saved, wanted):
   """The one-line refusal of a checkpoint whose optimizer differs from the run's.
 
   Silently dropping the saved slots (resuming Adam as SGD) or starting them
@@ -122,9 +108,8 @@ def mismatch(path, saved, wanted, flag_hint=''):
   if saved == wanted:
     return None
   return ('%s was trained with --optimizer %s; this run has --optimizer %s, '
-          'which would %s its optimizer state. Resume it with --optimizer %s%s, '
+          'which would %s its optimizer state. Resume it with --optimizer %s, '
           'or train in another --train_dir.'
           % (path, saved, wanted,
              'drop' if wanted == SGD else ('zero-fill' if saved == SGD else
-                                           'drop and zero-fill'),
-             saved, flag_hint))
+                                           'drop and zero-fill'), saved))

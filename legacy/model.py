@@ -27,16 +27,16 @@ def scalar_summary(tag, value):
   raw op takes the tag as a value, so both trainers' tags read the same
   (`runtime.training.summary_tags`).
   """
-  return _collected(tf.raw_ops.ScalarSummary(tags=tag, values=value, name='scalar_summary'))
+  return collected(tf.raw_ops.ScalarSummary(tags=tag, values=value, name='scalar_summary'))
 
 
 def histogram_summary(tag, values):
   """A histogram summary op written under exactly `tag`, added to SUMMARIES."""
-  return _collected(tf.raw_ops.HistogramSummary(tag=tag, values=values,
+  return collected(tf.raw_ops.HistogramSummary(tag=tag, values=values,
                                                 name='histogram_summary'))
 
 
-def _collected(op):
+def collected(op):
   tf.add_to_collection(tf.GraphKeys.SUMMARIES, op)
   return op
 
@@ -54,8 +54,8 @@ def _activation_summary(x):
   # scope already took its name; the prefix is the tower's name scope.
   # Deviation from upstream: every tower's loss summary is written.
   # And its activations, each under its own tag.
-  parts = x.op.name.split('/')
-  prefix, layer = '/'.join(parts[:-1]), re.sub(r'_\d+$', '', parts[-1])
+  prefix, _, layer = x.op.name.rpartition('/')
+  layer = re.sub(r'_\d+$', '', layer)
   histogram_summary(training.activations_tag(prefix, layer), x)
   scalar_summary(training.sparsity_tag(prefix, layer), tf.nn.zero_fraction(x))
 
@@ -72,7 +72,7 @@ def _variable_on_cpu(name, shape, initializer):
     a float32 variable on `common.devices.VARIABLE_DEVICE` ('/cpu:0').
   """
   with tf.device(devices.VARIABLE_DEVICE):
-    return tf.get_variable(name, shape, initializer=initializer, dtype=tf.float32)
+    return tf.get_variable(name, shape, tf.float32, initializer)
 
 
 def _variable_with_weight_decay(name, shape, stddev, wd):
@@ -115,15 +115,12 @@ def inference(images, lrn=None):
   params = {}
   for layer in model_spec.LAYERS:
     with tf.variable_scope(layer.name):
-      weights = _variable_with_weight_decay(
-          'weights', shape=list(layer.weight_shape), stddev=layer.stddev,
-          wd=layer.wd)
-      biases = _variable_on_cpu(
-          'biases', [layer.weight_shape[-1]],
-          tf.constant_initializer(layer.bias_init))
-      params[layer.name] = (weights, biases)
-  return model_spec.forward(images, params, activation_hook=_activation_summary,
-                            lrn=lrn)
+      params[layer.name] = (
+          _variable_with_weight_decay('weights', list(layer.weight_shape), layer.stddev,
+                                      layer.wd),
+          _variable_on_cpu('biases', [layer.weight_shape[-1]],
+                           tf.constant_initializer(layer.bias_init)))
+  return model_spec.forward(images, params, _activation_summary, lrn)
 
 
 def loss(logits, labels):

@@ -32,26 +32,25 @@ from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
-Towers = collections.namedtuple('Towers', [
-    'train_op',  # one synchronous step: average, apply, then moving average
-    'global_step',  # int64 variable, incremented by train_op
-    'lr',  # float32 scalar, the learning rate at global_step
-    'tower_losses',  # list of N float32 scalars, each tower's total loss
-    'mean_loss',  # float32 scalar, mean of tower_losses
-    'averaged_grads',  # list of (gradient, variable), mean over the towers
-    'applied_grads',  # what the optimizer applies: averaged_grads, clipped if asked
-    'ema',  # the tf.train.ExponentialMovingAverage of the trainable variables
-    'summary_op',  # runtime.training.summary_tags' summaries, merged (variables after the step)
-])
+# train_op: one synchronous step: average, apply, then moving average
+# global_step: int64 variable, incremented by train_op
+# lr: float32 scalar, the learning rate at global_step
+# tower_losses: list of N float32 scalars, each tower's total loss
+# mean_loss: float32 scalar, mean of tower_losses
+# averaged_grads: list of (gradient, variable), mean over the towers
+# applied_grads: what the optimizer applies: averaged_grads, clipped if asked
+# ema: the tf.train.ExponentialMovingAverage of the trainable variables
+# summary_op: runtime.training.summary_tags' summaries, merged (variables after the step)
+Towers = collections.namedtuple('Towers', 'train_op global_step lr tower_losses mean_loss '
+                                'averaged_grads applied_grads ema summary_op')
 
 
-TrainGraph = collections.namedtuple('TrainGraph', [
-    'towers',  # Towers
-    'saver',  # tf.train.Saver of all global variables
-    'init_op',  # initializes global and local variables
-    'close_queues',  # ops closing each queue, cancelling pending enqueues
-    'queue_size',  # int32 scalar, the examples in the shuffle queue (progress)
-])
+# towers: Towers
+# saver: tf.train.Saver of all global variables
+# init_op: initializes global and local variables
+# close_queues: ops closing each queue, cancelling pending enqueues
+# queue_size: int32 scalar, the examples in the shuffle queue (progress)
+TrainGraph = collections.namedtuple('TrainGraph', 'towers saver init_op close_queues queue_size')
 
 
 
@@ -69,10 +68,9 @@ def tower_loss(scope, images, labels, lrn=None):
     float32 scalar: the tower's mean cross-entropy plus the weight decay of
     local3 and local4, each counted once.
   """
-  logits = model.inference(images, lrn=lrn)
   # model.loss sums the 'losses' of the whole graph, so with several towers
   # its result double counts; as upstream, only its side effect is used.
-  _ = model.loss(logits, labels)
+  model.loss(model.inference(images, lrn=lrn), labels)
 
   # Assemble the losses of the current tower only: its cross-entropy and the
   # weight decay terms built inside its scope. The trailing slash keeps
@@ -81,10 +79,10 @@ def tower_loss(scope, images, labels, lrn=None):
   total_loss = tf.add_n(losses, name='total_loss')
 
   # Scalar summaries of each term and of the total, tagged with the tower's
-  # name scope, e.g. 'tower_0/local3/weight_loss'.
+  # name scope, e.g. 'tower_0/local3/weight_loss': its op's name.
   # (The total's op is 'total_loss_1': model.loss took 'total_loss'.)
   for l in losses:
-    model.scalar_summary(scope + l.op.name[len(scope):], l)
+    model.scalar_summary(l.op.name, l)
   model.scalar_summary(scope + 'total_loss', total_loss)
   return total_loss
 
@@ -102,17 +100,13 @@ def average_gradients(tower_grads):
   Returns:
     list of (gradient, variable), the gradient being the mean over towers.
   """
-  average_grads = []
   # Deviation from upstream: a name scope, so traces (towerprofile) can tell
   # the averaging from the update.
   with tf.name_scope('average_gradients'):
-    for grad_and_vars in zip(*tower_grads):
-      # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0)).
-      grads = [tf.expand_dims(g, 0) for g, _ in grad_and_vars]
-      grad = tf.reduce_mean(tf.concat(grads, 0), 0)
-      # The variables are shared, so the first tower's pointer is enough.
-      average_grads.append((grad, grad_and_vars[0][1]))
-  return average_grads
+    # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0));
+    # the variables are shared, so the first tower's pointer is enough.
+    return [(tf.reduce_mean(tf.concat([tf.expand_dims(g, 0) for g, _ in grad_and_vars], 0), 0),
+             grad_and_vars[0][1]) for grad_and_vars in zip(*tower_grads)]
 
 
 def make_optimizer(spec, lr):
@@ -124,15 +118,14 @@ def make_optimizer(spec, lr):
   if spec.name == optimizer_lib.MOMENTUM:
     return tf.train.MomentumOptimizer(lr, spec.momentum)
   if spec.name == optimizer_lib.ADAM:
-    return tf.train.AdamOptimizer(lr, beta1=spec.adam_beta1, beta2=spec.adam_beta2,
-                                  epsilon=spec.adam_epsilon)
+    return tf.train.AdamOptimizer(lr, spec.adam_beta1, spec.adam_beta2, spec.adam_epsilon)
   return tf.train.GradientDescentOptimizer(lr)
 
 
 def _clip(grads_and_vars, clip_norm):
   """The gradients scaled together so that their global norm is <= clip_norm."""
-  clipped, _ = tf.clip_by_global_norm([g for g, _ in grads_and_vars], clip_norm)
-  return list(zip(clipped, [v for _, v in grads_and_vars]))
+  grads, variables = zip(*grads_and_vars)
+  return list(zip(tf.clip_by_global_norm(grads, clip_norm)[0], variables))
 
 
 @contextlib.contextmanager
@@ -186,13 +179,11 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     # meet, as upstream's did, instead of their ops strewn over the top level.
     # Variable names (checkpoint keys) do not depend on name scopes.
     with tf.name_scope('learning_rate'):
-      lr = tf.train.exponential_decay(optimizer.learning_rate,
-                                      global_step, decay_steps,
-                                      hparams.LEARNING_RATE_DECAY_FACTOR,
-                                      staircase=True)
+      lr = tf.train.exponential_decay(optimizer.learning_rate, global_step, decay_steps,
+                                      hparams.LEARNING_RATE_DECAY_FACTOR, True)  # staircase
     opt = make_optimizer(optimizer, lr)
 
-    tower_grads, tower_losses, summaries = [], [], []
+    tower_grads, tower_losses = [], []
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
     # The same function as tf.nn.lrn to ~4e-7 relative
     # (tests/test_lrn.py) and the same kernels as modern's towers, so the two
@@ -203,26 +194,24 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
         # With `jit`, the tower's forward and backward ops form XLA clusters
         # on its device (explicitly requested, so also on CPUs); the
         # variables, on another device, stay outside them.
-        xla = (tf.xla.experimental.jit_scope() if jit
-               else contextlib.nullcontext())
-        with tf.device(plan.tower_devices[i]), xla:
-          with tf.name_scope('%s_%d' % (model.TOWER_NAME, i)) as scope:
-            loss = tower_loss(scope, images, labels, lrn=lrn)
-            # The next towers share this tower's variables.
-            tf.get_variable_scope().reuse_variables()
-            # Deviation from upstream: every tower's loss summary is written.
-            summaries.extend(tf.get_collection(tf.GraphKeys.SUMMARIES, scope))
-            grads_and_vars = opt.compute_gradients(loss)
-            if optimizer.clips_per_tower:
-              # Each tower's gradients by their own global norm, before the
-              # average: not the same as clipping the average (README).
-              grads_and_vars = _clip(grads_and_vars, optimizer.clip_norm)
-            tower_grads.append(grads_and_vars)
-            tower_losses.append(loss)
+        xla = tf.xla.experimental.jit_scope() if jit else contextlib.nullcontext()
+        with tf.device(plan.tower_devices[i]), xla, tf.name_scope(
+            '%s_%d' % (model.TOWER_NAME, i)) as scope:
+          # Deviation from upstream: every tower's loss summary is written
+          # (summary_op merges the summaries of every tower's scope).
+          loss = tower_loss(scope, images, labels, lrn=lrn)
+          # The next towers share this tower's variables.
+          tf.get_variable_scope().reuse_variables()
+          grads_and_vars = opt.compute_gradients(loss)
+          if optimizer.clips_per_tower:
+            # Each tower's gradients by their own global norm, before the
+            # average: not the same as clipping the average (README).
+            grads_and_vars = _clip(grads_and_vars, optimizer.clip_norm)
+          tower_grads.append(grads_and_vars)
+          tower_losses.append(loss)
 
     # Synchronization point: every tower's gradients and losses meet here.
-    grads = average_gradients(tower_grads)
-    applied = grads
+    grads = applied = average_gradients(tower_grads)
     if optimizer.clips_averaged:
       with tf.name_scope('clip_gradients'):
         applied = _clip(grads, optimizer.clip_norm)
@@ -233,20 +222,18 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     # The tags of runtime.training.summary_tags, as modern writes them (a
     # summary op takes its tag as a value: name scopes do not change it).
     with tf.name_scope('summaries') as summaries_scope:
-      summaries.append(model.scalar_summary(training.LEARNING_RATE_TAG, lr))
-      summaries.append(model.scalar_summary(training.MEAN_LOSS_TAG, mean_loss))
+      model.scalar_summary(training.LEARNING_RATE_TAG, lr)
+      model.scalar_summary(training.MEAN_LOSS_TAG, mean_loss)
       for grad, var in grads:
-        summaries.append(model.histogram_summary(
-            training.gradients_tag(var.op.name), grad))
+        model.histogram_summary(training.gradients_tag(var.op.name), grad)
       # A few of tower 0's images, as TF1's image summary scales them.
-      summaries.append(tf.raw_ops.ImageSummary(
+      model.collected(tf.raw_ops.ImageSummary(
           tag='images', tensor=tower_batches[0][0],
           max_images=training.NUM_SUMMARY_IMAGES, name='image_summary'))
 
     # Named by `name`, not by a name scope around it, which would rename
     # Adam's 'beta1_power' and 'beta2_power' (tf.Variables).
-    apply_gradient_op = opt.apply_gradients(applied, global_step=global_step,
-                                            name='update')
+    apply_gradient_op = opt.apply_gradients(applied, global_step, 'update')
 
     ema = tf.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY,
                                             global_step)
@@ -264,13 +251,14 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     with tf.name_scope(summaries_scope):
       with tf.control_dependencies([train_op]):
         for var in tf.trainable_variables():
-          summaries.append(model.histogram_summary(var.op.name, var.read_value()))
-          summaries.append(model.histogram_summary(
-              training.average_tag(var.op.name), ema.average(var).read_value()))
+          model.histogram_summary(var.op.name, var.read_value())
+          model.histogram_summary(training.average_tag(var.op.name),
+                                  ema.average(var).read_value())
       # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
       # The towers' summaries only: not the input pipeline's queue-fill
       # fractions and image summary, which the modern trainer has no counterpart of.
-      summary_op = tf.summary.merge(summaries)
+      summary_op = tf.summary.merge(tf.get_collection(
+          tf.GraphKeys.SUMMARIES, r'%s_\d+/|summaries/' % model.TOWER_NAME))
 
   return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
                 applied, ema, summary_op)
@@ -335,8 +323,7 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
       with stop.raising():
         graph_parts = build_train_graph(config, plan, decay_steps, num_threads)
         graph.finalize()
-      with tf.Session(config=session_config(
-          plan, config.log_device_placement)) as sess:
+      with tf.Session(config=session_config(plan, config.log_device_placement)) as sess:
         with stop.raising():
           step = _restore_or_initialize(sess, graph_parts, config.train_dir,
                                         config.optimizer)
@@ -364,11 +351,9 @@ def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
     [batch]) dequeues, one per tower.
   """
   with tf.device(devices.VARIABLE_DEVICE):
-    images, labels = inputs.distorted_inputs(
-        config.data_dir, config.batch_size, num_threads=num_threads,
-        seed=config.seed)
-    batch_queue = prefetch_queue.prefetch_queue(
-        [images, labels], capacity=2 * config.num_gpus)
+    images, labels = inputs.distorted_inputs(config.data_dir, config.batch_size, num_threads,
+                                             config.seed)
+    batch_queue = prefetch_queue.prefetch_queue([images, labels], 2 * config.num_gpus)
     # Each tower gets its own full batch from the one shared queue.
     # Deviation from upstream: the dequeues are built here on the CPU, not
     # inside each tower's scope; the placer put them next to the queue on the
@@ -397,8 +382,7 @@ def build_train_graph(config, plan, decay_steps,
     close_queues = inputs.close_queue_ops()
     queue_size = next(runner.queue for runner in tf.get_collection(tf.GraphKeys.QUEUE_RUNNERS)
                       if isinstance(runner.queue, tf.RandomShuffleQueue)).size()
-  towers = build_towers(tower_batches, plan, decay_steps, jit=config.jit,
-                        optimizer=config.optimizer)
+  towers = build_towers(tower_batches, plan, decay_steps, config.jit, config.optimizer)
 
   # Deviation from upstream: the `checkpoint` state file records paths
   # relative to train_dir, so a copied or moved train_dir resumes from its
@@ -410,7 +394,7 @@ def build_train_graph(config, plan, decay_steps,
   return TrainGraph(towers, saver, init_op, close_queues, queue_size)
 
 
-def _restore_or_initialize(sess, graph_parts, train_dir, optimizer=optimizer_lib.Optimizer()):
+def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
   A train_dir of the upstream script resumes too: its `global_step` is
@@ -454,9 +438,8 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer=optimizer_lib
       # Each value is fed into its variable's initializer: no new op in the
       # finalized graph.
       for variable in tf.global_variables():
-        value = contents.tensors[variable.op.name]
-        variable.load(value.astype(variable.dtype.base_dtype.as_numpy_dtype),
-                      sess)
+        variable.load(contents.tensors[variable.op.name].astype(
+            variable.dtype.base_dtype.as_numpy_dtype), sess)
     else:
       graph_parts.saver.restore(sess, checkpoint)
   except (tf.errors.OpError, ValueError) as e:
@@ -486,17 +469,6 @@ def _save(saver, sess, config, step):
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _first_step_progress(sess, graph_parts, fill):
-  """The heartbeat line of the first step: the queue's filling, then the step."""
-  def message(seconds):
-    held = int(sess.run(graph_parts.queue_size))
-    if held < fill:
-      return ('Filling the queue: %d of %d examples... %d s'
-              % (held, fill, seconds))
-    return 'Running the first step... %d s' % seconds
-  return message
-
-
 def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   """Runs the steps with the queue threads, and always stops them.
 
@@ -514,9 +486,8 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   towers = graph_parts.towers
   # Input threads end with CancelledError when a stop closes the queues
   # under them: that is a clean stop, not an error to re-raise.
-  coord = tf.train.Coordinator(clean_stop_exception_types=(
-      tf.errors.OutOfRangeError, tf.errors.CancelledError))
-  threads = tf.train.start_queue_runners(sess=sess, coord=coord)
+  coord = tf.train.Coordinator((tf.errors.OutOfRangeError, tf.errors.CancelledError))
+  threads = tf.train.start_queue_runners(sess, coord)
   summary_writer = None  # opened after the first step: a stop before it writes nothing
   first_step = last_saved = step
   error = None
@@ -528,6 +499,13 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     last_saved = step
     return path
 
+  def first_step_progress(seconds):
+    """The heartbeat line of the first step: the queue's filling, then the step."""
+    held = int(sess.run(graph_parts.queue_size))
+    if held < fill:
+      return 'Filling the queue: %d of %d examples... %d s' % (held, fill, seconds)
+    return 'Running the first step... %d s' % seconds
+
   try:
     # On the stop request's own thread, while this one may wait in sess.run
     # for a batch: the dequeue then fails with OutOfRangeError. The towers'
@@ -538,27 +516,25 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     with stop.while_blocked(lambda _: inputs.close_queues(sess, graph_parts.close_queues[::-1])):
       while (step < config.max_steps and not stop.requested
              and not coord.should_stop()):
-        fetches = [towers.train_op, towers.mean_loss, towers.tower_losses]
         write_summary = (step + 1) % config.summary_every == 0
-        if write_summary:
-          # Deviation from upstream: the summaries are fetched with the step;
-          # upstream ran them separately, dequeuing batches it never trained on.
-          fetches.append(towers.summary_op)
+        # Deviation from upstream: the summaries are fetched with the step;
+        # upstream ran them separately, dequeuing batches it never trained on.
         start_time = time.time()
         # The first step waits for the shuffle queue to fill: tens of seconds,
         # said on stdout past training.HEARTBEAT_AFTER.
-        heartbeat = (training.Heartbeat(_first_step_progress(sess, graph_parts, fill))
-                     if step == first_step else contextlib.nullcontext())
         try:
-          with heartbeat:
-            results = sess.run(fetches)
+          with (training.Heartbeat(first_step_progress) if step == first_step
+                else contextlib.nullcontext()):
+            _, mean_loss, tower_losses, summary = sess.run([
+                towers.train_op, towers.mean_loss, towers.tower_losses,
+                towers.summary_op if write_summary else []])
         except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
           if not stop.requested:
             raise
           break  # the stop closed the queues under this step: it did not run
         duration = time.time() - start_time
         # Before `step` counts it: a diverged step is never saved.
-        training.check_divergence(step + 1, results[2])
+        training.check_divergence(step + 1, tower_losses)
         # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
         step += 1  # this process is the only one moving global_step
         if summary_writer is None:
@@ -566,11 +542,10 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
         # Deviation from upstream: examples/sec and sec/batch are means over the
         # steps since the last line, not divided by the towers. Steps writing
         # summaries or checkpoints count only their step (training.LogWindow).
-        log.add(step, results[1], duration,
-                extra=write_summary or step == first_step + 1)
+        log.add(step, mean_loss, duration, write_summary or step == first_step + 1)
         if write_summary:
           try:
-            summary_writer.add_summary(results[3], step)
+            summary_writer.add_summary(summary, step)
           except (RuntimeError, OSError) as e:  # the writer thread failed
             raise checkpoints.write_failed(
                 config.train_dir, 'TensorBoard summaries', e) from e

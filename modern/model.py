@@ -40,7 +40,7 @@ class _Layers(tf.Module):
 def _variable_on_cpu(name, initial_value, trainable=True):
   """A float32 variable on the variables' device (upstream's helper)."""
   with tf.device(devices.VARIABLE_DEVICE):
-    return tf.Variable(initial_value, name=name, dtype=tf.float32, trainable=trainable)
+    return tf.Variable(initial_value, name=name, trainable=trainable)  # float32 initial values
 
 
 class Cifar10Model(_Layers):

@@ -44,8 +44,7 @@ def tower_loss(model, images, labels, params=None, activation_hook=None):
     once. (Upstream filtered the 'losses' collection by the tower's name scope
     for the same reason: weight decay counted once per tower.)
   """
-  logits = model.inference(images, params, activation_hook)
-  return model.loss(logits, labels, params)
+  return model.loss(model.inference(images, params, activation_hook), labels, params)
 
 
 def average_gradients(tower_grads):
@@ -58,12 +57,10 @@ def average_gradients(tower_grads):
   Returns:
     list of (averaged gradient, variable), in that order.
   """
-  average_grads = []
-  for grad_and_vars in zip(*tower_grads):
-    # grad_and_vars: ((grad_tower0, var), ..., (grad_towerN-1, var)).
-    grads = tf.stack([g for g, _ in grad_and_vars], axis=0)  # [N, *var.shape]
-    average_grads.append((tf.reduce_mean(grads, axis=0), grad_and_vars[0][1]))
-  return average_grads
+  # grad_and_vars: ((grad_tower0, var), ..., (grad_towerN-1, var)); the
+  # stack is [N, *var.shape].
+  return [(tf.reduce_mean(tf.stack([g for g, _ in grad_and_vars]), 0), grad_and_vars[0][1])
+          for grad_and_vars in zip(*tower_grads)]
 
 
 def clip(grads, clip_norm):
@@ -78,9 +75,8 @@ def clip(grads, clip_norm):
 # variable's slots and the optimizer's non-slot variables in
 # common.optimizer's order); a table so that a test can break one.
 
-def apply_sgd(var, grad, lr, spec):
-  """var -= lr * grad."""
-  del spec
+def apply_sgd(var, grad, lr, _):
+  """var -= lr * grad (the Optimizer, last, has nothing to say)."""
   return var.assign_sub(lr * grad)
 
 
@@ -106,21 +102,21 @@ UPDATES = {optimizer_lib.SGD: apply_sgd, optimizer_lib.MOMENTUM: apply_momentum,
            optimizer_lib.ADAM: apply_adam}
 
 
-class OptimizerSlots(tf.Module):
-  """The optimizer's slots as a tree of modules, so that a checkpoint keys them
-  'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'."""
+def slot_tree(slots):
+  """The optimizer's slots as nested dicts, so that a checkpoint keys them
+  'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'.
 
-  def __init__(self, slots):
-    """`slots`: dict legacy slot name -> tf.Variable."""
-    super().__init__(name='optimizer')
-    for name, variable in slots.items():
-      node = self
-      *parts, leaf = name.split('/')
-      for part in parts:
-        if part not in vars(node):
-          setattr(node, part, tf.Module(name=part))
-        node = getattr(node, part)
-      setattr(node, leaf, variable)
+  Args:
+    slots: dict legacy slot name -> tf.Variable.
+  """
+  tree = {}
+  for name, variable in slots.items():
+    *parts, leaf = name.split('/')
+    node = tree
+    for part in parts:
+      node = node.setdefault(part, {})
+    node[leaf] = variable
+  return tree
 
 
 def _check_and_assign(groups):
@@ -131,15 +127,13 @@ def _check_and_assign(groups):
     ValueError: a name is missing or unknown, or a shape is wrong.
   """
   for what, given, targets in groups:
-    missing = sorted(set(targets) - set(given))
-    unknown = sorted(set(given) - set(targets))
-    if missing or unknown:
-      raise ValueError('%s: missing %s, unknown %s' % (what, missing, unknown))
+    if set(given) != set(targets):
+      raise ValueError('%s: missing %s, unknown %s' % (
+          what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
     for name, var in targets.items():
       shape = tuple(tf.shape(given[name]).numpy())
       if shape != tuple(var.shape):
-        raise ValueError('%s[%r] has shape %s, the variable %s'
-                         % (what, name, shape, tuple(var.shape)))
+        raise ValueError('%s[%r] has shape %s, the variable %s' % (what, name, shape, var.shape))
   for _, given, targets in groups:
     for name, var in targets.items():
       var.assign(tf.cast(given[name], tf.float32))
@@ -156,7 +150,7 @@ class TrainState:
   Attributes:
     model: Cifar10Model.
     optimizer: common.optimizer.Optimizer.
-    slots: OptimizerSlots, or None for SGD (no slots).
+    slots: `slot_tree` of the slots, or None for SGD (no slots).
     global_step: int64 tf.Variable on VARIABLE_DEVICE.
     ema: modern.model.MovingAverages.
     decay_steps: int, steps between learning-rate decays.
@@ -170,7 +164,7 @@ class TrainState:
       decay_steps: int >= 1, `training.checked_decay_steps(...)`.
       optimizer: common.optimizer.Optimizer; default upstream's SGD.
     """
-    self.decay_steps = int(decay_steps)
+    self.decay_steps = decay_steps
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
     # The same function as tf.nn.lrn to ~4e-7 relative (tests/test_lrn.py).
     self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
@@ -180,13 +174,13 @@ class TrainState:
     # power of step 1).
     initial = {'beta1_power': optimizer.adam_beta1, 'beta2_power': optimizer.adam_beta2}
     with tf.device(devices.VARIABLE_DEVICE):
-      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                     name='global_step')
+      self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
+      # float32, as a Python float and tf.zeros are.
       self._slots = {
           name: tf.Variable(initial.get(name, tf.zeros(optimizer_lib.slot_shape(name))),
-                            dtype=tf.float32, trainable=False, name=name)
+                            trainable=False, name=name)
           for name in optimizer.slot_names()}
-    self.slots = OptimizerSlots(self._slots) if self._slots else None
+    self.slots = slot_tree(self._slots) if self._slots else None
 
   def clip_tower(self, grads, scale=1.0):
     """One tower's gradients, clipped by their global norm if --clip_where per_tower.
@@ -196,15 +190,12 @@ class TrainState:
       scale: the factor the gradients carry (a replica's 1/R): the bound is
         scaled with them, so the result is scale x the clipped gradients.
     """
-    if not self.optimizer.clips_per_tower:
-      return grads
-    return clip(grads, self.optimizer.clip_norm * scale)
+    return (clip(grads, self.optimizer.clip_norm * scale) if self.optimizer.clips_per_tower
+            else grads)
 
   def clip_averaged(self, grads):
     """The averaged gradients, clipped by their global norm if --clip_where averaged."""
-    if not self.optimizer.clips_averaged:
-      return grads
-    return clip(grads, self.optimizer.clip_norm)
+    return clip(grads, self.optimizer.clip_norm) if self.optimizer.clips_averaged else grads
 
   def apply_gradients(self, grads, update=lambda var, fn, args=(): fn(var, *args)):
     """The optimizer's update at upstream's decayed rate, the step's increment, the averages.
@@ -217,7 +208,6 @@ class TrainState:
         replica's own copy of the variables in args too); default: the one copy.
     """
     spec = self.optimizer
-    apply = UPDATES[spec.name]
     non_slots = [self._slots[name] for name in optimizer_lib.NON_SLOT_NAMES[spec.name]]
     with tf.name_scope('update'):
       # Read before the increment, as exponential_decay inside legacy's
@@ -228,7 +218,7 @@ class TrainState:
                                  self.model.variable_list()):
         slots = [self._slots['%s/%s' % (name, suffix)]
                  for suffix in optimizer_lib.SLOT_SUFFIXES[spec.name]]
-        update(var, lambda v, g, *s: apply(v, g, lr, spec, *s),
+        update(var, lambda v, g, *s: UPDATES[spec.name](v, g, lr, spec, *s),
                args=(grad, *slots, *non_slots))
       # After every variable's update, as AdamOptimizer._finish does
       # (tf.function orders these writes after the reads above).
@@ -294,17 +284,15 @@ def check_batches(tower_batches, counts, leading, note=''):
     counts: the values N may take.
     leading, note: how an error names N.
   """
-  images, labels = tower_batches
-  images = tf.convert_to_tensor(images, tf.float32)
-  labels = tf.convert_to_tensor(labels, tf.int32)
+  images = tf.convert_to_tensor(tower_batches[0], tf.float32)
+  labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
   size = hparams.IMAGE_SIZE
   if (images.shape.rank != 5 or images.shape[0] not in counts
       or tuple(images.shape[2:]) != (size, size, 3)):
     raise ValueError('images must be [%s, batch, %d, %d, 3]%s, got %s'
                      % (leading, size, size, note, images.shape))
-  if tuple(labels.shape) != tuple(images.shape[:2]):
-    raise ValueError('labels must be %s, got %s'
-                     % (tuple(images.shape[:2]), labels.shape))
+  if labels.shape != images.shape[:2]:
+    raise ValueError('labels must be %s, got %s' % (tuple(images.shape[:2]), labels.shape))
   return images, labels
 
 
@@ -392,8 +380,8 @@ class Trainer:
     with tf.device(devices.VARIABLE_DEVICE):
       # Each tower gets its own batch of the one pipeline (legacy: each tower
       # dequeues its own batch from the shared prefetch queue).
-      tower_images = tf.unstack(images, num=self.num_towers, axis=0)
-      tower_labels = tf.unstack(labels, num=self.num_towers, axis=0)
+      tower_images = tf.unstack(images, self.num_towers)
+      tower_labels = tf.unstack(labels, self.num_towers)
       # The variables are read once on their device; each tower receives a
       # copy of the values (legacy: towers read the CPU variables).
       values = [var.read_value() for var in variables]
