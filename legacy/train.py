@@ -102,11 +102,15 @@ def average_gradients(tower_grads):
   """
   # Deviation from upstream: a name scope, so traces (towerprofile) can tell
   # the averaging from the update.
+  average_grads = []
   with tf.name_scope('average_gradients'):
-    # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0));
-    # the variables are shared, so the first tower's pointer is enough.
-    return [(tf.reduce_mean(tf.concat([tf.expand_dims(g, 0) for g, _ in grad_and_vars], 0), 0),
-             grad_and_vars[0][1]) for grad_and_vars in zip(*tower_grads)]
+    for grad_and_vars in zip(*tower_grads):
+      # Each grad_and_vars is ((grad0_tower0, var0), ..., (grad0_towerN, var0)).
+      grads = [tf.expand_dims(g, 0) for g, _ in grad_and_vars]
+      grad = tf.reduce_mean(tf.concat(grads, 0), 0)
+      # The variables are shared, so the first tower's pointer is enough.
+      average_grads.append((grad, grad_and_vars[0][1]))
+  return average_grads
 
 
 def make_optimizer(spec, lr):
@@ -180,7 +184,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     # Variable names (checkpoint keys) do not depend on name scopes.
     with tf.name_scope('learning_rate'):
       lr = tf.train.exponential_decay(optimizer.learning_rate, global_step, decay_steps,
-                                      hparams.LEARNING_RATE_DECAY_FACTOR, True)  # staircase
+                                      hparams.LEARNING_RATE_DECAY_FACTOR, staircase=True)
     opt = make_optimizer(optimizer, lr)
 
     tower_grads, tower_losses = [], []
@@ -233,7 +237,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
 
     # Named by `name`, not by a name scope around it, which would rename
     # Adam's 'beta1_power' and 'beta2_power' (tf.Variables).
-    apply_gradient_op = opt.apply_gradients(applied, global_step, 'update')
+    apply_gradient_op = opt.apply_gradients(applied, global_step=global_step, name='update')
 
     ema = tf.train.ExponentialMovingAverage(hparams.MOVING_AVERAGE_DECAY,
                                             global_step)
