@@ -53,11 +53,11 @@ class StepSaver:
   multiworker watchdog saves while the main thread waits for the peers).
   """
 
-  def __init__(self, state, manager, directory, last_saved=None):
+  def __init__(self, state, manager, directory):
     self.state = state
     self.manager = manager
     self.directory = directory
-    self.last_saved = last_saved  # the global step of the newest save, or None
+    self.last_saved = None  # the global step of the newest save, or None
     self._lock = threading.Lock()
 
   def __call__(self):
@@ -70,8 +70,7 @@ class StepSaver:
         except (tf.errors.OpError, OSError) as e:
           raise checkpoints.save_failed(self.directory, current, e) from e
         self.last_saved = current
-      return '%s-%d' % (os.path.join(self.directory, config_lib.CHECKPOINT_BASENAME),
-                      self.last_saved)
+      return os.path.join(self.directory, '%s-%d' % (config_lib.CHECKPOINT_BASENAME, current))
 
 
 def checkpoint_object(state):
@@ -174,13 +173,11 @@ def checkpoint_key(legacy_name):
   """
   layer, _, last = legacy_name.rpartition('/')
   if legacy_name == 'global_step':
-    node = legacy_name
-  elif legacy_name in model_spec.VARIABLE_NAMES:
-    node = 'model/' + legacy_name
-  elif last == EMA_SUFFIX and layer in model_spec.VARIABLE_NAMES:
-    node = 'ema/' + layer
-  elif any(legacy_name in optimizer_lib.slot_names(o) for o in optimizer_lib.NAMES):
-    node = 'optimizer/' + legacy_name
-  else:
-    raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)
-  return node + '/.ATTRIBUTES/VARIABLE_VALUE'
+    return 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
+  if legacy_name in model_spec.VARIABLE_NAMES:
+    return 'model/%s/.ATTRIBUTES/VARIABLE_VALUE' % legacy_name
+  if last == EMA_SUFFIX and layer in model_spec.VARIABLE_NAMES:
+    return 'ema/%s/.ATTRIBUTES/VARIABLE_VALUE' % layer
+  if any(legacy_name in optimizer_lib.slot_names(o) for o in optimizer_lib.NAMES):
+    return 'optimizer/%s/.ATTRIBUTES/VARIABLE_VALUE' % legacy_name
+  raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)

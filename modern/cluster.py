@@ -18,6 +18,16 @@ alone waited there for good. So the workers first meet here, in Python:
 
 Only then does TensorFlow's start-up begin, with all workers up: it takes a
 second, bounded by `modern.engines` as a backstop.
+
+Our own code, not TensorFlow's coordination service: tried with TF 2.21, a
+worker whose peer never starts waited in MultiWorkerMirroredStrategy's
+start-up for over 10 minutes with the coordination service's
+cluster_register_timeout_in_ms at 8 s, no Python thread ran meanwhile, and
+its SIGTERM went to TensorFlow's preemption notifier and was ignored. The
+tests that need this are tests/test_faults_multiworker.py's 'lone chief past
+--startup_timeout' (the message names the peers that never answered),
+'SIGTERM during the start-up', 'SIGINT during the start-up' and 'different
+clusters' (TensorFlow has no hello that compares the workers' lists).
 """
 
 import dataclasses
@@ -103,24 +113,23 @@ class Cluster:
         num_accelerators={'GPU': num_gpus} if num_gpus else None)
 
 
-def parse_worker_hosts(text):
+def parse_worker_hosts(text, source='--worker_hosts'):
   """'h1:p1,h2:p2' -> ('h1:p1', 'h2:p2'), every item checked.
 
   Raises:
     ClusterError: an item is not host:port with a port in 1..65535, or a
-      host:port is listed twice.
+      host:port is listed twice (in `source`, for the message).
   """
   hosts = tuple(item.strip() for item in text.split(',') if item.strip())
   if not hosts:
-    raise ClusterError('--worker_hosts is empty; list the workers as '
-                       'host:port,host:port.')
+    raise ClusterError('%s is empty; list the workers as host:port,host:port.' % source)
   for host in hosts:
     name, _, port = host.rpartition(':')
     if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
-      raise ClusterError('%r in --worker_hosts is not host:port (port 1..65535), '
-                         'e.g. 10.0.0.1:2222.' % host)
+      raise ClusterError('%r in %s is not host:port (port 1..65535), e.g. 10.0.0.1:2222.'
+                         % (host, source))
   if len(set(hosts)) != len(hosts):
-    raise ClusterError('--worker_hosts lists a host:port twice: %s.' % ','.join(hosts))
+    raise ClusterError('%s lists a host:port twice: %s.' % (source, ','.join(hosts)))
   return hosts
 
 
@@ -140,8 +149,7 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
     ClusterError: neither is given or both are, TF_CONFIG is malformed, or
       the task is not in the cluster.
   """
-  environ = os.environ if environ is None else environ
-  text = environ.get(TF_CONFIG, '').strip()
+  text = (os.environ if environ is None else environ).get(TF_CONFIG, '').strip()
   if worker_hosts:
     if text:
       raise ClusterError('TF_CONFIG is set and --worker_hosts is given: name the cluster '
@@ -160,12 +168,10 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
     tf_config = json.loads(text)
   except ValueError as e:
     raise ClusterError('TF_CONFIG is not valid JSON (%s): %r' % (e, text)) from None
-  if not isinstance(tf_config, dict):
-    tf_config = {}
-  cluster, task = tf_config.get('cluster'), tf_config.get('task')
+  cluster, task = (tf_config.get(key) if isinstance(tf_config, dict) else None
+                   for key in ('cluster', 'task'))
   if not isinstance(cluster, dict) or not isinstance(task, dict):
     raise ClusterError('TF_CONFIG needs "cluster" and "task" objects, got %r.' % text)
-  jobs = {}
   for job, hosts in cluster.items():
     if job not in ('chief', 'worker'):
       raise ClusterError('TF_CONFIG lists a %r job; MultiWorkerMirroredStrategy '
@@ -173,13 +179,11 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
     if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
       raise ClusterError('TF_CONFIG cluster.%s must be a list of "host:port", got %r.'
                          % (job, hosts))
-    jobs[job] = parse_worker_hosts(','.join(hosts)) if hosts else ()
-  if len(jobs.get('chief', ())) > 1:
-    raise ClusterError('TF_CONFIG lists %d chiefs; there can be one.'
-                       % len(jobs['chief']))
-  listed = [h for hosts in jobs.values() for h in hosts]
-  if len(set(listed)) != len(listed):
-    raise ClusterError('TF_CONFIG lists a host:port twice: %r.' % (cluster,))
+  if len(cluster.get('chief', ())) > 1:
+    raise ClusterError('TF_CONFIG lists %d chiefs; there can be one.' % len(cluster['chief']))
+  # Every host:port of every job checked, none twice.
+  parse_worker_hosts(','.join(sum(cluster.values(), [])), TF_CONFIG)
+  jobs = {job: tuple(h.strip() for h in hosts if h.strip()) for job, hosts in cluster.items()}
   task_type, task_id = task.get('type'), task.get('index', 0)
   if not isinstance(task_id, int) or task_id not in range(len(jobs.get(task_type, ()))):
     raise ClusterError('TF_CONFIG task %r is not in its cluster %r.' % (task, cluster))
@@ -227,7 +231,7 @@ def listen(cluster):
   Raises:
     StartupError: the port is taken, or not this user's to bind.
   """
-  _, port = _split(cluster.address)
+  port = _split(cluster.address)[1]
   dual = socket.has_dualstack_ipv6()
   try:
     return socket.create_server(('::' if dual else '', port), backlog=16,
@@ -243,47 +247,42 @@ def listen(cluster):
            cluster.source)) from None
 
 
-def _hello(cluster):
-  return (json.dumps([HELLO, cluster.worker_index, list(cluster.hosts)]) + '\n').encode()
+def _exchange(cluster, sock, expected=None):
+  """Says this worker's hello on `sock`, reads the peer's: the peer's worker index.
 
+  A hello is one JSON line: [HELLO, worker index, host list]. None when the
+  other end is not a worker of this program (another program, or a worker
+  already past the start-up: TensorFlow's server on its port).
 
-def _read_hello(sock):
-  """(worker index, host list) of the hello line on `sock`.
+  Args:
+    cluster: Cluster.
+    sock: a connected socket.
+    expected: int, the worker index listed at the address we connected to;
+      None for a peer that connected to us.
 
-  None when the other end is not a worker of this program (another program,
-  or a worker already past the start-up: TensorFlow's server on its port).
+  Raises:
+    StartupError: the peer was started with another cluster or index.
   """
+  sock.sendall((json.dumps([HELLO, cluster.worker_index, list(cluster.hosts)]) + '\n').encode())
   try:
     word, index, hosts = json.loads(sock.makefile('rb').readline(65536))
   except (ValueError, TypeError):  # UnicodeError is a ValueError
     return None
   if word != HELLO or not isinstance(index, int) or not isinstance(hosts, list):
     return None
-  return index, hosts
-
-
-def _check_hello(cluster, address, hello, expected=None):
-  """The peer's worker index from its hello; StartupError if it is not one of ours.
-
-  Args:
-    cluster: Cluster.
-    address: the peer's address, for messages.
-    hello: (worker index, host list) from `_read_hello`.
-    expected: int, the worker index listed at `address`; None for a peer
-      that connected to us (it connects from another port than its own).
-  """
-  index, hosts = hello
+  where = cluster.hosts[expected] if expected is not None else (
+      hosts[index] if 0 <= index < len(hosts) else sock.getpeername()[0])
   if hosts != list(cluster.hosts):
     raise StartupError(
         '%s: the worker at %s was started with another cluster: it lists %s, this '
         'worker %s. Start every worker with the same %s list, each with its own '
-        'index.' % (cluster.name(), address, ','.join(map(str, hosts)),
+        'index.' % (cluster.name(), where, ','.join(map(str, hosts)),
                     ','.join(cluster.hosts), cluster.source))
   if expected not in (None, index) or index == cluster.worker_index:
     raise StartupError(
         '%s: the worker at %s says it is worker %d%s. Give each worker the index '
         'of its own host:port in %s.'
-        % (cluster.name(), address, index,
+        % (cluster.name(), where, index,
            ', but %s lists it as worker %d' % (cluster.source, expected)
            if expected not in (None, index) else ' too', cluster.source))
   return index
@@ -299,7 +298,7 @@ def _answer(cluster, listener, seen, errors, closing):
   listener.settimeout(0.2)
   while not closing.is_set():
     try:
-      conn, peer = listener.accept()
+      conn = listener.accept()[0]
     except socket.timeout:
       continue
     except OSError:
@@ -307,13 +306,7 @@ def _answer(cluster, listener, seen, errors, closing):
     with conn:
       conn.settimeout(CONNECT_SECS)
       try:
-        hello = _read_hello(conn)
-        if hello is not None:
-          # Answered even if it is not one of ours, so that it learns why.
-          conn.sendall(_hello(cluster))
-          index, hosts = hello
-          where = hosts[index] if 0 <= index < len(hosts) else peer[0]
-          seen.add(_check_hello(cluster, where, hello))
+        seen.add(_exchange(cluster, conn))
       except StartupError as e:
         errors.append(e)
       except OSError:
@@ -322,14 +315,11 @@ def _answer(cluster, listener, seen, errors, closing):
 
 def _say_hello(cluster, index):
   """True once worker `index` answered our hello; StartupError on another cluster."""
-  address = cluster.hosts[index]
   try:
-    with socket.create_connection(_split(address), timeout=CONNECT_SECS) as sock:
-      sock.sendall(_hello(cluster))
-      hello = _read_hello(sock)
+    with socket.create_connection(_split(cluster.hosts[index]), timeout=CONNECT_SECS) as sock:
+      return _exchange(cluster, sock, index) == index
   except OSError:  # refused, unreachable, timed out: not up yet
     return False
-  return hello is not None and _check_hello(cluster, address, hello, index) == index
 
 
 def rendezvous(cluster, listener, timeout):

@@ -11,10 +11,10 @@
                every worker. The cluster comes from TF_CONFIG or from
                --worker_hosts and --task_index.
 
-An engine is one small class with the interface of `Engine`: the loop asks it
+An engine is one small class with the interface of `Towers`: the loop asks it
 to build the step, to run one step, and, where several processes train
 together, to agree with its peers (broadcast the restored state, vote on a
-stop, meet at a final barrier, bound every wait). `Engine`'s defaults are
+stop, meet at a final barrier, bound every wait). `Towers`' answers are
 those of one process, where there is nothing to agree on. `make` picks the
 engine; the loop never asks which one it has.
 
@@ -51,8 +51,11 @@ from cifar10_towers.runtime import training
 logger = logging.getLogger(__name__)
 
 
-class Engine:
-  """What the training loop asks of an engine; the defaults are one process's.
+class Towers:
+  """One tf.function tower per device of the plan (modern.step.Trainer).
+
+  The towers engine, and the base of the others: what the training loop asks
+  of an engine, with one process's answers where several must agree.
 
   Attributes:
     config: runtime.config.TrainConfig.
@@ -80,37 +83,37 @@ class Engine:
 
   def build(self, decay_steps):
     """The step object (see `trainer`)."""
-    raise NotImplementedError
+    return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit,
+                            optimizer=self.config.optimizer)
 
   def start(self, decay_steps):
     """Builds the step; with peers, meets them first. Nothing is written."""
     self.trainer = self.build(decay_steps)
 
-  def step(self, batches, stop):  # pylint: disable=unused-argument
-    """One training step: (tower losses numpy [replicas], what the peers agreed).
+  def step(self, batches, stop, summaries=False):  # pylint: disable=unused-argument
+    """One training step: (tower losses numpy [replicas], summaries, voted to stop).
 
     Args:
       batches: an element of `dataset()`.
       stop: runtime.training.StopRequest of this process.
-    """
-    return self.trainer.train_step(batches).numpy(), None
-
-  def summary_step(self, batches, stop):
-    """A step of a summary: `step`, and what the summaries need from inside it.
+      summaries: whether the step writes summaries. Then the towers return a
+        dict of 'scalars' and 'histograms' (dicts tag -> tensor) and
+        'images' (tower 0's first images): the towers' loss terms,
+        activations, sparsity and averaged gradients. The replica engines
+        return none: their summaries are the losses, the learning rate and
+        the variables (runtime.training.summary_tags(activations=False)).
 
     Returns:
-      (tower losses, agreed, summaries): `summaries` a dict of 'scalars' and
-      'histograms' (dicts tag -> tensor) and 'images' (tower 0's first
-      images). This default, the replica engines' (mirrored, multiworker),
-      returns none: their summaries are the losses, the learning rate and
-      the variables (runtime.training.summary_tags(activations=False)).
+      The third item: whether a worker's stop request rode on this step's
+      all-reduce (the replica engines), so that every worker stops after it;
+      a process alone checks its own request after the step.
     """
-    tower_losses, agreed = self.step(batches, stop)
-    return tower_losses, agreed, {}
-
-  def stops_here(self, stop, agreed):  # pylint: disable=unused-argument
-    """Whether the run stops after the step just taken (`agreed`: see step)."""
-    return stop.requested
+    if not summaries:
+      return self.trainer.train_step(batches).numpy(), {}, False
+    tower_losses, scalars, histograms = self.trainer.train_step_with_summaries(batches)
+    return tower_losses.numpy(), {
+        'scalars': scalars, 'histograms': histograms,
+        'images': batches[0][0][:training.NUM_SUMMARY_IMAGES]}, False
 
   def dataset(self):
     """The training batches of this process (its shard of the records)."""
@@ -118,11 +121,6 @@ class Engine:
         self.config.data_dir, self.config.batch_size, self.config.num_gpus,
         seed=self.config.seed, num_shards=self.num_workers,
         shard_index=self.worker_index)
-
-  @property
-  def global_batch_size(self):
-    """Images one step trains on, over every replica of every worker."""
-    return self.config.batch_size * self.trainer.num_towers
 
   def prepare(self):
     """Called with write_dir locked, before the start."""
@@ -149,22 +147,6 @@ class Engine:
     ending.say(training.stopped_line(stopped_by, step, path))  # on stderr
 
 
-class Towers(Engine):
-  """One tf.function tower per device of the plan (modern.step.Trainer)."""
-
-  def build(self, decay_steps):
-    return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit,
-                            optimizer=self.config.optimizer)
-
-  def summary_step(self, batches, stop):
-    """The full set of summaries: the towers' loss terms, activations,
-    sparsity, the averaged gradients and tower 0's first images."""
-    tower_losses, scalars, histograms = self.trainer.train_step_with_summaries(batches)
-    return tower_losses.numpy(), None, {
-        'scalars': scalars, 'histograms': histograms,
-        'images': batches[0][0][:training.NUM_SUMMARY_IMAGES]}
-
-
 class ReplicaTrainer:
   """modern.step's step on the replicas of a tf.distribute strategy.
 
@@ -187,10 +169,6 @@ class ReplicaTrainer:
 
   def __init__(self, strategy, plan, decay_steps, jit=False, worker_index=0,
                optimizer=optimizer_lib.Optimizer()):
-    local = len(strategy.extended.worker_devices)
-    if local != plan.num_towers:
-      raise ValueError('the strategy has %d local replicas, the plan %d devices'
-                       % (local, plan.num_towers))
     self.strategy = strategy
     with strategy.scope():
       self.state = step_lib.TrainState(plan, decay_steps, optimizer)
@@ -357,12 +335,18 @@ def mirrored_strategy(plan):
           reduce_to_device=devices.VARIABLE_DEVICE))
 
 
-class Mirrored(Engine):
+class Mirrored(Towers):
   """tf.distribute.MirroredStrategy over the plan's devices."""
 
   def build(self, decay_steps):
     return ReplicaTrainer(mirrored_strategy(self.plan), self.plan, decay_steps,
                           jit=self.config.jit, optimizer=self.config.optimizer)
+
+  def step(self, batches, stop, summaries=False):  # pylint: disable=unused-argument
+    # A stop request rides on the step's all-reduce: every worker learns of
+    # it and stops after this same step.
+    tower_losses, voted = self.trainer.train_step_and_vote(batches, stop.requested)
+    return tower_losses, {}, voted
 
 
 WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
@@ -432,7 +416,7 @@ def _bounded(seconds, message):
     child.wait()
 
 
-class MultiWorker(Engine):
+class MultiWorker(Mirrored):
   """tf.distribute.MultiWorkerMirroredStrategy, this process one of the workers.
 
   The chief (task 0, or the 'chief' task of TF_CONFIG) locks train_dir,
@@ -527,15 +511,6 @@ class MultiWorker(Engine):
       if sigterm is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
 
-  def step(self, batches, stop):
-    # A stop request rides on the step's all-reduce: every worker learns of
-    # it and stops after this same step.
-    return self.trainer.train_step_and_vote(batches, stop.requested)
-
-  def stops_here(self, stop, agreed):
-    # Every worker stops after the same step: the one whose vote said so.
-    return agreed
-
   def dataset(self):
     # tf.data's autotuning thread can hold up the deletion of the iterator at
     # the end for tens of seconds (TF 2.21), while the other workers wait at
@@ -544,23 +519,23 @@ class MultiWorker(Engine):
     options.autotune.enabled = False
     return super().dataset().with_options(options)
 
+  def _save_completed(self, step, first_step):
+    """The chief saves the last step completed in this run, if any: its path, or None."""
+    if not self.is_chief or step is None or step <= first_step:
+      return None
+    try:
+      # A failed step may have incremented the global step before its
+      # all-reduce failed (the increment does not depend on it).
+      self.trainer.state.global_step.assign(step)
+      return self._save()
+    except (checkpoints.CheckpointError, lock.LockError, tf.errors.OpError,
+            OSError):  # LockError: train_dir was removed under the run
+      return None
+
   @contextlib.contextmanager
   def watching(self, stop, save):
-    def save_completed(step, first_step):
-      """The chief saves the last step completed in this run, if any."""
-      if not self.is_chief or step is None or step <= first_step:
-        return None
-      try:
-        # A failed step may have incremented the global step before its
-        # all-reduce failed (the increment does not depend on it).
-        self.trainer.state.global_step.assign(step)
-        return save()
-      except (checkpoints.CheckpointError, lock.LockError, tf.errors.OpError,
-              OSError):  # LockError: train_dir was removed under the run
-        return None
-
-    self._save_completed = save_completed
-    self._watchdog = PeerWatchdog(self.cluster, save_completed, self.close)
+    self._save = save
+    self._watchdog = PeerWatchdog(self.cluster, self._save_completed, self.close)
     try:
       # A stop request while the main thread waits for the peers in C++: the
       # watchdog ends that wait if it goes on.
@@ -570,10 +545,9 @@ class MultiWorker(Engine):
       self._watchdog.stop()
 
   def waiting(self, what, step, first=False):
-    seconds, flag = self.config.peer_timeout, '--peer_timeout'
-    if first and self.config.startup_timeout > seconds:
-      seconds, flag = self.config.startup_timeout, '--startup_timeout'
-    return self._watchdog.guard(seconds, what, step, flag)
+    if first and self.config.startup_timeout > self.config.peer_timeout:
+      return self._watchdog.guard(self.config.startup_timeout, what, step, '--startup_timeout')
+    return self._watchdog.guard(self.config.peer_timeout, what, step, '--peer_timeout')
 
   def broadcast(self):
     self.trainer.broadcast_from_chief()
@@ -581,7 +555,7 @@ class MultiWorker(Engine):
   def barrier(self):
     self.trainer.barrier()
 
-  def lost_peers(self, error, step, first_step, save, stop):
+  def lost_peers(self, error, step, first_step, save, stop):  # pylint: disable=unused-argument
     """After a wait for the peers failed in this thread: saves what it can, says so.
 
     Returns:
@@ -593,39 +567,33 @@ class MultiWorker(Engine):
     """
     saved = self._save_completed(step, first_step)
     step = step if step is not None else int(self.trainer.state.global_step.numpy())
-    name = self.cluster.name()
     if stop.requested:
       logger.warning('%s: stopped by %s at global step %d while waiting for the other '
-                     'workers; %s', name, stop.signal_name, step, _saved(saved).lower())
+                     'workers; %s', self.cluster.name(), stop.signal_name, step,
+                     _saved(saved).lower())
       return step
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    lines = lines or [type(error).__name__]
+    # The line that names the cause, and the unhealthy tasks after a ':'.
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or ['']
     i = next((i for i, line in enumerate(lines) if any(
         word in line for word in ('aborted by', 'unhealthy', 'Deadline', 'onnect'))), 0)
-    # A line that ends with ':' is followed by the unhealthy tasks.
-    reason = ' '.join(lines[i:i + 2]) if lines[i].endswith(':') else lines[i]
-    raise training.TrainingError(
-        '%s lost its peers at global step %d (%s: %s). %s %s'
-        % (name, step, type(error).__name__, reason, _saved(saved), _RESTART)) from error
+    raise training.TrainingError('%s lost its peers at global step %d (%s: %s). %s %s' % (
+        self.cluster.name(), step, type(error).__name__, ' '.join(lines[i:i + 2])
+        if lines[i].endswith(':') else lines[i], _saved(saved), _RESTART)) from error
 
   def report_stop(self, stopped_by, step, path):
-    name = self.cluster.name()
-    if not self.is_chief:
-      # Its own copy is removed at the end: the chief's is the one kept.
-      path = os.path.join(self.config.train_dir, os.path.basename(path))
+    name, whose = self.cluster.name(), 'it' if self.is_chief else 'the chief'
+    # A non-chief's own copy is removed at the end: the chief's is the one kept.
+    path = os.path.join(self.config.train_dir, os.path.basename(path))
     if stopped_by == ANOTHER_WORKER:
       # Not a signal of this process, so not its exit status: the run did not
       # end, and every worker must be started again.
       raise training.TrainingError(
           '%s stopped at global step %d because another worker was stopped '
-          '(by a stop signal); %s saved %s. %s'
-          % (name, step, 'it' if self.is_chief else 'the chief', path, _RESTART))
+          '(by a stop signal); %s saved %s. %s' % (name, step, whose, path, _RESTART))
     # The run's one ending line, on stderr (runtime.ending).
-    if self.is_chief:
-      ending.say(training.stopped_line(stopped_by, step, path))
-    else:
-      ending.say('%s: stopped by %s at global step %d; the chief saved %s.'
-                 % (name, stopped_by, step, path))
+    ending.say(training.stopped_line(stopped_by, step, path) if self.is_chief else
+               '%s: stopped by %s at global step %d; the chief saved %s.'
+               % (name, stopped_by, step, path))
 
 
 def _saved(saved):
@@ -646,9 +614,13 @@ class PeerWatchdog:
   number (os._exit: the main thread is stuck in C++, and TensorFlow offers no
   public way to abort a collective that waits).
 
-  TensorFlow's collective timeout ends such a wait too, later, but TF 2.21 on
-  CPU sometimes crashes (SIGABRT, SIGSEGV) when it fires, which leaves the
-  user without a message.
+  Our own code, not TensorFlow's (TF 2.21): a Python signal handler cannot
+  run while the main thread waits in a collective, so a stop during such a
+  wait needs this thread (tests/test_faults_multiworker.py, 'SIGTERM while a
+  peer hangs'); and TensorFlow's collective timeout, which ends a wait for a
+  frozen peer too, later, sometimes crashes the process on CPU (SIGABRT,
+  SIGSEGV) when it fires, which leaves the user without a message
+  (tests/test_distributed_multiworker.py, the 'frozen' peer).
   """
 
   POLL_SECS = 0.25
@@ -666,29 +638,24 @@ class PeerWatchdog:
     self._stop = None  # (time, signal name) of the first stop request
     self._first_step = None
     self._stopped = threading.Event()
-    self._thread = threading.Thread(target=self._watch, name='peer-watchdog',
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._watch, name='peer-watchdog', daemon=True)
     self._thread.start()
 
   @contextlib.contextmanager
   def guard(self, seconds, what, step, flag):
     """The block waits for the peers at most `seconds` (the value of `flag`)."""
-    now = time.monotonic()
     with self._lock:
-      if self._first_step is None:
-        self._first_step = step
-      self._block = (now, now + seconds, what, step, flag)
+      self._first_step = step if self._first_step is None else self._first_step
+      self._block = (time.monotonic(), time.monotonic() + seconds, what, step, flag)
     try:
       yield
     finally:
-      with self._lock:
-        self._block = None
+      self._block = None
 
   def stop_requested(self, signal_name):
     """A stop request came (a stop signal): waits for the peers end soon."""
     with self._lock:
-      if self._stop is None:
-        self._stop = (time.monotonic(), signal_name)
+      self._stop = self._stop or (time.monotonic(), signal_name)
 
   def stop(self):
     self._stopped.set()
@@ -706,26 +673,25 @@ class PeerWatchdog:
                                                   since + self.STOP_LIMIT_SECS)
         if not stopped and now <= deadline:
           continue
-        first_step = self._first_step
-      name = self._cluster.name()
       # The exit must come whatever fails on the way: the main thread is stuck.
       try:
         try:
-          saved = self._save_completed(step, first_step)
+          saved = self._save_completed(step, self._first_step)
         except Exception:  # pylint: disable=broad-except
           saved = None
         if stopped:
           logger.warning(
               '%s: stopped by %s at global step %d, ending %s after %d s of waiting for '
               'the other workers; %s %s' % (
-                  name, signal_name, step, what, now - max(start, since),
+                  self._cluster.name(), signal_name, step, what, now - max(start, since),
                   ('saved %s.' % saved) if saved else 'this worker saved no '
                   'checkpoint: the newest in --train_dir is kept.', _RESTART))
         else:
           logger.warning(
               'Error: %s lost its peers in %s after global step %d: no answer within %d s '
               '(%s); a worker stopped, hung or is unreachable. %s %s'
-              % (name, what, step, round(deadline - start), flag, _saved(saved), _RESTART))
+              % (self._cluster.name(), what, step, round(deadline - start), flag,
+                 _saved(saved), _RESTART))
         self._cleanup()
       finally:
         self._exit(training.exit_status(signal_name) if stopped else 1)
@@ -736,5 +702,5 @@ ENGINES = {'towers': Towers, 'mirrored': Mirrored, 'multiworker': MultiWorker}
 
 
 def make(config, plan):
-  """The engine of config.strategy (nothing started: see Engine.start)."""
+  """The engine of config.strategy (nothing started: see Towers.start)."""
   return ENGINES[config.strategy](config, plan)

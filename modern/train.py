@@ -54,8 +54,8 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
     step: int, the global step reached.
     tower_losses: numpy [replicas], the towers' total losses.
     lr: float, the learning rate the step used.
-    summaries: what the engine's summary_step returned from inside the step
-      (see modern.engines.Engine.summary_step); empty for the replica engines.
+    summaries: what the engine's step returned from inside the step
+      (see modern.engines.Towers.step); empty for the replica engines.
   """
   # Deviation from upstream: every tower's loss summary is written.
   scalars = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr}
@@ -74,9 +74,9 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
       tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
 
 
-def _first_step_progress(engine, first, what):
+def _first_step_progress(first, what):
   """During the chief's first step, a heartbeat line saying `what` it waits for past 5 s."""
-  if not (first and engine.is_chief):  # progress comes from the chief
+  if not first:  # `first` only on the chief: progress comes from the chief
     return contextlib.nullcontext()
   return training.Heartbeat(lambda seconds: '%s... %d s' % (what, seconds))
 
@@ -204,7 +204,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     # Deviation from upstream: examples/sec and sec/batch are means over the
     # steps since the last line, not divided by the towers (training.StepLog).
     # Progress comes from the chief.
-    log = training.StepLog(config, engine.global_batch_size, on_step,
+    log = training.StepLog(config, config.batch_size * engine.trainer.num_towers, on_step,
                            speaks=engine.is_chief)
     while step < config.max_steps and not stopped_by:
       first = step == first_step
@@ -215,17 +215,14 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       # rides on the step's vote instead, so that all stop after one step.)
       with stop.raising() if first and alone else contextlib.nullcontext():
         fetch_time = time.time()
-        with _first_step_progress(engine, first, 'Filling the shuffle buffer with '
-                                  '%d examples' % hparams.min_queue_examples(
+        with _first_step_progress(first and engine.is_chief, 'Filling the shuffle buffer '
+                                  'with %d examples' % hparams.min_queue_examples(
                                       examples_per_worker)):
           batches = next(iterator)
         start_time = time.time()
         with engine.waiting('the step', step, first=first), _first_step_progress(
-            engine, first, 'Building and tracing the step (first step)'):
-          if write_summary:
-            tower_losses, agreed, summaries = engine.summary_step(batches, stop)
-          else:
-            tower_losses, agreed = engine.step(batches, stop)
+            first and engine.is_chief, 'Building and tracing the step (first step)'):
+          tower_losses, summaries, voted = engine.step(batches, stop, write_summary)
       end_time = time.time()
       duration = end_time - start_time
       # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
@@ -256,7 +253,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
               engine.write_dir, 'TensorBoard summaries', e) from e
       if step % config.save_every == 0:
         save()
-      if engine.stops_here(stop, agreed):
+      # With peers, every worker stops after the step whose vote said so.
+      if voted or (alone and stop.requested):
         stopped_by = stop.signal_name or engines.ANOTHER_WORKER
     path = save()  # with peers every worker saves: the chief's copy is kept
     with _summaries_may_fail('the last TensorBoard summaries to ' + engine.write_dir):
@@ -273,7 +271,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     # completed step if the variables still hold it, and say so in one line.
     raise ending.failed(e, first_step, step, global_step,
                         save.last_saved, save, config.train_dir) from e
-  if not stopped_by and engine.stops_here(stop, None):
+  if not stopped_by and alone and stop.requested:
     stopped_by = stop.signal_name  # the stop came during the last save
   if stopped_by:
     engine.report_stop(stopped_by, step, path)

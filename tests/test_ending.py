@@ -163,7 +163,7 @@ def _inject_step(monkeypatch, impl, step, ctx):
     monkeypatch.setattr(tf1.Session, 'run', run)
   else:
     from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
-    _nth_call(monkeypatch, engines.Engine, 'step', step + 1, error)
+    _nth_call(monkeypatch, engines.Towers, 'step', step + 1, error)
 
 
 def _inject_saver(monkeypatch, impl, step, ctx):
