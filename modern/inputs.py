@@ -52,6 +52,8 @@ def distorted_inputs(data_dir, batch_size, num_towers, seed=None, num_shards=1,
   Raises:
     common.cifar10_format.DataError: a training file is missing or malformed.
   """
+  if not 0 <= shard_index < num_shards:
+    raise ValueError('shard_index must be in [0, %d), got %d' % (num_shards, shard_index))
   filenames = fmt.train_files(data_dir)
   # Per record, before shuffling: the shards are disjoint and cover every record.
   dataset = tf.data.FixedLengthRecordDataset(filenames, fmt.RECORD_BYTES).shard(
