@@ -4,7 +4,7 @@ Builds the sdist and the wheel once (`python -m build --no-isolation`, with
 the setuptools of the test extra, offline) from a copy of the checkout in a
 temp dir, so that nothing the build writes (its *.egg-info, build/, dist/)
 lands in the checkout; installs the wheel into a fresh venv, and runs it
-from outside the checkout. Meanwhile the unpacked sdist runs its own tests.
+from outside the checkout.
 """
 
 import os
@@ -150,40 +150,18 @@ def test_the_sdist_holds_what_the_readme_links_and_the_tests_need(dist):
           'docs/equivalence.md'} <= names
 
 
-@pytest.fixture(scope='module', autouse=True)
-def unpacked(dist, tmp_path_factory):
-  """The sdist unpacked, and UNPACKED_RUNS started in it at once: they run while
-  the tests above do. Yields (root, {name: Popen})."""
-  tmp_path = tmp_path_factory.mktemp('unpacked')
+def test_the_sdists_own_tests_run_unpacked(dist, tmp_path):
   with tarfile.open(dist[0]) as sdist:
     sdist.extractall(tmp_path, filter='data')
   (root,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-  procs = {name: subprocess.Popen(argv, cwd=str(root), env=fs.cli_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for name, argv in UNPACKED_RUNS.items()}
-  yield root, procs
-  for proc in procs.values():
-    if proc.poll() is None:
-      proc.kill()
-    proc.communicate()
-
-
-# Quick tests of the unpacked sdist: the layout (which reads the unpacked
-# sources) and the names the program gives itself; the unpacked copy is what
-# they import.
-UNPACKED_RUNS = {
-    'tests': [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-              'tests/test_layout.py', 'tests/test_prog.py'],
-    'version': [sys.executable, 'cli.py', '--version'],
-    'import': [sys.executable, '-c', 'import cifar10_towers.legacy.train as m; '
-               'print(m.__file__)'],
-}
-
-
-def test_the_sdists_own_tests_run_unpacked(unpacked):
-  root, procs = unpacked
-  out = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
-  assert procs['tests'].returncode == 0, out['tests'][-3000:]
-  assert re.search(r'\b\d+ passed\b', out['tests']), out['tests']
-  assert out['version'] == 'cifar10-towers, version %s\n' % version.__version__
-  assert out['import'].strip() == str(root / 'legacy' / 'train.py'), out['import']
+  # Quick ones: the layout (which reads the unpacked sources) and the names
+  # the program gives itself; the unpacked copy is what they import.
+  result = _run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+                 'tests/test_layout.py', 'tests/test_prog.py'], str(root))
+  assert result.returncode == 0, result.stdout[-3000:]
+  assert re.search(r'\b\d+ passed\b', result.stdout), result.stdout
+  result = _run([sys.executable, 'cli.py', '--version'], str(root))
+  assert result.stdout == 'cifar10-towers, version %s\n' % version.__version__
+  result = _run([sys.executable, '-c', 'import cifar10_towers.legacy.train as m; '
+                 'print(m.__file__)'], str(root))
+  assert result.stdout.strip() == str(root / 'legacy' / 'train.py'), result
