@@ -5,8 +5,7 @@ signal's number within 10 s - is tests/test_faults_runs.py's phase table.)
 - A second SIGINT during the stop's save ends the run at once, unsaved.
 - kill -9 at random moments: the next run resumes from the newest intact
   checkpoint, losing only the steps since the last completed save, and the
-  last run finishes at max_steps (both trainers at once: their processes
-  overlap). FAULTS_KILLS / FAULTS_KILL_STEPS /
+  last run finishes at max_steps. FAULTS_KILLS / FAULTS_KILL_STEPS /
   FAULTS_SEED scale it up (the issue's full version: 10 kills, 200 steps).
 """
 
@@ -14,7 +13,6 @@ import os
 import random
 import re
 import signal
-import threading
 import time
 
 import pytest
@@ -122,47 +120,17 @@ def kill_and_resume(impl, data_dir, train_dir, max_steps, save_every, kills, rng
   return records, (code, out, err)
 
 
-KILL_SAVE_EVERY = 10
-
-
-@pytest.fixture(scope='module')
-def killed_runs(synth_data_dir, tmp_path_factory):
-  """Both trainers' kill_and_resume at once (a thread each, their processes overlap).
-
-  Returns:
-    dict impl -> (train_dir, max_steps, kill_and_resume's result), or the
-    exception it raised.
-  """
+@pytest.mark.slow
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_kill_9_at_random_moments_then_resume_finishes(synth_data_dir, tmp_path, impl):
   kills = int(os.environ.get('FAULTS_KILLS', 3))
   max_steps = int(os.environ.get('FAULTS_KILL_STEPS', 60))
   seed = int(os.environ.get('FAULTS_SEED', 4))
-  results = {}
-
-  def run(impl, train_dir):
-    try:
-      results[impl] = (train_dir, kills, max_steps, kill_and_resume(
-          impl, synth_data_dir, train_dir, max_steps, KILL_SAVE_EVERY, kills,
-          random.Random('%s-%d' % (impl, seed))))
-    except BaseException as e:  # pylint: disable=broad-except
-      results[impl] = e
-
-  threads = [threading.Thread(target=run, args=(
-      impl, str(tmp_path_factory.mktemp('%s_kill_9' % impl) / 'train')))
-             for impl in fs.TRAINERS]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
-  return results
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize('impl', fs.TRAINERS)
-def test_kill_9_at_random_moments_then_resume_finishes(killed_runs, impl):
-  if isinstance(killed_runs[impl], BaseException):
-    raise killed_runs[impl]
-  train_dir, kills, max_steps, (records, (code, out, err)) = killed_runs[impl]
-  save_every = KILL_SAVE_EVERY
+  save_every = 10
+  train_dir = str(tmp_path / 'train')
+  records, (code, out, err) = kill_and_resume(
+      impl, synth_data_dir, train_dir, max_steps, save_every, kills,
+      random.Random('%s-%d' % (impl, seed)))
   print('\n%s: %d kills during a %d-step run (save_every %d):' % (
       impl, len(records), max_steps, save_every))
   for r in records:
