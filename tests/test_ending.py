@@ -3,7 +3,8 @@
 In this process (CliRunner): the signal is sent to this process by a hook
 at a seeded step, so only the one ending path (the StopRequest's handler,
 the loop's boundary, its save, the ending line, the exit status) can have
-written the checkpoint: --save_every is far beyond it. Real processes,
+written the checkpoint: --save_every is far beyond it. Each trainer's signals
+run as one chain: each run resumes from the stop before it. Real processes,
 signals from outside, a second signal and the timing are tested in
 tests/test_faults_interrupt.py and tests/test_faults_runs.py.
 """
@@ -62,32 +63,72 @@ def _signal_at(monkeypatch, step, name):
   monkeypatch.setattr(training.LogWindow, 'add', add_and_signal)
 
 
+@pytest.fixture(scope='module')
+def stopped_runs(synth_data_dir, tmp_path_factory):
+  """Each trainer's cases as one chain of runs in one train_dir, in this process.
+
+  Run k is stopped by case k's signal at its seeded step of that run, and run
+  k + 1 resumes from what it saved (and is stopped in turn); a last run
+  resumes from the last stop and trains one step more.
+
+  Returns:
+    dict case -> dict: the global step of its stop, its run's (code, stdout,
+    stderr, exception) and the resume point after it, and the same of the
+    run that resumed from it ('next', 'next_resume_point') with that run's
+    last global step ('next_step') and whether it was the last run
+    ('next_is_last').
+  """
+  runs = {}
+  for impl in fs.TRAINERS:
+    train_dir = str(tmp_path_factory.mktemp('%s_stops' % impl) / 'train')
+    args = [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
+            '--max_steps', 1000, '--save_every', 1000] + list(fs.FAST_FLAGS)
+    chain = [case for case in CASES if case[0] == impl]
+    step, previous = 0, None
+    for case in chain + [None]:
+      with pytest.MonkeyPatch.context() as monkeypatch:
+        if case is not None:
+          _signal_at(monkeypatch, STEPS[case], case[1])
+          step += STEPS[case]
+        else:  # the last run: one more step
+          step += 1
+          args[args.index('--max_steps') + 1] = step
+        result = fs.invoke_cli(args)
+      resume_point = checkpoints.resume_point(train_dir)
+      if previous is not None:
+        runs[previous].update(next=result, next_resume_point=resume_point,
+                              next_step=step, next_is_last=case is None)
+      if case is not None:
+        runs[case] = dict(train_dir=train_dir, step=step, run=result,
+                          resume_point=resume_point)
+      previous = case
+  return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('impl,name', CASES,
                          ids=['%s-%s-at-step-%d' % (c + (STEPS[c],)) for c in CASES])
-def test_a_stop_signal_saves_the_step_says_one_line_and_resumes(
-    impl, name, synth_data_dir, tmp_path, monkeypatch):
-  step = STEPS[impl, name]
-  train_dir = str(tmp_path / 'train')
-  args = [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
-          '--max_steps', 1000, '--save_every', 1000] + list(fs.FAST_FLAGS)
-  _signal_at(monkeypatch, step, name)
-  code, out, err, exception = fs.invoke_cli(args)
+def test_a_stop_signal_saves_the_step_says_one_line_and_resumes(impl, name, stopped_runs):
+  stopped = stopped_runs[impl, name]
+  step, train_dir = stopped['step'], stopped['train_dir']
+  code, out, err, exception = stopped['run']
   assert exception is None, exception
   assert code == 128 + getattr(signal, name), err
   path = os.path.join(train_dir, 'model.ckpt-%d' % step)
   assert fs.ours(err)[-1] == ('Stopped by %s at global step %d; saved %s. The same '
                               'command resumes from it.' % (name, step, path)), err
   assert [int(s) for s in re.findall(r': step (\d+), loss', out)][-1] == step
-  assert checkpoints.resume_point(train_dir) == path
+  assert stopped['resume_point'] == path
 
-  monkeypatch.undo()
-  args[args.index('--max_steps') + 1] = step + 1
-  code, out, err, exception = fs.invoke_cli(args)
-  assert (code, exception) == (0, None), err
+  # The next run resumes from it and trains on (to its own stop, or to max_steps).
+  code, out, err, exception = stopped['next']
+  assert exception is None, exception
+  if stopped['next_is_last']:
+    assert code == 0, err  # (a run stopped in turn: its own case checks its status)
   assert 'Resuming from %s at global step %d.' % (path, step) in out.splitlines()
-  assert checkpoints.resume_point(train_dir) == os.path.join(
-      train_dir, 'model.ckpt-%d' % (step + 1))
+  assert stopped['next_step'] > step
+  assert stopped['next_resume_point'] == os.path.join(
+      train_dir, 'model.ckpt-%d' % stopped['next_step'])
 
 
 # --- a failure crossing the loop: one table over the exception boundaries -------

@@ -1,9 +1,12 @@
 """Multiworker faults: start-up failures and stops end promptly, with one line.
 
 Real `python cli.py modern --strategy multiworker` workers on loopback ports
-with short timeouts. Every case that needs no partner runs at the same time as
-the others (a module fixture starts them all, each worker costing a
-TensorFlow import); each test then checks one case's outcome: the exit
+with short timeouts where a signal or a second worker is the point; a lone
+worker that fails at its start-up (no peer, a taken port, a name that does not
+resolve, TF_CONFIG beside --worker_hosts) runs in this process (click's
+CliRunner). A module fixture runs every case at once: the processes' cases in
+threads (each worker costing a TensorFlow import), the in-process ones in the
+main thread meanwhile. Each test then checks one case's outcome: the exit
 status, no traceback, the facts of its message (host:port, port, host name,
 flag), how long it took, and that no checkpoint in train_dir changed. Every
 worker is killed if it outlives HARD_TIMEOUT_SECS, so nothing hangs CI.
@@ -127,18 +130,35 @@ def _checkpoint_files(train_dir):
           if os.path.basename(path).startswith(('model.ckpt', 'checkpoint'))}
 
 
+def _in_process(hosts, index, train_dir, data_dir, *flags, env=None):
+  """A worker run in this process (fs.invoke_cli), its Outcome's fields but facts
+  and before: (exit status, stdout, stderr, seconds from the WAITING line, or
+  from the start without one, to the end, train_dir)."""
+  waited = []
+  args = ['modern', '--strategy', 'multiworker', '--data_dir', data_dir,
+          '--train_dir', str(train_dir)] + list(FLAGS)
+  if hosts is not None:
+    args += ['--worker_hosts', ','.join(hosts), '--task_index', str(index)]
+  started = time.monotonic()
+  with fs.Logged(then=lambda line: waited.append(time.monotonic())
+                 if WAITING in line else None):
+    code, out, err, exception = fs.invoke_cli(args + list(flags),
+                                              env=dict({'TF_CONFIG': None}, **(env or {})))
+  assert exception is None, exception  # a user would see a traceback
+  return code, out, err, time.monotonic() - (waited or [started])[0], str(train_dir)
+
+
 # --- the cases: each starts its workers, acts, and returns Outcomes ---------------
+# Those in IN_PROCESS run in this process, one at a time; the others in threads.
 
 
 def _lone(index):
   """A worker whose only peer never starts: it gives up after --startup_timeout."""
   def run(train_dir, data_dir):
     hosts = _loopback(fs.free_ports(2))
-    worker = _Worker(hosts, index, train_dir, data_dir,
-                     '--startup_timeout', str(STARTUP_TIMEOUT))
-    since = worker.wait_for(WAITING)
     peer = 1 - index
-    return [_outcome(worker, since, train_dir, [
+    return [Outcome(*_in_process(hosts, index, train_dir, data_dir,
+                                 '--startup_timeout', str(STARTUP_TIMEOUT)), [
         'worker %d of 2 (%s)' % (index, hosts[index]),
         'no answer from %s (worker %d)' % (hosts[peer], peer),
         'within %d s (--startup_timeout)' % STARTUP_TIMEOUT], None)]
@@ -179,8 +199,7 @@ def _port_taken(train_dir, data_dir):
     holder.listen(1)
     port = holder.getsockname()[1]
     hosts = _loopback([port] + fs.free_ports(1))
-    worker = _Worker(hosts, 0, train_dir, data_dir)
-    result = _outcome(worker, worker.started, train_dir, [
+    result = Outcome(*_in_process(hosts, 0, train_dir, data_dir), [
         'worker 0 of 2 (%s)' % hosts[0], 'port %d is not free' % port,
         '--worker_hosts'], None)
   return [result]
@@ -193,9 +212,8 @@ def _unresolvable(index):
     name = 'nosuchworker.invalid'
     hosts = _loopback(ports)
     hosts[index] = '%s:%d' % (name, ports[index])
-    worker = _Worker(hosts, 0, train_dir, data_dir)
     whose = 'this worker' if index == 0 else 'worker %d' % index
-    return [_outcome(worker, worker.started, train_dir, [
+    return [Outcome(*_in_process(hosts, 0, train_dir, data_dir), [
         "cannot resolve '%s', the host of %s (%s)" % (name, whose, hosts[index]),
         '--worker_hosts'], None)]
   return run
@@ -205,10 +223,9 @@ def _tf_config_and_worker_hosts(train_dir, data_dir):
   hosts = _loopback(fs.free_ports(2))
   tf_config = json.dumps({'cluster': {'worker': hosts},
                           'task': {'type': 'worker', 'index': 0}})
-  worker = _Worker(hosts, 0, train_dir, data_dir, env={'TF_CONFIG': tf_config})
-  return [_outcome(worker, worker.started, train_dir,
-                   ['TF_CONFIG is set and --worker_hosts is given', 'unset TF_CONFIG'],
-                   None)]
+  return [Outcome(*_in_process(hosts, 0, train_dir, data_dir, env={'TF_CONFIG': tf_config}),
+                  ['TF_CONFIG is set and --worker_hosts is given', 'unset TF_CONFIG'],
+                  None)]
 
 
 def _different_clusters(train_dir, data_dir):
@@ -310,6 +327,11 @@ MAX_SECS = {
 # Cases where the chief saves the step reached, named in the message.
 WRITES_CHECKPOINT = {'SIGTERM while a peer hangs', 'SIGTERM to a training non-chief',
                      'the chief of a stopped non-chief', 'SIGUSR1 to a training non-chief'}
+# Cases of one worker and no signal: run in this process.
+IN_PROCESS = {CASES[name][0] for name in (
+    'lone chief past --startup_timeout', 'lone non-chief past --startup_timeout',
+    'port taken', 'unresolvable own host', 'unresolvable peer',
+    'TF_CONFIG and --worker_hosts')}
 
 
 @pytest.fixture(scope='module')
@@ -334,9 +356,12 @@ def outcomes(synth_data_dir, tmp_path_factory):
     except BaseException as e:  # pylint: disable=broad-except
       results[case] = e
 
-  threads = [threading.Thread(target=run, args=item) for item in runs.items()]
+  threads = [threading.Thread(target=run, args=item) for item in runs.items()
+             if item[0] not in IN_PROCESS]
   for thread in threads:
     thread.start()
+  for case in IN_PROCESS:  # meanwhile, in the main thread (signals, CliRunner)
+    run(case, runs[case])
   for thread in threads:
     thread.join(HARD_TIMEOUT_SECS + 60)
   return results
@@ -499,9 +524,35 @@ def _bounded_run(bound, block, interrupt_after=None):
   return proc.returncode, first + out, err, time.monotonic() - entered
 
 
+# name: (bound, block, interrupt_after) of a _bounded_run
+BOUNDED_RUNS = {'past': (1, 30, None), 'within': (5, 0.5, None), 'ctrl-c': (20, 30, 1)}
+
+
+@pytest.fixture(scope='module')
+def bounded_runs():
+  """The BOUNDED_RUNS at once (each a TensorFlow import): name -> _bounded_run's result."""
+  results = {}
+
+  def run(name):
+    try:
+      results[name] = _bounded_run(*BOUNDED_RUNS[name])
+    except BaseException as e:  # pylint: disable=broad-except
+      results[name] = e
+
+  threads = [threading.Thread(target=run, args=(name,)) for name in BOUNDED_RUNS]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(120)
+  for name, result in results.items():
+    if isinstance(result, BaseException):
+      raise AssertionError('%s: %r' % (name, result)) from result
+  return results
+
+
 @pytest.mark.slow
-def test_a_start_up_past_its_bound_ends_with_the_message_alone():
-  code, out, err, secs = _bounded_run(1, 30)
+def test_a_start_up_past_its_bound_ends_with_the_message_alone(bounded_runs):
+  code, out, err, secs = bounded_runs['past']
   assert code == 1, (out, err)
   assert fs.ours(err)[-1] == BOUNDED_MESSAGE, err
   assert 'Traceback' not in err and 'File ' not in err, err  # faulthandler's goes to the pipe
@@ -511,17 +562,17 @@ def test_a_start_up_past_its_bound_ends_with_the_message_alone():
 
 
 @pytest.mark.slow
-def test_a_start_up_within_its_bound_says_nothing():
-  code, out, err, _ = _bounded_run(5, 0.5)
+def test_a_start_up_within_its_bound_says_nothing(bounded_runs):
+  code, out, err, _ = bounded_runs['within']
   assert code == 0, (out, err)
   assert out == 'entering\nleft\n'
   assert fs.ours(err) == []
 
 
 @pytest.mark.slow
-def test_a_ctrl_c_during_the_bounded_start_up_leaves_no_traceback():
+def test_a_ctrl_c_during_the_bounded_start_up_leaves_no_traceback(bounded_runs):
   """The message's child process is not in the terminal's process group."""
-  code, out, err, _ = _bounded_run(20, 30, interrupt_after=1)
+  code, out, err, _ = bounded_runs['ctrl-c']
   assert code == 130, (out, err)
   assert out.endswith('interrupted\n')
   assert fs.ours(err) == []  # neither the message nor the child's KeyboardInterrupt
