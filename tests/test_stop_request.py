@@ -185,7 +185,7 @@ def test_leaving_a_block_waits_for_its_running_callback():
 
 def test_without_the_cli_a_warning_of_the_library_still_reaches_stderr():
   """The library configures no logging: logging's last resort shows its warnings."""
-  script = ('from cifar10_towers.common import training\n'
+  script = ('from cifar10_towers.runtime import training\n'
             'training._run_callback(lambda name: 1 / 0, "SIGTERM")\n')
   proc = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
                         timeout=60, check=False)
