@@ -399,7 +399,7 @@ if _HOOKS:
 
 
 # The subpackages of cifar10_towers, which `hook` names without the prefix.
-PROJECT_PACKAGES = ('common', 'legacy', 'modern', 'towerprofile')
+PROJECT_PACKAGES = ('common', 'runtime', 'datasets', 'legacy', 'modern', 'towerprofile')
 
 
 def hook(at, say=None, dwell=0.0, nth=1, returns=None):

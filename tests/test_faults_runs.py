@@ -373,7 +373,10 @@ def test_a_signal_during_the_download_stops_at_once_and_leaves_no_part_file(
                    env={'CIFAR10_DATA_URL': server.url})
   try:
     deadline = time.time() + 60
-    while not [n for n in os.listdir(data_dir) if n.endswith('.part')]:
+    # The archive streams into a hidden staging directory in data_dir
+    # (cifar10_format.staged_batches_dir): wait for its first bytes.
+    while not [f for d, _, files in os.walk(data_dir) for f in files
+               if os.path.getsize(os.path.join(d, f)) > 0]:
       assert time.time() < deadline and run.proc.poll() is None, run.stderr[-20:]
       time.sleep(0.05)
     time.sleep(0.5)  # downloading

@@ -19,8 +19,8 @@ DIRECTORIES = {PACKAGE: PACKAGE, 'common': 'cifar10_towers.common',
 PACKAGES = tuple(DIRECTORIES.values())
 # Names the project's modules had before they moved into one namespace; an
 # import of one of them would load a second copy of a module from a checkout.
-BARE_NAMES = ('common', 'runtime', 'datasets', 'legacy', 'modern', 'towerprofile', 'cli', 'bench',
-              'convert', 'crosscheck')
+BARE_NAMES = ('common', 'runtime', 'datasets', 'legacy', 'modern', 'towerprofile', 'cli',
+              'bench', 'convert', 'crosscheck')
 
 
 def _short(module):
