@@ -95,8 +95,13 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
     labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
     raw = synth.make_images(rng, labels)
   else:
-    raw, labels = (np.concatenate(parts) for parts in zip(
-        *map(fmt.read_records, fmt.train_files(data_dir))))
+    # Only as many files as the draw needs: CIFAR-10's five hold 150 MB.
+    records = []
+    for path in fmt.train_files(data_dir):
+      records.append(fmt.read_records(path))
+      if sum(len(file_labels) for _, file_labels in records) >= n:
+        break
+    raw, labels = (np.concatenate(parts) for parts in zip(*records))
     if len(labels) < n:
       raise fmt.DataError('%s holds %d training records; the cross-check needs '
                           '%d (num_gpus x batch_size).' % (data_dir, len(labels), n))

@@ -5,6 +5,8 @@ the N-vs-1 identity 1e-5 (max|a-b| / max|b|), tower losses 1e-6, variables and
 moving averages after K steps 1e-4.
 """
 
+import os
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -210,3 +212,24 @@ def test_cli_crosscheck_strategy_mirrored():
   assert result.exit_code == 0, result.output
   assert result.output.count('PASS: all') == 2
   assert 'legacy vs modern (mirrored)' in result.output
+
+
+def test_batches_from_a_data_dir_read_only_the_files_they_need(tmp_path, monkeypatch):
+  """With --data_dir the draw reads the training files in order, only until it has
+  num_gpus x batch_size records (CIFAR-10's five files hold 150 MB), and refuses fewer."""
+  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=import-outside-toplevel
+  data_dir = str(tmp_path)
+  os.makedirs(fmt.batches_dir(data_dir))
+  rng = np.random.default_rng(0)
+  for f, name in enumerate(fmt.TRAIN_FILES):  # file f: 6 records, all of label f
+    fmt.write_records(os.path.join(fmt.batches_dir(data_dir), name),
+                      rng.integers(0, 256, (6, 32, 32, 3)).astype(np.uint8), np.full(6, f))
+  read = []
+  real_read = fmt.read_records
+  monkeypatch.setattr(fmt, 'read_records', lambda path: read.append(path) or real_read(path))
+  images, labels = crosscheck.draw_batches(2, 4, seed=0, data_dir=data_dir)
+  assert images.shape == (2, 4, hparams.IMAGE_SIZE, hparams.IMAGE_SIZE, 3)
+  assert [os.path.basename(p) for p in read] == list(fmt.TRAIN_FILES[:2])
+  assert set(labels.ravel().tolist()) <= {0, 1} and labels.size == 8
+  with pytest.raises(fmt.DataError, match='holds 30 training records; the cross-check needs 32'):
+    crosscheck.draw_batches(4, 8, seed=0, data_dir=data_dir)
