@@ -39,7 +39,7 @@ from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import training
 
 MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
-EMA_SUFFIX = model_spec.EMA_SUFFIX  # legacy's shadow-variable name suffix
+
 
 class StepSaver:
   """Saves a training state's checkpoint at most once per global step.
@@ -150,7 +150,8 @@ def legacy_shapes(optimizer=optimizer_lib.SGD):
   """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
   shapes = {'global_step': ()}
   for name in model_spec.VARIABLE_NAMES:
-    shapes[name] = shapes['%s/%s' % (name, EMA_SUFFIX)] = model_spec.variable_shape(name)
+    average = '%s/%s' % (name, model_spec.EMA_SUFFIX)
+    shapes[name] = shapes[average] = model_spec.variable_shape(name)
   shapes.update((name, optimizer_lib.slot_shape(name))
                 for name in optimizer_lib.slot_names(optimizer))
   return shapes
@@ -176,7 +177,7 @@ def checkpoint_key(legacy_name):
     return 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
   if legacy_name in model_spec.VARIABLE_NAMES:
     return 'model/%s/.ATTRIBUTES/VARIABLE_VALUE' % legacy_name
-  if last == EMA_SUFFIX and layer in model_spec.VARIABLE_NAMES:
+  if last == model_spec.EMA_SUFFIX and layer in model_spec.VARIABLE_NAMES:
     return 'ema/%s/.ATTRIBUTES/VARIABLE_VALUE' % layer
   if any(legacy_name in optimizer_lib.slot_names(o) for o in optimizer_lib.NAMES):
     return 'optimizer/%s/.ATTRIBUTES/VARIABLE_VALUE' % legacy_name
