@@ -60,11 +60,6 @@ def _configure_logging():
   package.propagate = False  # said once, not again by a handler of the root logger
 
 
-def _first_line(error):
-  text = str(error).strip() or type(error).__name__
-  return text.splitlines()[0]
-
-
 def _option(flags, type_, default, help_text=None, **settings):
   """click.option(*flags.split(), type=type_, default=default, help=help_text, **settings).
 
@@ -94,24 +89,17 @@ def _given(*names):
   return [name for name in names if source(name) != click.core.ParameterSource.DEFAULT]
 
 
-def _nearest_existing(path):
-  """path if it exists, else its nearest ancestor that does ('.' at the top)."""
-  while not os.path.exists(path):
-    path = os.path.dirname(path) or '.'
-  return path
-
-
-def _check_train_dir(train_dir):
-  """A train_dir must be a directory we can write, or creatable."""
-  probe = _nearest_existing(train_dir)
+def _cannot_write(directory):
+  """Why `directory` can be neither written nor created, in words; None if it can."""
+  probe = directory  # it, or its nearest ancestor that exists ('.' at the top)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe) or '.'
   if not os.path.isdir(probe):
-    why = ('not a directory' if probe == train_dir
-           else 'so %s cannot be created under it' % train_dir)
-    raise click.BadParameter('%s is a file, %s; pass another --train_dir.' % (probe, why),
-                             param_hint='--train_dir')
+    return '%s is a file, %s' % (probe, 'not a directory' if probe == directory
+                                 else 'so %s cannot be created under it' % directory)
   if not os.access(probe, os.W_OK | os.X_OK):
-    raise click.BadParameter('%s is not writable; pass a --train_dir you can '
-                             'write to.' % probe, param_hint='--train_dir')
+    return '%s is not writable' % probe
+  return None
 
 
 def _ensure_train_data(data_dir):
@@ -239,7 +227,9 @@ def _train(impl, run_crosscheck, **options):
   # Until the first step nothing is written, so there a stop ends the run at
   # once (training.Stopped, which _Group.invoke reports).
   with click.get_current_context().obj.raising():
-    _check_train_dir(options['train_dir'])
+    why = _cannot_write(options['train_dir'])
+    if why:
+      raise click.BadParameter(why + '; pass another --train_dir.', param_hint='--train_dir')
     if impl == 'modern':
       _check_distribution(run_crosscheck=run_crosscheck, **options)
     config = config_lib.TrainConfig(optimizer=optimizer, **options)
@@ -291,14 +281,16 @@ class _Group(click.Group):
     except (errors.Failure, OSError) as e:
       if os.environ.get(DEBUG_ENV) == '1':  # the whole story, before the one line
         traceback.print_exception(e)
-      if isinstance(e, errors.Failure):  # a user's or the world's error: its line, its exit code
-        raise (click.UsageError if e.exit_code == 2 else click.ClickException)(
-            e.line()) from None
-      if ending.stream_closed(e):  # stdout's reader is gone (`| head`, a closed terminal)
+      # A user's or the world's error: its line, its exit code; an OSError: the
+      # closed stream (stdout's reader gone: `| head`) or the path it names.
+      line = ending.cause(e)
+      if ending.stream_closed(e):
         ending.silence_stdout()
-        raise click.ClickException(ending.cause(e) + '.') from None
-      raise click.ClickException('%s. Check the path and its permissions.'
-                                 % _first_line(e)) from None
+        line += '.'
+      elif isinstance(e, OSError):
+        line += '. Check the path and its permissions.'
+      raise (click.UsageError if getattr(e, 'exit_code', 1) == 2 else click.ClickException)(
+          line) from None
     except training.Stopped as stopped:
       command = ctx.meta.get(_COMMAND)
       ending.say(str(stopped) if command in ('legacy', 'modern')
@@ -455,8 +447,7 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
     # precision together; upstream's /tmp/cifar10_eval where the train_dir
     # cannot be written (a read-only copy), said in one line.
     eval_dir = os.path.join(checkpoint_dir, config_lib.EVAL_SUBDIR)
-    probe = _nearest_existing(eval_dir)
-    if not (os.path.isdir(probe) and os.access(probe, os.W_OK | os.X_OK)):
+    if _cannot_write(eval_dir):
       logger.warning('%s cannot be written; precision @ 1 goes to %s for TensorBoard (pass '
                      '--eval_dir to choose).', checkpoint_dir, config_lib.DEFAULT_EVAL_DIR)
       eval_dir = config_lib.DEFAULT_EVAL_DIR
@@ -497,12 +488,11 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
   if dump:
     path = crosscheck_lib.write_evidence(dump, images, labels, init, reports[engines[0]])
     click.echo('Evidence written to %s.' % path)
-  failed = ['%d of %d figures of legacy vs %s' % (len(r.failures()), len(r.rows), engine)
-            for engine, r in reports.items() if not r.passed]
+  failed = [engine for engine, report in reports.items() if not report.passed]
   if failed:
-    raise click.ClickException(
-        'cross-check failed: %s outside the contract (rows marked FAIL above); '
-        'legacy and modern do not compute the same thing.' % ', '.join(failed))
+    raise click.ClickException('cross-check failed for legacy vs %s (rows marked FAIL above): '
+                               'legacy and modern do not compute the same thing.'
+                               % ' and '.join(failed))
 
 
 # `crosscheck` and `profile`: N towers, two by default.
@@ -579,9 +569,9 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 
 
 @cli.command()
-@click.option('--from_dir', type=_DIR, required=True,  # no default: required is checked
+@click.option('--from_dir', type=click.Path(exists=True, file_okay=False), required=True,
               help='A train_dir of either trainer; its newest checkpoint is converted.')
-@click.option('--to_dir', type=click.Path(), required=True, help='A new or empty directory, '
+@click.option('--to_dir', type=_DIR, required=True, help='A new or empty directory, '
               'outside --from_dir, for the other trainer\'s checkpoint.')
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
@@ -680,7 +670,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
     try:
       bench_lib.plot(report, plot_path)
     except (OSError, KeyError, TypeError, ValueError) as e:
-      raise click.ClickException('cannot draw %s: %s' % (plot_path, _first_line(e))) from None
+      raise click.ClickException('cannot draw %s: %s' % (plot_path, ending.cause(e))) from None
     click.echo('Wrote %s.' % plot_path)
 
 
@@ -779,18 +769,16 @@ def check(data_dir):
     click.echo('%s: %d records, ok' % (name, count))
   for problem in problems:
     logger.warning(problem)
-  if problems and marker is None:
-    raise click.ClickException(
-        '%d problem(s) in %s. Re-download (`%s`) or regenerate (`%s`).'
-        % (len(problems), data_dir, prog.command('data download'),
-           prog.command('data synth --force')))
+  kind = '' if marker is None else generated.describe(marker)
   if problems:
-    raise click.ClickException('%d problem(s) in %s (%s). Regenerate it (`%s`).' % (
-        len(problems), data_dir, generated.describe(marker), generated.command(marker)
-        or prog.command('data %s --data_dir %s' % (marker['generator'], data_dir))))
+    fix = ('Re-download (`%s`) or regenerate (`%s`)' % (
+        prog.command('data download'), prog.command('data synth --force')) if marker is None
+           else 'Regenerate it (`%s`)' % (generated.command(marker) or prog.command(
+               'data %s --data_dir %s' % (marker['generator'], data_dir))))
+    raise click.ClickException('%d problem(s) in %s%s. %s.' % (
+        len(problems), data_dir, kind and ' (%s)' % kind, fix))
   click.echo('%s: all %d files are valid%s.' % (
-      data_dir, len(counts),
-      '' if marker is None else ' %s, not CIFAR-10' % generated.describe(marker)))
+      data_dir, len(counts), kind and ' %s, not CIFAR-10' % kind))
 
 
 @data.command()
@@ -806,7 +794,7 @@ def digits(data_dir, seed, force):
     try:
       return digits_lib.convert_digits(data_dir, seed=seed)
     except ImportError as e:
-      raise click.ClickException(_first_line(e)) from None
+      raise click.ClickException(str(e)) from None
 
   _generate(data_dir, 'digits', force, write)
 

@@ -199,15 +199,10 @@ def convert(from_dir, to_dir):
     ConvertError, runtime.checkpoints.CheckpointError: as the message says.
   """
   _check_directories(from_dir, to_dir)
-  if not os.path.exists(from_dir):
-    raise ConvertError('--from_dir %s does not exist; pass the train_dir you trained into.'
-                       % from_dir)
   contents = checkpoints.for_conversion(from_dir)
   if contents is None:
     raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
                        % from_dir)
-  if os.path.isfile(to_dir):
-    raise ConvertError('%s is a file; pass a new directory as --to_dir.' % to_dir)
   if os.path.isdir(to_dir) and os.listdir(to_dir):
     raise ConvertError('%s is not empty; pass a new or empty directory as '
                        '--to_dir (nothing there was changed).' % to_dir)

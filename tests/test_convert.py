@@ -161,13 +161,13 @@ def test_cli_convert(legacy_dir, tmp_path):
 
 # --- what convert refuses, in one line, changing nothing ----------------------
 
-def _refused(args, *roots):
+def _refused(args, *roots, code=1):
   """Runs `convert ARGS`; returns its one `Error:` line after checking that
-  it exited 1 without a traceback and changed nothing under the roots."""
+  it exited with `code` without a traceback and changed nothing under the roots."""
   before = fs.snapshot(*roots)
   listed = {root: sorted(os.listdir(root)) for root in roots}
-  code, _, err, exception = fs.invoke_cli(['convert'] + list(args))
-  assert exception is None and code == 1, (code, err, exception)
+  exit_code, _, err, exception = fs.invoke_cli(['convert'] + list(args))
+  assert exception is None and exit_code == code, (exit_code, err, exception)
   assert fs.changed(before, fs.snapshot(*roots)) == []
   assert set(fs.snapshot(*roots)) == set(before)  # nothing new either
   assert {root: sorted(os.listdir(root)) for root in roots} == listed
@@ -219,9 +219,8 @@ def test_cli_convert_refuses_a_to_dir_inside_from_dir(trained, tmp_path, inside)
 def test_cli_convert_refuses_a_missing_from_dir(tmp_path):
   missing = str(tmp_path / 'never_trained')
   assert _refused(['--from_dir', missing, '--to_dir', str(tmp_path / 'out')],
-                  str(tmp_path)) == [
-      'Error: --from_dir %s does not exist; pass the train_dir you trained into.'
-      % missing]
+                  str(tmp_path), code=2) == [
+      "Error: Invalid value for '--from_dir': Directory '%s' does not exist." % missing]
 
 
 def _saver_checkpoint(directory, shapes):
