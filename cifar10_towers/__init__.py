@@ -15,7 +15,6 @@ run from a checkout, installed or not, with the imports an install uses.
 import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_CHECKOUT = os.path.dirname(_HERE)
 
 if not os.path.isdir(os.path.join(_HERE, 'legacy')):
-  __path__.append(_CHECKOUT)  # pylint: disable=undefined-variable
+  __path__.append(os.path.dirname(_HERE))  # pylint: disable=undefined-variable

@@ -4,7 +4,6 @@ TensorFlow is imported inside the commands, so `python cli.py --help` is instant
 Progress and metrics go to stdout, diagnostics to stderr.
 """
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -137,22 +136,18 @@ def _ensure_train_data(data_dir):
 
 
 def _download(data_dir):
-  """Downloads and unpacks CIFAR-10 unless it is there, with a bar on stderr."""
+  """Downloads and unpacks CIFAR-10 unless it is there, with a bar on stderr once it begins."""
   from cifar10_towers.datasets import download
   url = os.environ.get('CIFAR10_DATA_URL', download.DATA_URL)
-  with contextlib.ExitStack() as stack:
-    bar = None
-
-    def report(done, total):
-      nonlocal bar
-      if bar is None:  # the first report: a download begins
-        bar = stack.enter_context(click.progressbar(
-            length=total or download.ARCHIVE_BYTES, label='Downloading %s' % url,
-            file=sys.stderr))
-      bar.update(done - bar.pos)
-
+  bar = click.progressbar(length=download.ARCHIVE_BYTES, label='Downloading %s' % url,
+                          file=sys.stderr)
+  try:
     return download.maybe_download_and_extract(
-        data_dir, url=url, sha256=download.ARCHIVE_SHA256, progress=report)
+        data_dir, url=url, sha256=download.ARCHIVE_SHA256,
+        progress=lambda done, total: bar.update(done - bar.pos))
+  finally:
+    if bar.pos:  # drawn: end its line
+      bar.render_finish()
 
 
 # The original's flags, shared by `legacy` and `modern` so they mean the same.
@@ -652,10 +647,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
   else:
     if plot_path is not None:
       bench_lib.check_plotting()  # before minutes of measuring, not after
-    if options['data_dir'] is not None:
-      from cifar10_towers.common import cifar10_format as fmt
-      for path in fmt.train_files(options['data_dir']):
-        fmt.read_records(path)
+    _ensure_train_data(options['data_dir'])
     try:
       report = bench_lib.run(bench_lib.BenchConfig(**options))
     except bench_lib.BenchError as e:
