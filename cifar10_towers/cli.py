@@ -580,32 +580,17 @@ def convert(from_dir, to_dir):
   convert_lib.convert(from_dir, to_dir)
 
 
-def _comma_list(convert, allowed, refusal):
-  """A click callback turning 'a,b' into a tuple; refusal % item if an item is not allowed."""
-
-  def callback(ctx, param, value):  # pylint: disable=unused-argument
-    items = {}  # each item once, in the order given
-    for text in map(str.strip, value.split(',')):
-      try:
-        item = convert(text)
-      except ValueError:
-        raise click.BadParameter('%r is not a valid item of a comma-separated '
-                                 'list, e.g. %s.' % (text, param.default)) from None
-      if item not in allowed:
-        raise click.BadParameter(refusal % item)
-      items[item] = None
-    return tuple(items)
-
-  return callback
+def _comma_list(item_type):
+  """A click callback: 'a,b' -> (a, b), each item once, each checked by the click type item_type."""
+  return lambda ctx, param, value: tuple(dict.fromkeys(
+      item_type.convert(item.strip(), param, ctx) for item in value.split(',')))
 
 
 @cli.command()
 @_option('--impl impls', None, 'legacy,modern', 'Trainers to measure, comma-separated.',
-         callback=_comma_list(str, ('legacy', 'modern'), '%r is not one of legacy, modern.'))
+         callback=_comma_list(click.Choice(['legacy', 'modern'])))
 @_option('--num_gpus', None, '1,2', 'Tower counts, comma-separated; without GPUs the CPU is '
-         'split into that many logical devices.',
-         callback=_comma_list(int, range(1, devices.MAX_TOWERS + 1),
-                              '%%r is not between 1 and %d.' % devices.MAX_TOWERS))
+         'split into that many logical devices.', callback=_comma_list(_TOWERS))
 @_batch_size('Images per tower per step.')
 @_data_dir('CIFAR-10 data to train on; default: generated data of CIFAR-10\'s size in a '
            'temporary directory.', None, None)

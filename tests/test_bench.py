@@ -196,9 +196,9 @@ def test_a_failing_contender_is_a_bench_error():
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--impl', 'legacy,tf1'], "'tf1' is not one of legacy, modern"),
-    (['--num_gpus', '1,0'], "0 is not between 1 and 64"),
-    (['--num_gpus', 'two'], "'two' is not a valid item"),
+    (['--impl', 'legacy,tf1'], "'tf1' is not one of 'legacy', 'modern'"),
+    (['--num_gpus', '1,0'], "'--num_gpus': 0 is not in the range 1<=x<=64"),
+    (['--num_gpus', 'two'], "'--num_gpus': 'two' is not a valid integer"),
     (['--rounds', '0'], "0 is not in the range x>=1"),
     (['--warmup_rounds', '-1'], "-1 is not in the range x>=0"),
 ])
