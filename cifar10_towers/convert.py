@@ -58,7 +58,8 @@ def state_of(contents):
     names (common.optimizer.slot_names) to a numpy array.
 
   Raises:
-    ConvertError: it lacks a variable of this model, or has a wrong shape.
+    ConvertError: it lacks a variable of this model (or of its optimizer,
+      or the global step), or has a wrong shape.
   """
   path, kind, tensors = contents
   key_of = modern_checkpoints.checkpoint_key if kind == checkpoints.MODERN else str
@@ -66,19 +67,12 @@ def state_of(contents):
   slot_names = optimizer_lib.slot_names(optimizer)
   found = {}
   for name, shape in modern_checkpoints.legacy_shapes(optimizer).items():
-    key = key_of(name)
-    if key not in tensors:
-      why = ('has no global step (%s): it is not a checkpoint of a training run' % key
-             if name == 'global_step' else
-             'holds the state of optimizer %s without its %s: that state is incomplete'
-             % (optimizer, name) if name in slot_names else
-             'is a checkpoint of another model: it lacks %s' % name)
-      raise ConvertError('%s %s; %s' % (path, why, _PASS_A_TRAIN_DIR))
-    if tensors[key].shape != tuple(shape):
-      raise ConvertError('%s is a checkpoint of another model: it holds %s with shape %s, '
-                         'this model has %s; %s' % (path, name, list(tensors[key].shape),
-                                                    list(shape), _PASS_A_TRAIN_DIR))
-    found[name] = tensors[key]
+    tensor = found[name] = tensors.get(key_of(name))
+    if tensor is None or tensor.shape != tuple(shape):
+      raise ConvertError('%s is a checkpoint of another model%s; %s' % (
+          path, ', or an incomplete one: it lacks %s' % name if tensor is None else
+          ': it holds %s with shape %s, this model has %s' % (name, list(tensor.shape),
+                                                              list(shape)), _PASS_A_TRAIN_DIR))
   names = model_spec.VARIABLE_NAMES
   return (kind, {name: found[name] for name in names},
           {name: found['%s/%s' % (name, model_spec.EMA_SUFFIX)] for name in names},
