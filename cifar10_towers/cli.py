@@ -685,11 +685,10 @@ def _generate(data_dir, generator, force, write):
           'generated data (%s), or pass another --data_dir.' % (data_dir, what, generator))
     replacing = ', replacing the %s there (--force)' % what
   counts = write()
-  click.echo('Wrote %d training and %d test records of generated data (%s) to '
-             '%s%s. It is not CIFAR-10 (%s).' % (
-                 sum(v for k, v in counts.items() if k.startswith('data_batch')),
-                 counts.get('test_batch.bin', 0), generator, data_dir, replacing,
-                 generated.CIFAR10_RESULT))
+  test = counts.pop('test_batch.bin', 0)  # the others: training files
+  click.echo('Wrote %d training and %d test records of generated data (%s) to %s%s. It is '
+             'not CIFAR-10 (%s).' % (sum(counts.values()), test, generator, data_dir,
+                                     replacing, generated.CIFAR10_RESULT))
 
 
 def _say_if_generated(data_dir, doing):

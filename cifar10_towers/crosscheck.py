@@ -34,6 +34,7 @@ import numpy as np
 
 from cifar10_towers import convert
 from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
@@ -202,7 +203,7 @@ def format_report(report):
 def write_evidence(path_dir, images, labels, init, report):
   """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2."""
   os.makedirs(path_dir, exist_ok=True)
-  arrays = {'images': images.astype(np.float32), 'labels': labels.astype(np.int32)}
+  arrays = {'images': images, 'labels': labels}  # float32, int32 (draw_batches)
   arrays.update(('init/' + name, init[name]) for name in model_spec.VARIABLE_NAMES)
   groups = [('grad', 'grads'), ('final', 'final'), ('slot', 'final_slots')]
   if report.optimizer.clips_averaged:
@@ -267,7 +268,6 @@ def _numpy(pairs):
 
 def _result(run, plan, images, labels, *args):
   """run's Result on the N towers, with the identity's 1 tower on their concatenation."""
-  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
   result = run(plan, images, labels, *args)
   single_tower = devices.DevicePlan(plan.tower_devices[:1], plan.kind, plan.num_cpu_devices)
   result.single_tower_grads = run(single_tower, images.reshape((1, -1) + images.shape[2:]),
