@@ -82,71 +82,59 @@ def _fetch(url, path, data_dir, progress, timeout):
     DownloadError: the URL could not be reached or the transfer broke off.
     OSError: the disk is full, read-only or not writable.
   """
-  done, total, chunk = 0, None, None
+  done, chunk = 0, None
   try:
     with open(path, 'wb') as out, urllib.request.urlopen(url, timeout=timeout) as response:
-      length = response.headers.get('Content-Length')
-      total = int(length) if length and length.isdigit() else None
+      total = int(response.headers.get('Content-Length') or 0) or None
       while chunk != b'':
         if progress:
           progress(done, total)
         chunk = response.read(_CHUNK_BYTES)
-        out.write(chunk)
-        done += len(chunk)
-  except urllib.error.HTTPError as e:
-    raise DownloadError('%s answered HTTP %d %s. %s'
-                        % (url, e.code, e.reason, _offline_advice(data_dir))) from e
+        done += out.write(chunk)
   except (OSError, ValueError, http.client.HTTPException) as e:
     if isinstance(e, OSError) and fmt.write_failure(data_dir, e, NEEDED_BYTES):
       raise  # the disk's fault, not the network's: said by staged_batches_dir
     # ValueError: not a URL urllib understands; OSError: e.g. an SSL error mid-stream.
-    raise DownloadError('could not reach %s (%s). %s' % (
-        url, getattr(e, 'reason', None) or e, _offline_advice(data_dir))) from e
-  if total is not None and done != total:
+    reason = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', None) or e
+    raise DownloadError('could not reach %s (%s). %s' % (url, reason, _offline_advice(data_dir)))
+  if total and done != total:
     raise DownloadError('the download of %s broke off after %d of %d bytes. %s'
                         % (url, done, total, _offline_advice(data_dir)))
 
 
-def check_members(tar):
+def check_members(tar, directory):
   """Checks every member of an open archive before anything is written.
+
+  tarfile's 'data' filter judges each member; it strips a leading '/' rather
+  than refuse it, and lets a member through an in-archive symbolic link
+  (test_download.py: test_unsafe_archive_refused_before_writing_anything), so
+  those two are refused here.
 
   Args:
     tar: an open `tarfile.TarFile`.
+    directory: where the members are to be unpacked.
 
   Returns:
-    the list of members, all safe to extract under one directory.
+    the list of members, all safe to extract into `directory`.
 
   Raises:
     DownloadError: naming the first member that has an absolute path, escapes
-      through '..', lies below a symbolic link, is a link pointing outside, is a
-      device or FIFO, or is of an unknown type.
+      through '..', lies below a symbolic link, is a link pointing outside, or
+      is a device or FIFO.
   """
   members = tar.getmembers()
-  symlinks = {posixpath.normpath(m.name.replace('\\', '/')) for m in members if m.issym()}
+  links = tuple(posixpath.normpath(m.name) + '/' for m in members if m.issym())
   for m in members:
-    name, link = m.name.replace('\\', '/'), m.linkname.replace('\\', '/')
-    norm = posixpath.normpath(name)
-    below = sorted(p for p in symlinks if norm.startswith(p + '/'))
-    # A symlink points relative to its directory; a hard link names another member.
-    target = posixpath.normpath(posixpath.join(posixpath.dirname(norm), link)
-                                if m.issym() else link)
-    if name.startswith('/') or name[1:2] == ':':
-      why = 'has an absolute path'
-    elif (norm + '/').startswith('../'):
-      why = 'escapes the target directory through ".."'
-    elif below:  # the OS would follow the link
-      why = 'lies below the symbolic link %r' % below[0]
-    elif (m.issym() or m.islnk()) and (
-        link.startswith('/') or (target + '/').startswith('../')):
-      why = 'is a link to %r, outside the target directory' % m.linkname
-    elif not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
-      why = 'is a device or FIFO' if m.isdev() else 'has the unsupported type %r' % m.type
-    else:
-      continue
-    # It passed the digest check only if that was skipped or another URL was given.
-    raise DownloadError('refusing to unpack: archive member %r %s; nothing was written. This '
-                        'is not the CIFAR-10 archive: fetch it from %s instead (unset '
-                        'CIFAR10_DATA_URL).' % (m.name, why, DATA_URL))
+    try:
+      if m.name.startswith('/') or posixpath.normpath(m.name).startswith(links):
+        raise tarfile.FilterError('%r has an absolute path or lies below a symbolic link'
+                                  % m.name)
+      tarfile.data_filter(m, directory)
+    except tarfile.FilterError as e:
+      # It passed the digest check only if another URL and digest were given.
+      raise DownloadError('refusing to unpack: archive member %s; nothing was written. This '
+                          'is not the CIFAR-10 archive: fetch it from %s instead (unset '
+                          'CIFAR10_DATA_URL).' % (e, DATA_URL)) from e
   return members
 
 
@@ -156,18 +144,12 @@ def _extract(archive, stage, origin):
   Args:
     archive: path of a verified archive.
     stage: the staging directory of `cifar10_format.staged_batches_dir`.
-    origin: what to call the archive in errors (its URL or local path).
+    origin: what to call the archive in errors.
   """
   work = os.path.join(stage, '.unpack')
   try:
     with tarfile.open(archive, 'r:*') as tar:
-      members = check_members(tar)
-      # tarfile's 'data' filter (Python >= 3.10.12 / 3.11.4) is a second guard, not the
-      # only one: it strips absolute names instead of refusing them, lets a member
-      # through an in-archive symlink, and is missing from older Pythons
-      # (test_download.py: test_unsafe_archive_refused_before_writing_anything).
-      tar.extractall(work, members=members,
-                     **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))
+      tar.extractall(work, members=check_members(tar, work), filter='data')
   except (tarfile.TarError, EOFError, OSError) as e:
     if isinstance(e, OSError) and fmt.write_failure(stage, e, NEEDED_BYTES):
       raise  # the disk's fault, not the archive's: said by staged_batches_dir
@@ -227,6 +209,7 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     return PRESENT
   archive = archive_path(data_dir)
   local = os.path.isfile(archive)
+  origin = 'the local archive %s' % archive if local else 'the file downloaded from %s' % url
   try:
     # The new files go into a staging directory that replaces
     # cifar-10-batches-bin/ only when they are all there, verified.
@@ -235,18 +218,12 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
       if not local:
         _fetch(url, source, data_dir, progress, timeout)
       actual = sha256_of(source)
-      if actual != sha256 and local:
-        raise DownloadError(
-            'the local archive %s has SHA-256 %s, expected %s: it is corrupt or '
-            'not the CIFAR-10 binary archive. Delete it (or replace it with a '
-            'good copy) and run this again.' % (archive, actual, sha256))
       if actual != sha256:
         raise DownloadError(
-            'the file downloaded from %s has SHA-256 %s, expected %s; it was '
-            'deleted. The download was corrupted or the server sent something '
-            'else: run this again, or fetch the archive another way and put it '
-            'at %s.' % (url, actual, sha256, archive))
-      _extract(source, stage, archive if local else url)
+            '%s has SHA-256 %s, expected %s: it is corrupt or not the CIFAR-10 binary '
+            'archive, and was not unpacked. Put a good copy at %s (or delete the one there) '
+            'and run this again.' % (origin, actual, sha256, archive))
+      _extract(source, stage, origin)
       os.replace(source, archive)  # kept, verified (a no-op for the local one)
   except fmt.DataError as e:  # a full or read-only disk, a file in the way
     raise DownloadError(str(e)) from e
