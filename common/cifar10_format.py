@@ -386,18 +386,20 @@ def _swap_in(stage, target):
   if os.path.isdir(target):
     # The old set's marker describes the old set: a new generated set brings
     # its own, and a set written without one must not inherit it.
-    for name in set(os.listdir(target)) - set(os.listdir(stage)) - {GENERATED_FILE}:
-      src, dst = os.path.join(target, name), os.path.join(stage, name)
-      if os.path.isdir(src) and not os.path.islink(src):
-        shutil.copytree(src, dst, symlinks=True)
-        continue
-      try:
-        os.link(src, dst, follow_symlinks=False)
-      except OSError:
-        shutil.copy2(src, dst, follow_symlinks=False)
+    new = set(os.listdir(stage)) | {GENERATED_FILE}
+    shutil.copytree(target, stage, symlinks=True, dirs_exist_ok=True, copy_function=_link,
+                    ignore=lambda d, names: new if d == target else ())
     os.rename(target, old)
   os.rename(stage, target)
   shutil.rmtree(old, ignore_errors=True)
+
+
+def _link(src, dst):
+  """A hard link to `src` at `dst`; a copy where the file system has none."""
+  try:
+    os.link(src, dst)
+  except OSError:
+    shutil.copy2(src, dst)
 
 
 def _remove_stale_stages(data_dir):

@@ -16,7 +16,6 @@ import hashlib
 import http.client
 import os
 import posixpath
-import shutil
 import tarfile
 import urllib.error
 import urllib.request
@@ -146,27 +145,23 @@ def _extract(archive, stage, origin):
     stage: the staging directory of `cifar10_format.staged_batches_dir`.
     origin: what to call the archive in errors.
   """
-  work = os.path.join(stage, '.unpack')
   try:
     with tarfile.open(archive, 'r:*') as tar:
-      tar.extractall(work, members=check_members(tar, work), filter='data')
+      # Only the regular files of cifar-10-batches-bin/, each under its own name.
+      files = [m.replace(name=posixpath.basename(m.name)) for m in check_members(tar, stage)
+               if m.isfile() and posixpath.dirname(posixpath.normpath(m.name)) == fmt.BATCHES_DIR]
+      tar.extractall(stage, members=files, filter='data')
   except (tarfile.TarError, EOFError, OSError) as e:
     if isinstance(e, OSError) and fmt.write_failure(stage, e, NEEDED_BYTES):
       raise  # the disk's fault, not the archive's: said by staged_batches_dir
     raise DownloadError('%s is not a readable tar.gz archive (%s); it is not '
                         'the CIFAR-10 binary archive.' % (origin, e)) from e
-  new_dir = os.path.join(work, fmt.BATCHES_DIR)
   missing = [n for n in fmt.TRAIN_FILES + fmt.EVAL_FILES
-             if not os.path.isfile(os.path.join(new_dir, n))]
+             if not os.path.isfile(os.path.join(stage, n))]
   if missing:
     raise DownloadError('%s does not contain %s/%s (%d of the 6 data files are '
                         'missing); it is not the CIFAR-10 binary archive.'
                         % (origin, fmt.BATCHES_DIR, missing[0], len(missing)))
-  for name in os.listdir(new_dir):
-    src = os.path.join(new_dir, name)
-    if os.path.isfile(src) and not os.path.islink(src):
-      os.replace(src, os.path.join(stage, name))
-  shutil.rmtree(work)
 
 
 def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
