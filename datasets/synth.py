@@ -223,9 +223,6 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
     common.cifar10_format.DataError: the disk is full or read-only, or
       cifar-10-batches-bin is a file; nothing was changed.
   """
-  if train_per_file < 1 or num_test < 1:
-    raise ValueError('train_per_file and num_test must be >= 1, got %d and %d'
-                     % (train_per_file, num_test))
   names = fmt.TRAIN_FILES + fmt.EVAL_FILES
   # Independent streams for train and test, so num_test does not change the
   # training images.
@@ -246,5 +243,4 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
   num_records = train_per_file * len(fmt.TRAIN_FILES) + num_test
   return generated.write_set(
       data_dir, files(), num_records * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'synth', VERSION,
-      ['--train_per_file', train_per_file, '--num_test', num_test, '--seed', seed],
       train_per_file=train_per_file, num_test=num_test, seed=seed)
