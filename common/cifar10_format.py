@@ -76,10 +76,6 @@ def encode_records(images, labels):
     bytes of length N * 3073.
   """
   images, labels = np.asarray(images), np.asarray(labels)
-  if (images.dtype != np.uint8 or images.shape[1:] != (HEIGHT, WIDTH, DEPTH)
-      or labels.shape != images.shape[:1] or not np.isin(labels, range(hparams.NUM_CLASSES)).all()):
-    raise ValueError('images must be uint8 [N, 32, 32, 3] and labels [N] in 0..9, got '
-                     '%s %s and %s' % (images.dtype, images.shape, labels.shape))
   return np.concatenate([labels.astype(np.uint8)[:, None],
                          images.transpose(0, 3, 1, 2).reshape(-1, IMAGE_BYTES)], 1).tobytes()
 
@@ -258,23 +254,23 @@ def num_examples(paths):
 def unexpected_files(data_dir):
   """Paths of the .bin files in cifar-10-batches-bin/ that are not CIFAR-10's six."""
   d = batches_dir(data_dir)
-  return [os.path.join(d, name) for name in sorted(os.listdir(d) if os.path.isdir(d) else ())
+  return [os.path.join(d, name) for name in sorted(os.listdir(d))
           if name.endswith('.bin') and name not in TRAIN_FILES + EVAL_FILES]
 
 
 def _problem(path, seen, counts):
-  """What is wrong with the data file at `path`, or None (its records then go in `counts`)."""
+  """The line saying what is wrong with the data file at `path`, or None (then it is counted)."""
   if not os.path.isfile(path):
     kind = 'a directory' if os.path.isdir(path) else 'a broken link or a special file'
-    return 'missing' if not os.path.lexists(path) else kind + ', not a data file'
+    return '%s: %s' % (path, kind + ', not a data file' if os.path.lexists(path) else 'missing')
   try:
     n, why = _judge(path, seen)
   except DataError as e:
-    return str(e).split(': ', 1)[1]
+    return str(e)
   except OSError as e:
-    return 'cannot be read (%s)' % e.strerror
+    return '%s: cannot be read (%s)' % (path, e.strerror)
   if why or not n:
-    return 'cannot be real data: ' + '; '.join(why) if why else 'empty'
+    return '%s: %s' % (path, 'cannot be real data: ' + '; '.join(why) if why else 'empty')
   counts[os.path.basename(path)] = n
   return None
 
@@ -300,10 +296,10 @@ def check_data_dir(data_dir):
   except OSError as e:
     return ['%s: cannot be listed (%s)' % (d, e.strerror)], {}
   expected, counts, seen = TRAIN_FILES + EVAL_FILES, {}, {}
-  problems = ['%s: %s' % (path, problem) for path in (os.path.join(d, n) for n in expected)
-              if (problem := _problem(path, seen, counts))]
-  return problems + ['%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
-                     for path in extra], counts
+  problems = [_problem(os.path.join(d, name), seen, counts) for name in expected]
+  return [p for p in problems if p] + [
+      '%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
+      for path in extra], counts
 
 
 def write_failure(directory, error, needed_bytes):
