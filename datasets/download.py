@@ -67,18 +67,11 @@ def sha256_of(path):
   return digest.hexdigest()
 
 
-def _offline_advice(data_dir):
-  return ('Without network access, run `%s` for generated data, or copy %s '
-          '(%d bytes, SHA-256 %s) to %s and run this again.'
-          % (prog.command('data synth --data_dir %s' % data_dir), ARCHIVE_NAME,
-             ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir)))
-
-
 def _fetch(url, path, data_dir, progress, timeout):
   """Streams `url` into the new file `path`.
 
   Raises:
-    DownloadError: the URL could not be reached or the transfer broke off.
+    DownloadError: the URL could not be reached.
     OSError: the disk is full, read-only or not writable.
   """
   done, chunk = 0, None
@@ -94,11 +87,13 @@ def _fetch(url, path, data_dir, progress, timeout):
     if isinstance(e, OSError) and fmt.write_failure(data_dir, e, NEEDED_BYTES):
       raise  # the disk's fault, not the network's: said by staged_batches_dir
     # ValueError: not a URL urllib understands; OSError: e.g. an SSL error mid-stream.
+    # (A transfer that breaks off without an error fails the digest check.)
     reason = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', None) or e
-    raise DownloadError('could not reach %s (%s). %s' % (url, reason, _offline_advice(data_dir)))
-  if total and done != total:
-    raise DownloadError('the download of %s broke off after %d of %d bytes. %s'
-                        % (url, done, total, _offline_advice(data_dir)))
+    raise DownloadError(
+        'could not reach %s (%s). Without network access, run `%s` for generated data, or copy '
+        '%s (%d bytes, SHA-256 %s) to %s and run this again.'
+        % (url, reason, prog.command('data synth --data_dir %s' % data_dir), ARCHIVE_NAME,
+           ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir))) from e
 
 
 def check_members(tar, directory):
