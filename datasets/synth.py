@@ -187,11 +187,6 @@ def _image_pieces(rng, labels, size):
            labels[start:start + size])
 
 
-def _balanced_labels(rng, n):
-  """[n] labels, each class n/10 times (up to one), in random order."""
-  return rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
-
-
 def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
              progress=None):
   """Writes a generated data set in the CIFAR-10 binary layout.
@@ -234,7 +229,9 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
     # first, then `_image_pieces`), so the bytes do not depend on the files.
     for rng, stream_names, per_file in ((train_rng, fmt.TRAIN_FILES, train_per_file),
                                         (test_rng, fmt.EVAL_FILES, num_test)):
-      pieces = _image_pieces(rng, _balanced_labels(rng, per_file * len(stream_names)), per_file)
+      # Each class n/10 times (up to one), in random order.
+      labels = rng.permutation(np.arange(per_file * len(stream_names)) % hparams.NUM_CLASSES)
+      pieces = _image_pieces(rng, labels.astype(np.int32), per_file)
       for name in stream_names:
         if progress:
           progress(name, names.index(name) + 1, len(names))
