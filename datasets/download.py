@@ -4,9 +4,11 @@ Upstream's `maybe_download_and_extract` trusted the network and the archive:
 it did not check a digest and let `tarfile.extractall` write wherever the
 member names pointed. This version
 - verifies the SHA-256 of the archive before unpacking it;
-- checks every member before writing anything, and refuses absolute paths,
-  paths that escape through '..', links that point outside the archive's
-  directory, and device files;
+- checks every member before writing anything (tarfile's 'data' filter, and
+  two checks it lacks), and refuses absolute paths, paths that escape through
+  '..' or lie below an in-archive link, links that point outside the archive's
+  directory, and device files; then unpacks only the regular files of
+  `cifar-10-batches-bin/`;
 - unpacks into a staging directory inside `data_dir` that replaces
   `cifar-10-batches-bin/` whole (`cifar10_format.staged_batches_dir`), so a
   failure at any point leaves `data_dir` as it was.
