@@ -355,18 +355,16 @@ def staged_batches_dir(data_dir, needed_bytes):
   while not os.path.isdir(d):
     created.append(d)
     d = os.path.dirname(d)
-  stage = None
+  stage = os.path.join(data_dir, '%s%s-%d-%s' % (
+      _STAGING_PREFIX, socket.gethostname(), os.getpid(), os.urandom(3).hex()))
   try:
     os.makedirs(data_dir, exist_ok=True)
     _remove_stale_stages(data_dir)
-    stage = os.path.join(data_dir, '%s%s-%d-%s' % (
-        _STAGING_PREFIX, socket.gethostname(), os.getpid(), os.urandom(3).hex()))
     os.mkdir(stage)
     yield stage
     _swap_in(stage, target)
   except BaseException as e:
-    if stage is not None:
-      shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(stage, ignore_errors=True)
     for d in created:
       with contextlib.suppress(OSError):
         os.rmdir(d)  # only if still empty
