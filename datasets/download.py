@@ -185,9 +185,10 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
 
   Raises:
     DownloadError: data_dir holds generated data, the URL could not be
-      reached, the digest does not match, the archive is unsafe or not
-      CIFAR-10, or data_dir is full, read-only or not writable; data_dir is
-      left as it was.
+      reached, the digest does not match, or the archive is unsafe or not
+      CIFAR-10; data_dir is left as it was.
+    common.cifar10_format.DataError: data_dir is full, read-only or not
+      writable, or cifar-10-batches-bin is a file; nothing was changed.
   """
   marker = generated.read(data_dir)
   if marker is not None:
@@ -202,21 +203,18 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
   archive = archive_path(data_dir)
   local = os.path.isfile(archive)
   origin = 'the local archive %s' % archive if local else 'the file downloaded from %s' % url
-  try:
-    # The new files go into a staging directory that replaces
-    # cifar-10-batches-bin/ only when they are all there, verified.
-    with fmt.staged_batches_dir(data_dir, NEEDED_BYTES) as stage:
-      source = archive if local else os.path.join(stage, ARCHIVE_NAME)
-      if not local:
-        _fetch(url, source, data_dir, progress, timeout)
-      actual = sha256_of(source)
-      if actual != sha256:
-        raise DownloadError(
-            '%s has SHA-256 %s, expected %s: it is corrupt or not the CIFAR-10 binary '
-            'archive, and was not unpacked. Put a good copy at %s (or delete the one there) '
-            'and run this again.' % (origin, actual, sha256, archive))
-      _extract(source, stage, origin)
-      os.replace(source, archive)  # kept, verified (a no-op for the local one)
-  except fmt.DataError as e:  # a full or read-only disk, a file in the way
-    raise DownloadError(str(e)) from e
+  # The new files go into a staging directory that replaces
+  # cifar-10-batches-bin/ only when they are all there, verified.
+  with fmt.staged_batches_dir(data_dir, NEEDED_BYTES) as stage:
+    source = archive if local else os.path.join(stage, ARCHIVE_NAME)
+    if not local:
+      _fetch(url, source, data_dir, progress, timeout)
+    actual = sha256_of(source)
+    if actual != sha256:
+      raise DownloadError(
+          '%s has SHA-256 %s, expected %s: it is corrupt or not the CIFAR-10 binary '
+          'archive, and was not unpacked. Put a good copy at %s (or delete the one there) '
+          'and run this again.' % (origin, actual, sha256, archive))
+    _extract(source, stage, origin)
+    os.replace(source, archive)  # kept, verified (a no-op for the local one)
   return LOCAL_ARCHIVE if local else DOWNLOADED
