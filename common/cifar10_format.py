@@ -76,10 +76,6 @@ def encode_records(images, labels):
     bytes of length N * 3073.
   """
   images, labels = np.asarray(images), np.asarray(labels)
-  if (images.dtype != np.uint8 or images.shape[1:] != (HEIGHT, WIDTH, DEPTH)
-      or labels.shape != images.shape[:1] or not np.isin(labels, range(hparams.NUM_CLASSES)).all()):
-    raise ValueError('images must be uint8 [N, 32, 32, 3] and labels [N] in 0..9, got '
-                     '%s %s and %s' % (images.dtype, images.shape, labels.shape))
   return np.concatenate([labels.astype(np.uint8)[:, None],
                          images.transpose(0, 3, 1, 2).reshape(-1, IMAGE_BYTES)], 1).tobytes()
 
@@ -116,20 +112,18 @@ def decode_records(data, name='<bytes>'):
 def _records(data, name):
   """The records of `data` as uint8 [N, 3073], validated as `decode_records` says."""
   n, rest = divmod(len(data), RECORD_BYTES)
+  records = np.frombuffer(data[:n * RECORD_BYTES], np.uint8).reshape(-1, RECORD_BYTES)
+  bad = np.flatnonzero(records[:, 0] >= hparams.NUM_CLASSES)
   if rest:
-    raise DataError('%s: size %d bytes is not a multiple of the %d-byte record; record %d '
-                    'is truncated at byte offset %d. Re-download or regenerate the data.'
-                    % (name, len(data), RECORD_BYTES, n, n * RECORD_BYTES))
-  records = np.frombuffer(data, np.uint8).reshape(-1, RECORD_BYTES)
-  labels = records[:, 0]
-  bad = np.flatnonzero(labels >= hparams.NUM_CLASSES)
-  if bad.size:
-    raise DataError(
-        '%s: record %d (byte offset %d) has label byte %d, outside 0..%d; '
-        '%d record(s) are bad. Re-download or regenerate the data.'
-        % (name, bad[0], bad[0] * RECORD_BYTES, labels[bad[0]],
-           hparams.NUM_CLASSES - 1, bad.size))
-  return records
+    why = ('size %d bytes is not a multiple of the %d-byte record; record %d is truncated at '
+           'byte offset %d' % (len(data), RECORD_BYTES, n, n * RECORD_BYTES))
+  elif bad.size:
+    why = ('record %d (byte offset %d) has label byte %d, outside 0..%d; %d record(s) are bad'
+           % (bad[0], bad[0] * RECORD_BYTES, records[bad[0], 0], hparams.NUM_CLASSES - 1,
+              bad.size))
+  else:
+    return records
+  raise DataError('%s: %s. Re-download or regenerate the data.' % (name, why))
 
 
 def read_records(path):
@@ -154,13 +148,12 @@ def content_problems(records):
   if n < MIN_RECORDS_TO_JUDGE:
     return []
   problems = []
-  images = records[:, 1:]
+  images, labels = records[:, 1:], records[:, 0]
   # The first two images differ in almost every real file: a cheap early out.
   if np.array_equal(images[0], images[1]) and (images == images[0]).all():
-    low, high = int(images[0].min()), int(images[0].max())
+    low, high = images[0].min(), images[0].max()
     problems.append('all %d images are the same image%s'
                     % (n, ' (every byte %d)' % low if low == high else ''))
-  labels = records[:, 0]
   if (labels == labels[0]).all():
     problems.append('all %d records have label %d' % (n, labels[0]))
   return problems
@@ -180,7 +173,7 @@ def _judge(path, seen):
     seen: dict fingerprint -> path, shared by the files of one data set.
 
   Returns:
-    (records uint8 [N, 3073], a list of phrases, [] if it can be real).
+    (number of records, a list of phrases, [] if it can be real).
 
   Raises:
     DataError: the file is malformed (see `decode_records`).
@@ -196,7 +189,7 @@ def _judge(path, seen):
       with open(original, 'rb') as f:
         if f.read() == data:
           problems.append('a byte-for-byte copy of %s' % os.path.basename(original))
-  return records, problems
+  return records.shape[0], problems
 
 
 def judge_files(paths):
@@ -215,29 +208,20 @@ def judge_files(paths):
     DataError: a file is malformed (see `decode_records`).
     OSError: a file cannot be read.
   """
-  seen, lines = {}, []
-  for path in paths:
-    problems = _judge(path, seen)[1]
-    if problems:
-      lines.append('%s cannot be real data: %s' % (path, '; '.join(problems)))
-  return lines
+  seen = {}
+  judged = [(path, _judge(path, seen)[1]) for path in paths]
+  return ['%s cannot be real data: %s' % (path, '; '.join(why)) for path, why in judged if why]
 
 
 def _files(data_dir, names, what):
   paths = [os.path.join(batches_dir(data_dir), n) for n in names]
-  for path in paths:
-    if os.path.exists(path) and not os.path.isfile(path):
-      raise DataError('%s is %s, not a data file. Move it away; `%s` lists '
-                      'every problem.' % (path, _not_a_file(path), prog.command(
-                          'data check --data_dir %s' % data_dir)))
-  missing = [p for p in paths if not os.path.isfile(p)]
+  missing = [p for p in paths if not os.path.isfile(p)]  # a directory there is no file either
   if missing:
     raise DataError(
-        'missing %s data file %s (%d of %d missing). Run `%s` for CIFAR-10, or '
-        '`%s` for generated data.'
-        % (what, missing[0], len(missing), len(paths),
-           prog.command('data download --data_dir %s' % data_dir),
-           prog.command('data synth --data_dir %s' % data_dir)))
+        'missing %s data file %s (%d of %d missing). Run `%s` for CIFAR-10, or `%s` for '
+        'generated data.' % (what, missing[0], len(missing), len(paths),
+                             prog.command('data download --data_dir %s' % data_dir),
+                             prog.command('data synth --data_dir %s' % data_dir)))
   return paths
 
 
@@ -257,41 +241,38 @@ def num_examples(paths):
   Raises:
     DataError: a file is empty or its size is not a multiple of 3073 bytes.
   """
-  total = 0
-  for path in paths:
-    size = os.path.getsize(path)
+  sizes = {path: os.path.getsize(path) for path in paths}
+  for path, size in sizes.items():
     if size == 0 or size % RECORD_BYTES:
       raise DataError(
           '%s: size %d bytes is not a positive multiple of the %d-byte record. '
           'Re-download or regenerate the data (`%s` lists every problem).'
           % (path, size, RECORD_BYTES, prog.command('data check')))
-    total += size // RECORD_BYTES
-  return total
+  return sum(sizes.values()) // RECORD_BYTES
 
 
 def unexpected_files(data_dir):
   """Paths of the .bin files in cifar-10-batches-bin/ that are not CIFAR-10's six."""
   d = batches_dir(data_dir)
-  if not os.path.isdir(d):
-    return []
   return [os.path.join(d, name) for name in sorted(os.listdir(d))
           if name.endswith('.bin') and name not in TRAIN_FILES + EVAL_FILES]
 
 
-def _not_a_file(path):
-  """What `path` is when it is not a regular file: 'missing', 'a directory', ..."""
-  if not os.path.lexists(path):
-    return 'missing'
-  if not os.path.exists(path):
-    return 'a symbolic link to a missing file'
-  if os.path.isdir(path):
-    return 'a directory'
-  return 'not a regular file (a device, FIFO or socket)'
-
-
-def _reason(error):
-  """The OS's words for an OSError, without the path (the caller names it)."""
-  return error.strerror or str(error)
+def _problem(path, seen, counts):
+  """The line saying what is wrong with the data file at `path`, or None (then it is counted)."""
+  if not os.path.isfile(path):
+    kind = 'a directory' if os.path.isdir(path) else 'a broken link or a special file'
+    return '%s: %s' % (path, kind + ', not a data file' if os.path.lexists(path) else 'missing')
+  try:
+    n, why = _judge(path, seen)
+  except DataError as e:
+    return str(e)
+  except OSError as e:
+    return '%s: cannot be read (%s)' % (path, e.strerror)
+  if why or not n:
+    return '%s: %s' % (path, 'cannot be real data: ' + '; '.join(why) if why else 'empty')
+  counts[os.path.basename(path)] = n
+  return None
 
 
 def check_data_dir(data_dir):
@@ -306,40 +287,19 @@ def check_data_dir(data_dir):
     directory is good) and a dict file name -> number of records of the files
     without a problem.
   """
-  problems, counts, seen = [], {}, {}
   d = batches_dir(data_dir)
   if not os.path.isdir(d):
-    kind = 'a file' if os.path.isfile(d) else _not_a_file(d)
-    return ['%s: %s' % (d, 'directory not found' if kind == 'missing'
-                        else kind + ', not a directory')], counts
+    return ['%s: %s' % (d, 'a file, not a directory' if os.path.lexists(d)
+                        else 'directory not found')], {}
   try:
     extra = unexpected_files(data_dir)
   except OSError as e:
-    return ['%s: cannot be listed (%s)' % (d, _reason(e))], counts
-  expected = TRAIN_FILES + EVAL_FILES
-  for name in expected:
-    path = os.path.join(d, name)
-    if not os.path.isfile(path):
-      kind = _not_a_file(path)
-      problems.append('%s: %s' % (path, kind if kind == 'missing'
-                                  else '%s, not a data file' % kind))
-      continue
-    try:
-      records, why = _judge(path, seen)
-    except DataError as e:
-      problems.append(str(e).split('. Re-download')[0])
-      continue
-    except OSError as e:
-      problems.append('%s: cannot be read (%s)' % (path, _reason(e)))
-      continue
-    if records.shape[0] and not why:
-      counts[name] = int(records.shape[0])
-    else:
-      problems.append('%s: %s' % (path, 'cannot be real data: ' + '; '.join(why) if why
-                                  else 'empty'))
-  problems += ['%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
-               for path in extra]
-  return problems, counts
+    return ['%s: cannot be listed (%s)' % (d, e.strerror)], {}
+  expected, counts, seen = TRAIN_FILES + EVAL_FILES, {}, {}
+  problems = [_problem(os.path.join(d, name), seen, counts) for name in expected]
+  return [p for p in problems if p] + [
+      '%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
+      for path in extra], counts
 
 
 def write_failure(directory, error, needed_bytes):
@@ -354,15 +314,13 @@ def write_failure(directory, error, needed_bytes):
     str saying what happened and what to do, or None when `error` is not a
     full or read-only disk or a denied write (the caller re-raises it).
   """
-  if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-    what = ' (about %d MiB are needed)' % -(-needed_bytes // 2**20)
-    advice = 'Free some space or pass another --data_dir'
-  elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-    what, advice = '', 'Pass a --data_dir you can write to'
-  else:
+  full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+  if not full and error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
     return None
   return 'cannot write to %s: %s%s; nothing was changed there. %s.' % (
-      directory, _reason(error), what, advice)
+      directory, error.strerror, ' (about %d MiB are needed)' % -(-needed_bytes // 2**20)
+      if full else '', 'Free some space or pass another --data_dir' if full
+      else 'Pass a --data_dir you can write to')
 
 
 @contextlib.contextmanager
@@ -397,18 +355,16 @@ def staged_batches_dir(data_dir, needed_bytes):
   while not os.path.isdir(d):
     created.append(d)
     d = os.path.dirname(d)
-  stage = None
+  stage = os.path.join(data_dir, '%s%s-%d-%s' % (
+      _STAGING_PREFIX, socket.gethostname(), os.getpid(), os.urandom(3).hex()))
   try:
     os.makedirs(data_dir, exist_ok=True)
     _remove_stale_stages(data_dir)
-    stage = os.path.join(data_dir, '%s%s-%d-%s' % (
-        _STAGING_PREFIX, socket.gethostname(), os.getpid(), os.urandom(3).hex()))
     os.mkdir(stage)
     yield stage
     _swap_in(stage, target)
   except BaseException as e:
-    if stage is not None:
-      shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(stage, ignore_errors=True)
     for d in created:
       with contextlib.suppress(OSError):
         os.rmdir(d)  # only if still empty
@@ -424,18 +380,20 @@ def _swap_in(stage, target):
   if os.path.isdir(target):
     # The old set's marker describes the old set: a new generated set brings
     # its own, and a set written without one must not inherit it.
-    for name in set(os.listdir(target)) - set(os.listdir(stage)) - {GENERATED_FILE}:
-      src, dst = os.path.join(target, name), os.path.join(stage, name)
-      if os.path.isdir(src) and not os.path.islink(src):
-        shutil.copytree(src, dst, symlinks=True)
-        continue
-      try:
-        os.link(src, dst, follow_symlinks=False)
-      except OSError:
-        shutil.copy2(src, dst, follow_symlinks=False)
+    new = set(os.listdir(stage)) | {GENERATED_FILE}
+    shutil.copytree(target, stage, symlinks=True, dirs_exist_ok=True, copy_function=_link,
+                    ignore=lambda d, names: new if d == target else ())
     os.rename(target, old)
   os.rename(stage, target)
   shutil.rmtree(old, ignore_errors=True)
+
+
+def _link(src, dst):
+  """A hard link to `src` at `dst`; a copy where the file system has none."""
+  try:
+    os.link(src, dst)
+  except OSError:
+    shutil.copy2(src, dst)
 
 
 def _remove_stale_stages(data_dir):

@@ -75,10 +75,10 @@ def make_fast_lrn(depth_radius, bias, alpha, beta):
   return fast_lrn
 
 
-def upstream_lrn(x, name=None):
+def upstream_lrn(x):
   """Upstream's `tf.nn.lrn` with the hyperparameters of docs/equivalence.md §1."""
   return tf.nn.local_response_normalization(x, hparams.LRN_DEPTH_RADIUS, hparams.LRN_BIAS,
-                                            hparams.LRN_ALPHA, hparams.LRN_BETA, name)
+                                            hparams.LRN_ALPHA, hparams.LRN_BETA)
 
 
 def fast_lrn(x):

@@ -61,10 +61,8 @@ def forward(images, params, activation_hook=None, lrn=None):
     logits: float32 [batch, NUM_CLASSES], unscaled (no softmax).
   """
   def normalize(x, name):
-    if lrn is None:
-      return lrn_lib.upstream_lrn(x, name=name)
     with tf.name_scope(name):
-      return lrn(x)
+      return (lrn or lrn_lib.upstream_lrn)(x)
 
   def layer(x, name, relu=True):
     """conv1, conv2 (SAME, stride 1) or a fully connected layer, then ReLU."""

@@ -44,16 +44,6 @@ class Optimizer:
   clip_norm: float | None = None  # None = no clipping
   clip_where: str = AVERAGED  # averaged: the towers' mean; per_tower: each tower's own
 
-  def __post_init__(self):
-    if self.name not in NAMES:
-      raise ValueError('optimizer must be one of %s, got %r' % (NAMES, self.name))
-    if self.clip_where not in CLIP_WHERE:
-      raise ValueError('clip_where must be one of %s, got %r' % (CLIP_WHERE, self.clip_where))
-    if self.clip_norm is not None and not self.clip_norm > 0:
-      raise ValueError('clip_norm must be > 0, got %r' % self.clip_norm)
-    if not self.learning_rate > 0:
-      raise ValueError('learning_rate must be > 0, got %r' % self.learning_rate)
-
   @property
   def clips_averaged(self):
     return self.clip_norm is not None and self.clip_where == AVERAGED

@@ -18,6 +18,7 @@ VERSION = 1  # of the conversion, in GENERATED.json
 NUM_IMAGES = 1797  # images in sklearn's load_digits
 _SCALE = 3  # 8x8 -> 24x24
 _MAX_VALUE = 16  # load_digits intensities are 0..16
+TEST_FRACTION = 1 / 6  # of each class, held out for testing
 
 
 def to_cifar_images(images):
@@ -36,12 +37,11 @@ def to_cifar_images(images):
   return np.pad(pixels, ((0, 0), (pad, pad), (pad, pad)))[..., None].repeat(fmt.DEPTH, axis=3)
 
 
-def split(labels, test_fraction, rng):
-  """A shuffled split with about `test_fraction` of every class in the test set.
+def split(labels, rng):
+  """A shuffled split with about `TEST_FRACTION` of every class in the test set.
 
   Args:
     labels: int array [N].
-    test_fraction: float in (0, 1).
     rng: numpy Generator.
 
   Returns:
@@ -50,14 +50,14 @@ def split(labels, test_fraction, rng):
   train, test = [], []
   for label in np.unique(labels):
     idx = rng.permutation(np.flatnonzero(labels == label))
-    n_test = int(round(idx.size * test_fraction))
+    n_test = int(round(idx.size * TEST_FRACTION))
     test.append(idx[:n_test])
     train.append(idx[n_test:])
   return (rng.permutation(np.concatenate(train)),
           rng.permutation(np.concatenate(test)))
 
 
-def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
+def convert_digits(data_dir, seed=0, mark=True):
   """Writes scikit-learn's digits as `<data_dir>/cifar-10-batches-bin/`.
 
   The training images are spread evenly over `data_batch_1..5.bin`, the test
@@ -69,7 +69,6 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
 
   Args:
     data_dir: str, the data directory (created if missing).
-    test_fraction: float in (0, 1), share of each class held out for testing.
     seed: int, seeds the split and the order of the records.
     mark: bool, write GENERATED.json; False only for data that stands in
       for CIFAR-10 (the tests' fixtures), which no command will label.
@@ -82,8 +81,6 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
     common.cifar10_format.DataError: the disk is full or read-only, or
       cifar-10-batches-bin is a file; nothing was changed.
   """
-  if not 0 < test_fraction < 1:
-    raise ValueError('test_fraction must be in (0, 1), got %r' % test_fraction)
   try:
     from sklearn import datasets  # pylint: disable=g-import-not-at-top
   except ImportError as e:
@@ -93,10 +90,9 @@ def convert_digits(data_dir, test_fraction=1 / 6, seed=0, mark=True):
   digits = datasets.load_digits()
   images = to_cifar_images(digits.images)
   labels = np.asarray(digits.target, np.int32)
-  train_idx, test_idx = split(labels, test_fraction, np.random.default_rng(seed))
+  train_idx, test_idx = split(labels, np.random.default_rng(seed))
   parts = np.array_split(train_idx, len(fmt.TRAIN_FILES)) + [test_idx]
   return generated.write_set(
       data_dir, ((name, images[idx], labels[idx])
                  for name, idx in zip(fmt.TRAIN_FILES + fmt.EVAL_FILES, parts)),
-      labels.size * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'digits', VERSION,
-      ['--seed', seed], seed=seed, test_fraction=test_fraction)
+      labels.size * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'digits', VERSION, seed=seed)

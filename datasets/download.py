@@ -4,9 +4,11 @@ Upstream's `maybe_download_and_extract` trusted the network and the archive:
 it did not check a digest and let `tarfile.extractall` write wherever the
 member names pointed. This version
 - verifies the SHA-256 of the archive before unpacking it;
-- checks every member before writing anything, and refuses absolute paths,
-  paths that escape through '..', links that point outside the archive's
-  directory, and device files;
+- checks every member before writing anything (tarfile's 'data' filter, and
+  two checks it lacks), and refuses absolute paths, paths that escape through
+  '..' or lie below an in-archive link, links that point outside the archive's
+  directory, and device files; then unpacks only the regular files of
+  `cifar-10-batches-bin/`;
 - unpacks into a staging directory inside `data_dir` that replaces
   `cifar-10-batches-bin/` whole (`cifar10_format.staged_batches_dir`), so a
   failure at any point leaves `data_dir` as it was.
@@ -16,7 +18,6 @@ import hashlib
 import http.client
 import os
 import posixpath
-import shutil
 import tarfile
 import urllib.error
 import urllib.request
@@ -68,85 +69,68 @@ def sha256_of(path):
   return digest.hexdigest()
 
 
-def _offline_advice(data_dir):
-  return ('Without network access, run `%s` for generated data, or copy %s '
-          '(%d bytes, SHA-256 %s) to %s and run this again.'
-          % (prog.command('data synth --data_dir %s' % data_dir), ARCHIVE_NAME,
-             ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir)))
-
-
 def _fetch(url, path, data_dir, progress, timeout):
   """Streams `url` into the new file `path`.
 
   Raises:
-    DownloadError: the URL could not be reached or the transfer broke off.
+    DownloadError: the URL could not be reached.
     OSError: the disk is full, read-only or not writable.
   """
-  done, total, chunk = 0, None, None
+  done, chunk = 0, None
   try:
     with open(path, 'wb') as out, urllib.request.urlopen(url, timeout=timeout) as response:
-      length = response.headers.get('Content-Length')
-      total = int(length) if length and length.isdigit() else None
+      total = int(response.headers.get('Content-Length') or 0) or None
       while chunk != b'':
         if progress:
           progress(done, total)
         chunk = response.read(_CHUNK_BYTES)
-        out.write(chunk)
-        done += len(chunk)
-  except urllib.error.HTTPError as e:
-    raise DownloadError('%s answered HTTP %d %s. %s'
-                        % (url, e.code, e.reason, _offline_advice(data_dir))) from e
+        done += out.write(chunk)
   except (OSError, ValueError, http.client.HTTPException) as e:
     if isinstance(e, OSError) and fmt.write_failure(data_dir, e, NEEDED_BYTES):
       raise  # the disk's fault, not the network's: said by staged_batches_dir
     # ValueError: not a URL urllib understands; OSError: e.g. an SSL error mid-stream.
-    raise DownloadError('could not reach %s (%s). %s' % (
-        url, getattr(e, 'reason', None) or e, _offline_advice(data_dir))) from e
-  if total is not None and done != total:
-    raise DownloadError('the download of %s broke off after %d of %d bytes. %s'
-                        % (url, done, total, _offline_advice(data_dir)))
+    # (A transfer that breaks off without an error fails the digest check.)
+    reason = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', None) or e
+    raise DownloadError(
+        'could not reach %s (%s). Without network access, run `%s` for generated data, or copy '
+        '%s (%d bytes, SHA-256 %s) to %s and run this again.'
+        % (url, reason, prog.command('data synth --data_dir %s' % data_dir), ARCHIVE_NAME,
+           ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir))) from e
 
 
-def check_members(tar):
+def check_members(tar, directory):
   """Checks every member of an open archive before anything is written.
+
+  tarfile's 'data' filter judges each member; it strips a leading '/' rather
+  than refuse it, and lets a member through an in-archive symbolic link
+  (test_download.py: test_unsafe_archive_refused_before_writing_anything), so
+  those two are refused here.
 
   Args:
     tar: an open `tarfile.TarFile`.
+    directory: where the members are to be unpacked.
 
   Returns:
-    the list of members, all safe to extract under one directory.
+    the list of members, all safe to extract into `directory`.
 
   Raises:
     DownloadError: naming the first member that has an absolute path, escapes
-      through '..', lies below a symbolic link, is a link pointing outside, is a
-      device or FIFO, or is of an unknown type.
+      through '..', lies below a symbolic link, is a link pointing outside, or
+      is a device or FIFO.
   """
   members = tar.getmembers()
-  symlinks = {posixpath.normpath(m.name.replace('\\', '/')) for m in members if m.issym()}
+  links = tuple(posixpath.normpath(m.name) + '/' for m in members if m.issym())
   for m in members:
-    name, link = m.name.replace('\\', '/'), m.linkname.replace('\\', '/')
-    norm = posixpath.normpath(name)
-    below = sorted(p for p in symlinks if norm.startswith(p + '/'))
-    # A symlink points relative to its directory; a hard link names another member.
-    target = posixpath.normpath(posixpath.join(posixpath.dirname(norm), link)
-                                if m.issym() else link)
-    if name.startswith('/') or name[1:2] == ':':
-      why = 'has an absolute path'
-    elif (norm + '/').startswith('../'):
-      why = 'escapes the target directory through ".."'
-    elif below:  # the OS would follow the link
-      why = 'lies below the symbolic link %r' % below[0]
-    elif (m.issym() or m.islnk()) and (
-        link.startswith('/') or (target + '/').startswith('../')):
-      why = 'is a link to %r, outside the target directory' % m.linkname
-    elif not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
-      why = 'is a device or FIFO' if m.isdev() else 'has the unsupported type %r' % m.type
-    else:
-      continue
-    # It passed the digest check only if that was skipped or another URL was given.
-    raise DownloadError('refusing to unpack: archive member %r %s; nothing was written. This '
-                        'is not the CIFAR-10 archive: fetch it from %s instead (unset '
-                        'CIFAR10_DATA_URL).' % (m.name, why, DATA_URL))
+    try:
+      if m.name.startswith('/') or posixpath.normpath(m.name).startswith(links):
+        raise tarfile.FilterError('%r has an absolute path or lies below a symbolic link'
+                                  % m.name)
+      tarfile.data_filter(m, directory)
+    except tarfile.FilterError as e:
+      # It passed the digest check only if another URL and digest were given.
+      raise DownloadError('refusing to unpack: archive member %s; nothing was written. This '
+                          'is not the CIFAR-10 archive: fetch it from %s instead (unset '
+                          'CIFAR10_DATA_URL).' % (e, DATA_URL)) from e
   return members
 
 
@@ -156,35 +140,25 @@ def _extract(archive, stage, origin):
   Args:
     archive: path of a verified archive.
     stage: the staging directory of `cifar10_format.staged_batches_dir`.
-    origin: what to call the archive in errors (its URL or local path).
+    origin: what to call the archive in errors.
   """
-  work = os.path.join(stage, '.unpack')
   try:
     with tarfile.open(archive, 'r:*') as tar:
-      members = check_members(tar)
-      # tarfile's 'data' filter (Python >= 3.10.12 / 3.11.4) is a second guard, not the
-      # only one: it strips absolute names instead of refusing them, lets a member
-      # through an in-archive symlink, and is missing from older Pythons
-      # (test_download.py: test_unsafe_archive_refused_before_writing_anything).
-      tar.extractall(work, members=members,
-                     **({'filter': 'data'} if hasattr(tarfile, 'data_filter') else {}))
+      # Only the regular files of cifar-10-batches-bin/, each under its own name.
+      files = [m.replace(name=posixpath.basename(m.name)) for m in check_members(tar, stage)
+               if m.isfile() and posixpath.dirname(posixpath.normpath(m.name)) == fmt.BATCHES_DIR]
+      tar.extractall(stage, members=files, filter='data')
   except (tarfile.TarError, EOFError, OSError) as e:
     if isinstance(e, OSError) and fmt.write_failure(stage, e, NEEDED_BYTES):
       raise  # the disk's fault, not the archive's: said by staged_batches_dir
     raise DownloadError('%s is not a readable tar.gz archive (%s); it is not '
                         'the CIFAR-10 binary archive.' % (origin, e)) from e
-  new_dir = os.path.join(work, fmt.BATCHES_DIR)
   missing = [n for n in fmt.TRAIN_FILES + fmt.EVAL_FILES
-             if not os.path.isfile(os.path.join(new_dir, n))]
+             if not os.path.isfile(os.path.join(stage, n))]
   if missing:
     raise DownloadError('%s does not contain %s/%s (%d of the 6 data files are '
                         'missing); it is not the CIFAR-10 binary archive.'
                         % (origin, fmt.BATCHES_DIR, missing[0], len(missing)))
-  for name in os.listdir(new_dir):
-    src = os.path.join(new_dir, name)
-    if os.path.isfile(src) and not os.path.islink(src):
-      os.replace(src, os.path.join(stage, name))
-  shutil.rmtree(work)
 
 
 def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
@@ -211,9 +185,10 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
 
   Raises:
     DownloadError: data_dir holds generated data, the URL could not be
-      reached, the digest does not match, the archive is unsafe or not
-      CIFAR-10, or data_dir is full, read-only or not writable; data_dir is
-      left as it was.
+      reached, the digest does not match, or the archive is unsafe or not
+      CIFAR-10; data_dir is left as it was.
+    common.cifar10_format.DataError: data_dir is full, read-only or not
+      writable, or cifar-10-batches-bin is a file; nothing was changed.
   """
   marker = generated.read(data_dir)
   if marker is not None:
@@ -227,27 +202,19 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     return PRESENT
   archive = archive_path(data_dir)
   local = os.path.isfile(archive)
-  try:
-    # The new files go into a staging directory that replaces
-    # cifar-10-batches-bin/ only when they are all there, verified.
-    with fmt.staged_batches_dir(data_dir, NEEDED_BYTES) as stage:
-      source = archive if local else os.path.join(stage, ARCHIVE_NAME)
-      if not local:
-        _fetch(url, source, data_dir, progress, timeout)
-      actual = sha256_of(source)
-      if actual != sha256 and local:
-        raise DownloadError(
-            'the local archive %s has SHA-256 %s, expected %s: it is corrupt or '
-            'not the CIFAR-10 binary archive. Delete it (or replace it with a '
-            'good copy) and run this again.' % (archive, actual, sha256))
-      if actual != sha256:
-        raise DownloadError(
-            'the file downloaded from %s has SHA-256 %s, expected %s; it was '
-            'deleted. The download was corrupted or the server sent something '
-            'else: run this again, or fetch the archive another way and put it '
-            'at %s.' % (url, actual, sha256, archive))
-      _extract(source, stage, archive if local else url)
-      os.replace(source, archive)  # kept, verified (a no-op for the local one)
-  except fmt.DataError as e:  # a full or read-only disk, a file in the way
-    raise DownloadError(str(e)) from e
+  origin = 'the local archive %s' % archive if local else 'the file downloaded from %s' % url
+  # The new files go into a staging directory that replaces
+  # cifar-10-batches-bin/ only when they are all there, verified.
+  with fmt.staged_batches_dir(data_dir, NEEDED_BYTES) as stage:
+    source = archive if local else os.path.join(stage, ARCHIVE_NAME)
+    if not local:
+      _fetch(url, source, data_dir, progress, timeout)
+    actual = sha256_of(source)
+    if actual != sha256:
+      raise DownloadError(
+          '%s has SHA-256 %s, expected %s: it is corrupt or not the CIFAR-10 binary '
+          'archive, and was not unpacked. Put a good copy at %s (or delete the one there) '
+          'and run this again.' % (origin, actual, sha256, archive))
+    _extract(source, stage, origin)
+    os.replace(source, archive)  # kept, verified (a no-op for the local one)
   return LOCAL_ARCHIVE if local else DOWNLOADED

@@ -30,8 +30,7 @@ def marker_path(data_dir):
   return os.path.join(fmt.batches_dir(data_dir), MARKER_FILE)
 
 
-def write_set(data_dir, files, needed_bytes, class_names, mark, generator, version,
-              args, **params):
+def write_set(data_dir, files, needed_bytes, class_names, mark, generator, version, **params):
   """Writes a generated data set as `<data_dir>/cifar-10-batches-bin/`, marked.
 
   The files are written aside and replace an existing directory's files all
@@ -49,9 +48,9 @@ def write_set(data_dir, files, needed_bytes, class_names, mark, generator, versi
     generator: 'synth' or 'digits'.
     version: int, the generator's version: the same args write other bytes
       under another version.
-    args: list of the command's flags after `--data_dir D`, e.g.
-      ['--seed', '0']: with them `data <generator>` writes the same bytes.
-    **params: everything the set depends on, recorded as is (JSON values).
+    **params: everything the set depends on besides the version, recorded as
+      is (JSON values): the command's flags after `--data_dir D`, with which
+      `data <generator>` writes the same bytes.
 
   Returns:
     dict file name -> number of records written.
@@ -68,13 +67,14 @@ def write_set(data_dir, files, needed_bytes, class_names, mark, generator, versi
     with open(os.path.join(out_dir, fmt.META_FILE), 'w') as f:
       print(*class_names, sep='\n', file=f)
     if mark:
-      write_marker(out_dir, generator, version, data_dir, args, **params)
+      write_marker(out_dir, generator, version, data_dir, **params)
   return counts
 
 
-def write_marker(directory, generator, version, data_dir, args, **params):
+def write_marker(directory, generator, version, data_dir, **params):
   """Writes GENERATED.json into `directory` (a staging directory); see `write_set`."""
-  command_args = shlex.join(['data', generator, '--data_dir', data_dir] + [str(a) for a in args])
+  command_args = shlex.join(['data', generator, '--data_dir', data_dir] + [
+      str(a) for name, value in params.items() for a in ('--' + name, value)])
   info = {
       'generator': generator,
       'version': version,
@@ -124,6 +124,4 @@ def command(info):
 def holds_data(data_dir):
   """True when cifar-10-batches-bin/ holds any of the six data files."""
   d = fmt.batches_dir(data_dir)
-  return os.path.isdir(d) and any(
-      os.path.lexists(os.path.join(d, name))
-      for name in fmt.TRAIN_FILES + fmt.EVAL_FILES)
+  return any(os.path.lexists(os.path.join(d, name)) for name in fmt.TRAIN_FILES + fmt.EVAL_FILES)

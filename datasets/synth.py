@@ -126,10 +126,10 @@ def make_images(rng, labels):
     uint8 [N, 32, 32, 3] (height, width, channel).
   """
   labels = np.asarray(labels)
-  return next(_image_pieces(rng, labels, [labels.shape[0]]))[0]
+  return next(_image_pieces(rng, labels, labels.shape[0]))[0]
 
 
-def _image_pieces(rng, labels, sizes):
+def _image_pieces(rng, labels, size):
   """`make_images(rng, labels)` in consecutive pieces, with bounded memory.
 
   The random numbers are drawn as one call over all N images would draw them,
@@ -143,11 +143,11 @@ def _image_pieces(rng, labels, sizes):
   Args:
     rng: numpy Generator.
     labels: int array [N] in 0..9.
-    sizes: ints summing to N, the images of each piece in turn.
+    size: int dividing N, the images of each piece.
 
   Yields:
     (uint8 [size, 32, 32, 3] (height, width, channel), their labels [size]) for
-    each size in turn.
+    each piece in turn.
   """
   n = labels.shape[0]
   # The small per-image draws: phases, centres, radii, drawn for every image
@@ -158,7 +158,7 @@ def _image_pieces(rng, labels, sizes):
            rng.uniform(4.0, 9.0, n).astype(np.float32)[:, None, None],  # radius
            rng.uniform(0.0, 6.0, n).astype(np.float32)[:, None, None])  # ring_phase
   # The noise class's pattern comes next in the stream; a big per-pixel
-  # draw: taken piece by piece from a copy, and skipped here the same way.
+  # draw: taken chunk by chunk from a copy, and skipped here the same way.
   noise_rng = copy.deepcopy(rng)
   for start in range(0, n, _CHUNK):
     rng.random((min(_CHUNK, n - start), _SIZE, _SIZE), dtype=np.float32)
@@ -172,26 +172,19 @@ def _image_pieces(rng, labels, sizes):
                                rng.uniform(*_CLEAR_DISTANCE, (n, 1)))
   background = (base - delta / 2).astype(np.float32)[:, None, None, :]
   difference = delta.astype(np.float32)[:, None, None, :]
-  # The pixel noise, last in the stream, is drawn piece by piece below.
-  start = 0
-  for size in sizes:
-    piece = np.empty((size, _SIZE, _SIZE, 3), np.uint8)
-    for offset in range(0, size, _CHUNK):
-      part = slice(start + offset, start + min(offset + _CHUNK, size))
-      k = part.stop - part.start
-      noise = noise_rng.random((k, _SIZE, _SIZE), dtype=np.float32)
-      pattern = _patterns(labels[part], [d[part] for d in draws], noise)[..., None]
-      images = background[part] + pattern * difference[part]  # [k, 32, 32, 3]
-      images += _PIXEL_NOISE * rng.standard_normal(images.shape, dtype=np.float32)
-      np.rint(images, out=images)
-      piece[offset:offset + k] = np.clip(images, 0, 255, out=images)
-    start += size
-    yield piece, labels[start - size:start]
 
+  def chunk(part):
+    """The images of the slice `part`; the pixel noise, last in the stream, drawn here."""
+    noise = noise_rng.random((part.stop - part.start, _SIZE, _SIZE), dtype=np.float32)
+    pattern = _patterns(labels[part], [d[part] for d in draws], noise)[..., None]
+    images = background[part] + pattern * difference[part]  # [k, 32, 32, 3]
+    images += _PIXEL_NOISE * rng.standard_normal(images.shape, dtype=np.float32)
+    return np.clip(np.rint(images), 0, 255).astype(np.uint8)
 
-def _balanced_labels(rng, n):
-  """[n] labels, each class n/10 times (up to one), in random order."""
-  return rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
+  for start in range(0, n, size):
+    yield (np.concatenate([chunk(slice(i, min(i + _CHUNK, start + size)))
+                           for i in range(start, start + size, _CHUNK)]),
+           labels[start:start + size])
 
 
 def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
@@ -225,9 +218,6 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
     common.cifar10_format.DataError: the disk is full or read-only, or
       cifar-10-batches-bin is a file; nothing was changed.
   """
-  if train_per_file < 1 or num_test < 1:
-    raise ValueError('train_per_file and num_test must be >= 1, got %d and %d'
-                     % (train_per_file, num_test))
   names = fmt.TRAIN_FILES + fmt.EVAL_FILES
   # Independent streams for train and test, so num_test does not change the
   # training images.
@@ -239,8 +229,9 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
     # first, then `_image_pieces`), so the bytes do not depend on the files.
     for rng, stream_names, per_file in ((train_rng, fmt.TRAIN_FILES, train_per_file),
                                         (test_rng, fmt.EVAL_FILES, num_test)):
-      labels = _balanced_labels(rng, per_file * len(stream_names))
-      pieces = _image_pieces(rng, labels, [per_file] * len(stream_names))
+      # Each class n/10 times (up to one), in random order.
+      labels = rng.permutation(np.arange(per_file * len(stream_names)) % hparams.NUM_CLASSES)
+      pieces = _image_pieces(rng, labels.astype(np.int32), per_file)
       for name in stream_names:
         if progress:
           progress(name, names.index(name) + 1, len(names))
@@ -249,5 +240,4 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
   num_records = train_per_file * len(fmt.TRAIN_FILES) + num_test
   return generated.write_set(
       data_dir, files(), num_records * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'synth', VERSION,
-      ['--train_per_file', train_per_file, '--num_test', num_test, '--seed', seed],
       train_per_file=train_per_file, num_test=num_test, seed=seed)

@@ -94,11 +94,6 @@ def test_same_seed_same_files_other_seed_other_split(source, tmp_path):  # pylin
   assert read(a) != read(c)
 
 
-def test_bad_test_fraction(tmp_path):
-  with pytest.raises(ValueError, match='test_fraction'):
-    digits.convert_digits(str(tmp_path), test_fraction=1.0)
-
-
 def test_without_sklearn_says_how_to_install(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, 'sklearn', None)  # import sklearn fails
   monkeypatch.setitem(sys.modules, 'sklearn.datasets', None)

@@ -343,13 +343,13 @@ DOWNLOAD_CASES = [
     Case('download_wrong_checksum', download_wrong_checksum, 1,
          r'^Error: the file downloaded from file://.*/mirror/cifar-10-binary\.tar\.gz '
          r'has SHA-256 [0-9a-f]{64}, expected c4a38c50a1bc5f3a1c5537f2155ab9d68f9f25eb'
-         r'1ed8d9ddda3db29a59bca1dd; it was deleted\. The download was corrupted or '
-         r'the server sent something else: run this again, or fetch the archive '
-         r'another way and put it at .*/target/cifar-10-binary\.tar\.gz\.$', 'sub'),
+         r'1ed8d9ddda3db29a59bca1dd: it is corrupt or not the CIFAR-10 binary archive, '
+         r'and was not unpacked\. Put a good copy at .*/target/cifar-10-binary\.tar\.gz '
+         r'\(or delete the one there\) and run this again\.$', 'sub'),
     Case('download_member_escaping_the_target', download_escaping_member, 1,
          r"^Error: refusing to unpack: archive member "
-         r"'cifar-10-batches-bin/\.\./\.\./escaped\.bin' escapes the target "
-         r"directory through \"\.\.\"; nothing was written\. This is not the "
+         r"'cifar-10-batches-bin/\.\./\.\./escaped\.bin' would be extracted to '.*', "
+         r"which is outside the destination; nothing was written\. This is not the "
          r"CIFAR-10 archive: fetch it from https://www\.cs\.toronto\.edu/~kriz/"
          r"cifar-10-binary\.tar\.gz instead \(unset CIFAR10_DATA_URL\)\.$", 'in'),
 ]

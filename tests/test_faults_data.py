@@ -282,12 +282,15 @@ CASES = [
          r"permissions\.$", None, 'in'),
     Case('download_truncated_copy', download_truncated_copy, 1,
          r'^Error: the file downloaded from file://.*/mirror/cifar-10-binary\.tar'
-         r'\.gz has SHA-256 [0-9a-f]{64}, expected c4a38c50.*; it was deleted\.',
+         r'\.gz has SHA-256 [0-9a-f]{64}, expected c4a38c50.*: it is corrupt or not the '
+         r'CIFAR-10 binary archive, and was not unpacked\. Put a good copy at '
+         r'.*/target/cifar-10-binary\.tar\.gz',
          None, 'in'),
     Case('download_truncated_local_archive', download_truncated_local_archive, 1,
          r'^Error: the local archive .*/target/cifar-10-binary\.tar\.gz has SHA-256 '
          r'[0-9a-f]{64}, expected c4a38c50.*: it is corrupt or not the CIFAR-10 '
-         r'binary archive\. Delete it', None, 'in'),
+         r'binary archive, and was not unpacked\. Put a good copy at .*/target/'
+         r'cifar-10-binary\.tar\.gz \(or delete the one there\)', None, 'in'),
     Case('download_disk_full', download_disk_full, 1, FULL, None, 'in'),
     Case('download_disk_full_while_unpacking', download_disk_full_while_unpacking,
          1, FULL, None, 'in'),

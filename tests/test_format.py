@@ -139,10 +139,3 @@ def test_missing_train_files_say_how_to_get_data(tmp_path):
   assert 'cli.py data synth --data_dir %s' % tmp_path in msg
   # The test file is still there.
   assert fmt.eval_files(str(tmp_path)) == [os.path.join(d, 'test_batch.bin')]
-
-
-def test_encode_rejects_bad_arrays():
-  with pytest.raises(ValueError, match='uint8'):
-    fmt.encode_records(np.zeros((1, 32, 32, 3), np.float32), [0])
-  with pytest.raises(ValueError, match='0..9'):
-    fmt.encode_records(np.zeros((1, 32, 32, 3), np.uint8), [10])

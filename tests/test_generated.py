@@ -218,8 +218,7 @@ def test_training_and_eval_say_once_they_run_on_generated_data(tmp_path,
                                                                 synth_data_dir):
   data_dir = str(tmp_path / 'data')
   shutil.copytree(synth_data_dir, data_dir)
-  generated.write_marker(fmt.batches_dir(data_dir), 'synth', synth.VERSION, data_dir,
-                         ['--seed', '0'], seed=0)
+  generated.write_marker(fmt.batches_dir(data_dir), 'synth', synth.VERSION, data_dir, seed=0)
   train_dir = str(tmp_path / 'train')
   code, out, err = _cli(['modern', '--data_dir', data_dir, '--train_dir', train_dir,
                          '--max_steps', '1'] + list(fs.FAST_FLAGS))

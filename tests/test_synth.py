@@ -86,11 +86,6 @@ def test_images_use_the_range_and_vary(small_set):
   assert x_train.reshape(1000, -1).std(axis=1).min() > 10
 
 
-def test_generate_rejects_empty_files(tmp_path):
-  with pytest.raises(ValueError, match='>= 1'):
-    synth.generate(str(tmp_path), train_per_file=0)
-
-
 # sha256 of the six .bin files, in TRAIN_FILES + EVAL_FILES order, as written
 # by version 2 of the generator (issue 22; version 1's easy set wrote other
 # bytes) with every image of a stream made at once (_CHUNK above 100): the same
