@@ -86,6 +86,15 @@ def test_images_use_the_range_and_vary(small_set):
   assert x_train.reshape(1000, -1).std(axis=1).min() > 10
 
 
+def test_synth_refuses_empty_files(tmp_path):
+  # --train_per_file 0 would write empty data files: a usage error, nothing written.
+  code, _, err, exception = fs.invoke_cli(
+      ['data', 'synth', '--data_dir', tmp_path / 'd', '--train_per_file', 0])
+  assert (code, exception) == (2, None), err
+  assert "'--train_per_file': 0 is not in the range x>=1" in err, err
+  assert not os.path.exists(tmp_path / 'd')
+
+
 # sha256 of the six .bin files, in TRAIN_FILES + EVAL_FILES order, as written
 # by version 2 of the generator (issue 22; version 1's easy set wrote other
 # bytes) with every image of a stream made at once (_CHUNK above 100): the same
