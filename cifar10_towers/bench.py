@@ -49,6 +49,7 @@ an optional extra.
 import collections
 import dataclasses
 import datetime
+import importlib
 import json
 import logging
 import math
@@ -177,10 +178,7 @@ def contend_training(spec, pacer):
   window of steps) is the ready one.
   """
   plan = _plan(spec)
-  if spec['impl'] == 'legacy':
-    from cifar10_towers.legacy import train as trainer  # pylint: disable=g-import-not-at-top
-  else:
-    from cifar10_towers.modern import train as trainer  # pylint: disable=g-import-not-at-top
+  trainer = importlib.import_module('cifar10_towers.%s.train' % spec['impl'])
 
   def on_step(step, *_):  # the pacer times whole windows
     if step % spec['window_steps'] == 0:
@@ -191,14 +189,14 @@ def contend_training(spec, pacer):
     trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
 
 
-def keras_model(tf, keras):
+def keras_model(keras):
   """The CIFAR-10 net of docs/equivalence.md §1 as a Keras model (the baseline's).
 
   The same layers, shapes, initializers (truncated normal weights, constant
   biases) and weight decay as `common.model_spec`: Keras' L2(l) adds
   l * sum(w**2), so wd * l2_loss(w) = wd * sum(w**2) / 2 is L2(wd / 2).
   """
-  from cifar10_towers.common import hparams, model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import hparams, lrn, model_spec  # pylint: disable=g-import-not-at-top
   layers = keras.layers
 
   def layer(name, activation='relu'):
@@ -211,19 +209,15 @@ def keras_model(tf, keras):
         bias_initializer=keras.initializers.Constant(spec.bias_init),
         kernel_regularizer=keras.regularizers.L2(spec.wd / 2.0) if spec.wd else None)
 
-  def lrn(name):
-    return layers.Lambda(lambda x: tf.nn.local_response_normalization(
-        x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
-        alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA), name=name)
-
   def pool(name):
     return layers.MaxPooling2D(hparams.POOL_KSIZE, hparams.POOL_STRIDE, padding='same',
                                name=name)
 
   size = hparams.IMAGE_SIZE
   return keras.Sequential([
-      keras.Input((size, size, 3)), layer('conv1'), pool('pool1'), lrn('norm1'),
-      layer('conv2'), lrn('norm2'), pool('pool2'), layers.Flatten(), layer('local3'),
+      keras.Input((size, size, 3)), layer('conv1'), pool('pool1'),
+      layers.Lambda(lrn.upstream_lrn, name='norm1'), layer('conv2'),
+      layers.Lambda(lrn.upstream_lrn, name='norm2'), pool('pool2'), layers.Flatten(), layer('local3'),
       layer('local4'), layer('softmax_linear', activation=None)], name='cifar10')
 
 
@@ -245,7 +239,7 @@ def contend_baseline(spec, pacer):
       rng.standard_normal(shape + (size, size, 3), np.float32),
       rng.integers(0, hparams.NUM_CLASSES, shape, np.int32))).repeat().prefetch(2)
   with tf.distribute.MirroredStrategy(devices=list(plan.tower_devices)).scope():
-    model = keras_model(tf, keras)
+    model = keras_model(keras)
     schedule = keras.optimizers.schedules.ExponentialDecay(
         hparams.INITIAL_LEARNING_RATE, staircase=True,
         decay_rate=hparams.LEARNING_RATE_DECAY_FACTOR, decay_steps=hparams.decay_steps(
@@ -418,11 +412,12 @@ def run(config, launch=Contender):
   from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
   from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
+    data_dir = config.data_dir or tmp
     if config.data_dir is None:
       logger.info('Generating %d training records in %s ...', 5 * config.synth_per_file, tmp)
       synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
-    records = fmt.num_examples(fmt.train_files(config.data_dir or tmp))
-    specs = contender_specs(config, config.data_dir or tmp, records)
+    records = fmt.num_examples(fmt.train_files(data_dir))
+    specs = contender_specs(config, data_dir, records)
     logger.info('Starting %d contenders, one process each: %s',
                 len(specs), '; '.join(map(describe, specs)))
     contenders, windows, inputs = [], collections.defaultdict(list), {}
@@ -449,8 +444,8 @@ def run(config, launch=Contender):
     finally:
       for contender in contenders:
         contender.kill()
-  data = config.data_dir or 'generated (datasets.synth)'
-  return summarize(config, windows, finals, inputs, '%s, %d records' % (data, records))
+  return summarize(config, windows, finals, inputs, '%s, %d records' % (
+      config.data_dir or 'generated (datasets.synth)', records))
 
 
 def cpu_model():
@@ -569,10 +564,11 @@ def write_json(report, path):
 def read_json(path):
   """Reads back a report written by `write_json`, in today's names.
 
-  Reports written before the matmul estimate was named for what it is call
-  it 'ceiling_images_per_sec' (and each row's ratio 'ratio_to_ceiling'),
-  computed from forward x 3 FLOPs per image: they get today's keys, values
-  and FLOP count; what was measured (the matmul rates, every window) stays.
+  The FLOPs per image, the matmul estimate and each row's ratio to it are
+  computed again with today's FLOP count: reports written before the estimate
+  was named for what it is call it 'ceiling_images_per_sec' (each row's ratio
+  'ratio_to_ceiling') and count forward x 3 FLOPs per image; they get today's
+  keys and values. What was measured (the matmul rates, every window) stays.
 
   Raises:
     BenchError: the file cannot be read or holds no bench report.
@@ -586,13 +582,12 @@ def read_json(path):
           and {'settings', 'machine'} <= report.keys()):
     raise BenchError('%s is not a bench results file (one written by bench --json)' % path)
   machine = report['machine']
-  if machine.pop('ceiling_images_per_sec', None) is not None:
-    machine['training_flops_per_image'] = flops = training_flops_per_image()
-    machine['matmul_estimate_images_per_sec'] = machine['matmul_flops_per_sec'] / flops
-    for row in report['rows']:
-      row.pop('ratio_to_ceiling', None)
-      row['ratio_to_matmul_estimate'] = (row['images_per_sec']
-                                         / machine['matmul_estimate_images_per_sec'])
+  machine.pop('ceiling_images_per_sec', None)
+  machine['training_flops_per_image'] = flops = training_flops_per_image()
+  machine['matmul_estimate_images_per_sec'] = estimate = machine['matmul_flops_per_sec'] / flops
+  for row in report['rows']:
+    row.pop('ratio_to_ceiling', None)
+    row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
   return report
 
 
@@ -655,7 +650,7 @@ def figure(report):
                '%(matmul_size)dx%(matmul_size)d matmul rate, %(gflops).1f GFLOP/s, / '
                '%(mflop).1f MFLOP per training image' % _matmul_words(machine))
   axes.set_xticks(range(len(towers)), ['%d tower%s' % (n, 's' * (n > 1)) for n in towers])
-  axes.set_ylim(0, 1.25 * max([estimate] + [row['window_max'] for row in rows]))
+  axes.set_ylim(0, 1.25 * max(estimate, *(row['window_max'] for row in rows)))
   axes.set_ylabel('training images/sec (median of the windows)')
   axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
                  'windows min-max' % settings['batch_size'], fontsize=10)

@@ -91,10 +91,10 @@ def chrome_trace(events):
 
 
 def png_timeline(events, windows, report, path):
-  """Draws one row per device, ops coloured by category, dotted step bounds; needs matplotlib.
+  """Draws one row per device, ops coloured by category, dotted step bounds; returns path.
 
   Raises:
-    ImportError: matplotlib is not installed.
+    ImportError: matplotlib is not installed (it is needed).
   """
   from matplotlib import figure, patches  # pylint: disable=g-import-not-at-top
   names = sorted({e.device for e in events})
@@ -120,6 +120,7 @@ def png_timeline(events, windows, report, path):
               fontsize=8, frameon=False)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  return path
 
 
 def write_all(events, windows, report, out_dir):
@@ -129,17 +130,16 @@ def write_all(events, windows, report, out_dir):
     dict name -> path of what was written.
   """
   os.makedirs(out_dir, exist_ok=True)
-  written = {name: os.path.join(out_dir, file) for name, file in (
-      ('trace', 'trace.json'), ('report', 'report.json'), ('png', 'timeline.png'))}
+  written = {}
   for name, content in (('trace', chrome_trace(events)), ('report', report)):
+    written[name] = os.path.join(out_dir, name + '.json')
     with open(written[name], 'w', encoding='utf-8') as f:
       json.dump(content, f, indent=1, sort_keys=True)
   try:
-    png_timeline(events, windows, report, written['png'])
+    written['png'] = png_timeline(events, windows, report, os.path.join(out_dir, 'timeline.png'))
   except ImportError:
     logger.warning('matplotlib is not installed: no timeline.png '
                    '(pip install matplotlib, or the [profile] extra).')
-    del written['png']
   return written
 
 
