@@ -217,8 +217,9 @@ def keras_model(keras):
   return keras.Sequential([
       keras.Input((size, size, 3)), layer('conv1'), pool('pool1'),
       layers.Lambda(lrn.upstream_lrn, name='norm1'), layer('conv2'),
-      layers.Lambda(lrn.upstream_lrn, name='norm2'), pool('pool2'), layers.Flatten(), layer('local3'),
-      layer('local4'), layer('softmax_linear', activation=None)], name='cifar10')
+      layers.Lambda(lrn.upstream_lrn, name='norm2'), pool('pool2'), layers.Flatten(),
+      layer('local3'), layer('local4'), layer('softmax_linear', activation=None)],
+      name='cifar10')
 
 
 def contend_baseline(spec, pacer):
