@@ -24,9 +24,11 @@ For every (implementation, towers) combination the benchmark measures
   than wall time does.
 
 How. Every contender (Keras, legacy and modern for each tower count, and the
-matmul) runs in its own process (`python -m cifar10_towers.bench SPEC`), started
-once and then paced: at each window boundary it reports the window's times
-and waits, blocked, until the parent says "go". The parent runs one window of
+matmul) runs in its own process (multiprocessing's spawn: a fresh interpreter
+running `contend`, its stdout discarded and its stderr kept in a file for the
+error message), started once and then paced over a pipe: at each window
+boundary it sends the window's times and waits, blocked, until the parent
+says "go". The parent runs one window of
 each contender in turn (a round; the order rotates from round to round), so
 the windows a ratio compares are seconds apart, not minutes: this machine is
 shared and its speed drifts by 20-40% from minute to minute. Every ratio is
@@ -37,7 +39,7 @@ compete, and peak memory is per process. A waiting contender uses no CPU once
 its input buffers are full (legacy's queues, tf.data's prefetch); the few
 batches buffered during the wait save the next window at most their
 preprocessing, about 1% of a window. The inputs alone are then measured one
-process each, unpaced: the same entry point, which then reports only its
+process each, unpaced: the same entry point, which then sends only its
 result.
 
 No click here: `cli.py bench` is the command line; `run`, `format_table`,
@@ -53,14 +55,13 @@ import importlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import timeit
 
@@ -68,13 +69,10 @@ from cifar10_towers.common import errors
 
 logger = logging.getLogger(__name__)
 
-# The directory that holds the cifar10_towers package (a checkout or site-packages).
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ('legacy', 'modern')
 BASELINE = 'keras'  # the contender every ratio is taken against
 MATMUL = 'matmul'  # the contender that measures the machine's FLOP/s
-MESSAGE = 'BENCH '  # a contender's stdout line to the parent: prefix + JSON
-GO = 'go'  # the parent's line: run one more window
+GO = 'go'  # the parent's message: run one more window
 BASELINE_DISTINCT_BATCHES = 8  # in-memory global batches the baseline cycles over
 INPUT_WARMUP_WINDOWS = 2  # input-alone windows discarded (the shuffle buffer fills first)
 INPUT_WINDOWS = 5  # input-alone timed windows
@@ -136,25 +134,22 @@ def training_flops_per_image():
 # --- inside a contender process ------------------------------------------------
 
 
-def _say(message):
-  print(MESSAGE + json.dumps(message), flush=True)
-
-
+@dataclasses.dataclass
 class Pacer:
   """Holds a contender at each window boundary until the parent says go.
 
   The first boundary reports {} (ready); every later one the window just run:
   its wall and CPU seconds (and any extra figures).
   """
-  _start = None  # (wall, CPU) clock at the window's start
+  conn: object  # multiprocessing's Connection: the pipe to the parent
+  _start: tuple = ()  # (wall, CPU) clock at the window's start
 
   def boundary(self, **extra):
     if self._start:
       extra.update(seconds=time.perf_counter() - self._start[0],
                    cpu_seconds=time.process_time() - self._start[1])
-    _say(extra)
-    if sys.stdin.readline().strip() != GO:
-      raise SystemExit('bench contender: the parent went away')
+    self.conn.send(extra)
+    self.conn.recv()  # GO; EOFError ends the contender if the parent went away
     self._start = time.perf_counter(), time.process_time()
 
 
@@ -312,33 +307,39 @@ CONTENDERS = {'train': contend_training, 'baseline': contend_baseline,
               MATMUL: contend_matmul, 'input': measure_input}
 
 
-def contend(spec):
-  """`python -m cifar10_towers.bench SPEC`: runs spec['kind'], then says its result.
+def contend(spec, conn, stderr_path):
+  """A contender process' entry point: runs spec['kind'], then sends its result.
 
-  The result holds what the contender returned and the RSS high-water mark of
-  this process: /proc/self/status' VmHWM, which belongs to this program's own
-  memory map (getrusage's ru_maxrss survives exec: it could be the parent's).
+  Its stdout (the trainer's own output) is discarded, its stderr goes to
+  stderr_path. The result holds what the contender returned and the RSS
+  high-water mark of this process: /proc/self/status' VmHWM, which belongs to
+  this program's own memory map (getrusage's ru_maxrss survives exec: it could
+  be the parent's).
   """
-  result = CONTENDERS[spec['kind']](spec, Pacer()) or {}
+  from cifar10_towers.runtime import stderr_filter  # pylint: disable=g-import-not-at-top
+  for fd, path in ((1, os.devnull), (2, stderr_path)):
+    os.dup2(os.open(path, os.O_WRONLY), fd)
+  stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
+  result = CONTENDERS[spec['kind']](spec, Pacer(conn)) or {}
   with open('/proc/self/status', encoding='ascii') as f:
     result['peak_rss_bytes'] = int(re.search(r'VmHWM:\s*(\d+)', f.read())[1]) * 1024
-  _say(result)
+  conn.send(result)
 
 
 # --- orchestration (the parent process) --------------------------------------
 
 
 class Contender:
-  """A contender process (`python -m cifar10_towers.bench SPEC`), parent side."""
+  """A contender process (`contend` in a spawned interpreter), parent side."""
 
   def __init__(self, spec, timeout_secs):
     self.spec, self._timeout = spec, timeout_secs
-    self._stderr = tempfile.TemporaryFile(mode='w+')
-    path = filter(None, [ROOT, os.environ.get('PYTHONPATH')])
-    self._proc = subprocess.Popen(
-        [sys.executable, '-m', 'cifar10_towers.bench', json.dumps(spec)],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+    self._stderr = tempfile.NamedTemporaryFile(mode='w+', prefix='bench_stderr_')
+    self._conn, child = multiprocessing.Pipe()
+    self._proc = multiprocessing.get_context('spawn').Process(
+        target=contend, args=(spec, child, self._stderr.name))
+    self._proc.start()
+    child.close()  # the contender's end: its exit is then our EOF
 
   def read(self):
     """The contender's next message (ready, a window, or its result).
@@ -347,31 +348,25 @@ class Contender:
       BenchError: it ended first, or timed out; the message holds its last
         error line.
     """
-    began, timer = time.monotonic(), threading.Timer(self._timeout, self.kill)
-    timer.start()
     try:
-      for line in self._proc.stdout:  # the trainer's own output is skipped
-        if line.startswith(MESSAGE):
-          return json.loads(line[len(MESSAGE):])
-    finally:
-      timer.cancel()
+      if self._conn.poll(self._timeout):
+        return self._conn.recv()
+      problem = 'timed out after %.0f s' % self._timeout
+    except EOFError:
+      self._proc.join()
+      problem = 'failed (exit %s): %s' % (self._proc.exitcode, (
+          self._stderr.read().strip().splitlines() or ['no output'])[-1])
     self.kill()
-    if time.monotonic() - began >= self._timeout:
-      raise BenchError('%s timed out after %.0f s' % (describe(self.spec), self._timeout))
-    self._stderr.seek(0)
-    raise BenchError('%s failed (exit %s): %s' % (
-        describe(self.spec), self._proc.returncode,
-        (self._stderr.read().strip().splitlines() or ['no output'])[-1]))
+    raise BenchError('%s %s' % (describe(self.spec), problem))
 
   def window(self):
     """Runs one more window (after the last: the contender ends); returns `read()`."""
-    self._proc.stdin.write(GO + '\n')
-    self._proc.stdin.flush()
+    self._conn.send(GO)
     return self.read()
 
   def kill(self):
     self._proc.kill()
-    self._proc.wait()
+    self._proc.join()
 
 
 def describe(spec):
@@ -668,11 +663,3 @@ def figure(report):
   fig.tight_layout(rect=(0, 0.04 + 0.025 * len(caption), 1, 1))
   return fig
 
-
-if __name__ == '__main__':
-  from cifar10_towers.runtime import stderr_filter
-  stderr_filter.install()  # as cli.main: TensorFlow's known noise never shows
-  if len(sys.argv) != 2:
-    sys.exit('usage: python -m cifar10_towers.bench SPEC_JSON (internal: use the bench '
-             'command)')
-  contend(json.loads(sys.argv[1]))
