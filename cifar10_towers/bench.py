@@ -560,11 +560,10 @@ def write_json(report, path):
 def read_json(path):
   """Reads back a report written by `write_json`, in today's names.
 
-  The FLOPs per image, the matmul estimate and each row's ratio to it are
-  computed again with today's FLOP count: reports written before the estimate
-  was named for what it is call it 'ceiling_images_per_sec' (each row's ratio
-  'ratio_to_ceiling') and count forward x 3 FLOPs per image; they get today's
-  keys and values. What was measured (the matmul rates, every window) stays.
+  Reports written before the matmul estimate was named for what it is call
+  it 'ceiling_images_per_sec' (and each row's ratio 'ratio_to_ceiling'),
+  computed from forward x 3 FLOPs per image: they get today's keys, values
+  and FLOP count; what was measured (the matmul rates, every window) stays.
 
   Raises:
     BenchError: the file cannot be read or holds no bench report.
@@ -578,12 +577,13 @@ def read_json(path):
           and {'settings', 'machine'} <= report.keys()):
     raise BenchError('%s is not a bench results file (one written by bench --json)' % path)
   machine = report['machine']
-  machine.pop('ceiling_images_per_sec', None)
-  machine['training_flops_per_image'] = flops = training_flops_per_image()
-  machine['matmul_estimate_images_per_sec'] = estimate = machine['matmul_flops_per_sec'] / flops
-  for row in report['rows']:
-    row.pop('ratio_to_ceiling', None)
-    row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
+  if machine.pop('ceiling_images_per_sec', None) is not None:
+    machine['training_flops_per_image'] = flops = training_flops_per_image()
+    machine['matmul_estimate_images_per_sec'] = machine['matmul_flops_per_sec'] / flops
+    for row in report['rows']:
+      row.pop('ratio_to_ceiling', None)
+      row['ratio_to_matmul_estimate'] = (row['images_per_sec']
+                                         / machine['matmul_estimate_images_per_sec'])
   return report
 
 
