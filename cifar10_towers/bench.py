@@ -60,7 +60,6 @@ import os
 import platform
 import re
 import statistics
-import sys
 import tempfile
 import time
 import timeit
