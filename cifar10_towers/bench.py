@@ -24,9 +24,11 @@ For every (implementation, towers) combination the benchmark measures
   than wall time does.
 
 How. Every contender (Keras, legacy and modern for each tower count, and the
-matmul) runs in its own process (`python -m cifar10_towers.bench SPEC`), started
-once and then paced: at each window boundary it reports the window's times
-and waits, blocked, until the parent says "go". The parent runs one window of
+matmul) runs in its own process (multiprocessing's spawn: a fresh interpreter
+running `contend`, its stdout discarded and its stderr kept in a file for the
+error message), started once and then paced over a pipe: at each window
+boundary it sends the window's times and waits, blocked, until the parent
+says "go". The parent runs one window of
 each contender in turn (a round; the order rotates from round to round), so
 the windows a ratio compares are seconds apart, not minutes: this machine is
 shared and its speed drifts by 20-40% from minute to minute. Every ratio is
@@ -37,7 +39,7 @@ compete, and peak memory is per process. A waiting contender uses no CPU once
 its input buffers are full (legacy's queues, tf.data's prefetch); the few
 batches buffered during the wait save the next window at most their
 preprocessing, about 1% of a window. The inputs alone are then measured one
-process each, unpaced: the same entry point, which then reports only its
+process each, unpaced: the same entry point, which then sends only its
 result.
 
 No click here: `cli.py bench` is the command line; `run`, `format_table`,
@@ -49,17 +51,16 @@ an optional extra.
 import collections
 import dataclasses
 import datetime
+import importlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import platform
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 import timeit
 
@@ -67,13 +68,10 @@ from cifar10_towers.common import errors
 
 logger = logging.getLogger(__name__)
 
-# The directory that holds the cifar10_towers package (a checkout or site-packages).
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ('legacy', 'modern')
 BASELINE = 'keras'  # the contender every ratio is taken against
 MATMUL = 'matmul'  # the contender that measures the machine's FLOP/s
-MESSAGE = 'BENCH '  # a contender's stdout line to the parent: prefix + JSON
-GO = 'go'  # the parent's line: run one more window
+GO = 'go'  # the parent's message: run one more window
 BASELINE_DISTINCT_BATCHES = 8  # in-memory global batches the baseline cycles over
 INPUT_WARMUP_WINDOWS = 2  # input-alone windows discarded (the shuffle buffer fills first)
 INPUT_WINDOWS = 5  # input-alone timed windows
@@ -135,25 +133,22 @@ def training_flops_per_image():
 # --- inside a contender process ------------------------------------------------
 
 
-def _say(message):
-  print(MESSAGE + json.dumps(message), flush=True)
-
-
+@dataclasses.dataclass
 class Pacer:
   """Holds a contender at each window boundary until the parent says go.
 
   The first boundary reports {} (ready); every later one the window just run:
   its wall and CPU seconds (and any extra figures).
   """
-  _start = None  # (wall, CPU) clock at the window's start
+  conn: object  # multiprocessing's Connection: the pipe to the parent
+  _start: tuple = ()  # (wall, CPU) clock at the window's start
 
   def boundary(self, **extra):
     if self._start:
       extra.update(seconds=time.perf_counter() - self._start[0],
                    cpu_seconds=time.process_time() - self._start[1])
-    _say(extra)
-    if sys.stdin.readline().strip() != GO:
-      raise SystemExit('bench contender: the parent went away')
+    self.conn.send(extra)
+    self.conn.recv()  # GO; EOFError ends the contender if the parent went away
     self._start = time.perf_counter(), time.process_time()
 
 
@@ -177,10 +172,7 @@ def contend_training(spec, pacer):
   window of steps) is the ready one.
   """
   plan = _plan(spec)
-  if spec['impl'] == 'legacy':
-    from cifar10_towers.legacy import train as trainer  # pylint: disable=g-import-not-at-top
-  else:
-    from cifar10_towers.modern import train as trainer  # pylint: disable=g-import-not-at-top
+  trainer = importlib.import_module('cifar10_towers.%s.train' % spec['impl'])
 
   def on_step(step, *_):  # the pacer times whole windows
     if step % spec['window_steps'] == 0:
@@ -191,14 +183,14 @@ def contend_training(spec, pacer):
     trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
 
 
-def keras_model(tf, keras):
+def keras_model(keras):
   """The CIFAR-10 net of docs/equivalence.md §1 as a Keras model (the baseline's).
 
   The same layers, shapes, initializers (truncated normal weights, constant
   biases) and weight decay as `common.model_spec`: Keras' L2(l) adds
   l * sum(w**2), so wd * l2_loss(w) = wd * sum(w**2) / 2 is L2(wd / 2).
   """
-  from cifar10_towers.common import hparams, model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import hparams, lrn, model_spec  # pylint: disable=g-import-not-at-top
   layers = keras.layers
 
   def layer(name, activation='relu'):
@@ -211,20 +203,17 @@ def keras_model(tf, keras):
         bias_initializer=keras.initializers.Constant(spec.bias_init),
         kernel_regularizer=keras.regularizers.L2(spec.wd / 2.0) if spec.wd else None)
 
-  def lrn(name):
-    return layers.Lambda(lambda x: tf.nn.local_response_normalization(
-        x, depth_radius=hparams.LRN_DEPTH_RADIUS, bias=hparams.LRN_BIAS,
-        alpha=hparams.LRN_ALPHA, beta=hparams.LRN_BETA), name=name)
-
   def pool(name):
     return layers.MaxPooling2D(hparams.POOL_KSIZE, hparams.POOL_STRIDE, padding='same',
                                name=name)
 
   size = hparams.IMAGE_SIZE
   return keras.Sequential([
-      keras.Input((size, size, 3)), layer('conv1'), pool('pool1'), lrn('norm1'),
-      layer('conv2'), lrn('norm2'), pool('pool2'), layers.Flatten(), layer('local3'),
-      layer('local4'), layer('softmax_linear', activation=None)], name='cifar10')
+      keras.Input((size, size, 3)), layer('conv1'), pool('pool1'),
+      layers.Lambda(lrn.upstream_lrn, name='norm1'), layer('conv2'),
+      layers.Lambda(lrn.upstream_lrn, name='norm2'), pool('pool2'), layers.Flatten(),
+      layer('local3'), layer('local4'), layer('softmax_linear', activation=None)],
+      name='cifar10')
 
 
 def contend_baseline(spec, pacer):
@@ -245,7 +234,7 @@ def contend_baseline(spec, pacer):
       rng.standard_normal(shape + (size, size, 3), np.float32),
       rng.integers(0, hparams.NUM_CLASSES, shape, np.int32))).repeat().prefetch(2)
   with tf.distribute.MirroredStrategy(devices=list(plan.tower_devices)).scope():
-    model = keras_model(tf, keras)
+    model = keras_model(keras)
     schedule = keras.optimizers.schedules.ExponentialDecay(
         hparams.INITIAL_LEARNING_RATE, staircase=True,
         decay_rate=hparams.LEARNING_RATE_DECAY_FACTOR, decay_steps=hparams.decay_steps(
@@ -317,33 +306,39 @@ CONTENDERS = {'train': contend_training, 'baseline': contend_baseline,
               MATMUL: contend_matmul, 'input': measure_input}
 
 
-def contend(spec):
-  """`python -m cifar10_towers.bench SPEC`: runs spec['kind'], then says its result.
+def contend(spec, conn, stderr_path):
+  """A contender process' entry point: runs spec['kind'], then sends its result.
 
-  The result holds what the contender returned and the RSS high-water mark of
-  this process: /proc/self/status' VmHWM, which belongs to this program's own
-  memory map (getrusage's ru_maxrss survives exec: it could be the parent's).
+  Its stdout (the trainer's own output) is discarded, its stderr goes to
+  stderr_path. The result holds what the contender returned and the RSS
+  high-water mark of this process: /proc/self/status' VmHWM, which belongs to
+  this program's own memory map (getrusage's ru_maxrss survives exec: it could
+  be the parent's).
   """
-  result = CONTENDERS[spec['kind']](spec, Pacer()) or {}
+  from cifar10_towers.runtime import stderr_filter  # pylint: disable=g-import-not-at-top
+  for fd, path in ((1, os.devnull), (2, stderr_path)):
+    os.dup2(os.open(path, os.O_WRONLY), fd)
+  stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
+  result = CONTENDERS[spec['kind']](spec, Pacer(conn)) or {}
   with open('/proc/self/status', encoding='ascii') as f:
     result['peak_rss_bytes'] = int(re.search(r'VmHWM:\s*(\d+)', f.read())[1]) * 1024
-  _say(result)
+  conn.send(result)
 
 
 # --- orchestration (the parent process) --------------------------------------
 
 
 class Contender:
-  """A contender process (`python -m cifar10_towers.bench SPEC`), parent side."""
+  """A contender process (`contend` in a spawned interpreter), parent side."""
 
   def __init__(self, spec, timeout_secs):
     self.spec, self._timeout = spec, timeout_secs
-    self._stderr = tempfile.TemporaryFile(mode='w+')
-    path = filter(None, [ROOT, os.environ.get('PYTHONPATH')])
-    self._proc = subprocess.Popen(
-        [sys.executable, '-m', 'cifar10_towers.bench', json.dumps(spec)],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+    self._stderr = tempfile.NamedTemporaryFile(mode='w+', prefix='bench_stderr_')
+    self._conn, child = multiprocessing.Pipe()
+    self._proc = multiprocessing.get_context('spawn').Process(
+        target=contend, args=(spec, child, self._stderr.name))
+    self._proc.start()
+    child.close()  # the contender's end: its exit is then our EOF
 
   def read(self):
     """The contender's next message (ready, a window, or its result).
@@ -352,31 +347,25 @@ class Contender:
       BenchError: it ended first, or timed out; the message holds its last
         error line.
     """
-    began, timer = time.monotonic(), threading.Timer(self._timeout, self.kill)
-    timer.start()
     try:
-      for line in self._proc.stdout:  # the trainer's own output is skipped
-        if line.startswith(MESSAGE):
-          return json.loads(line[len(MESSAGE):])
-    finally:
-      timer.cancel()
+      if self._conn.poll(self._timeout):
+        return self._conn.recv()
+      problem = 'timed out after %.0f s' % self._timeout
+    except EOFError:
+      self._proc.join()
+      problem = 'failed (exit %s): %s' % (self._proc.exitcode, (
+          self._stderr.read().strip().splitlines() or ['no output'])[-1])
     self.kill()
-    if time.monotonic() - began >= self._timeout:
-      raise BenchError('%s timed out after %.0f s' % (describe(self.spec), self._timeout))
-    self._stderr.seek(0)
-    raise BenchError('%s failed (exit %s): %s' % (
-        describe(self.spec), self._proc.returncode,
-        (self._stderr.read().strip().splitlines() or ['no output'])[-1]))
+    raise BenchError('%s %s' % (describe(self.spec), problem))
 
   def window(self):
     """Runs one more window (after the last: the contender ends); returns `read()`."""
-    self._proc.stdin.write(GO + '\n')
-    self._proc.stdin.flush()
+    self._conn.send(GO)
     return self.read()
 
   def kill(self):
     self._proc.kill()
-    self._proc.wait()
+    self._proc.join()
 
 
 def describe(spec):
@@ -418,11 +407,12 @@ def run(config, launch=Contender):
   from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
   from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
+    data_dir = config.data_dir or tmp
     if config.data_dir is None:
       logger.info('Generating %d training records in %s ...', 5 * config.synth_per_file, tmp)
       synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
-    records = fmt.num_examples(fmt.train_files(config.data_dir or tmp))
-    specs = contender_specs(config, config.data_dir or tmp, records)
+    records = fmt.num_examples(fmt.train_files(data_dir))
+    specs = contender_specs(config, data_dir, records)
     logger.info('Starting %d contenders, one process each: %s',
                 len(specs), '; '.join(map(describe, specs)))
     contenders, windows, inputs = [], collections.defaultdict(list), {}
@@ -449,8 +439,8 @@ def run(config, launch=Contender):
     finally:
       for contender in contenders:
         contender.kill()
-  data = config.data_dir or 'generated (datasets.synth)'
-  return summarize(config, windows, finals, inputs, '%s, %d records' % (data, records))
+  return summarize(config, windows, finals, inputs, '%s, %d records' % (
+      config.data_dir or 'generated (datasets.synth)', records))
 
 
 def cpu_model():
@@ -655,7 +645,7 @@ def figure(report):
                '%(matmul_size)dx%(matmul_size)d matmul rate, %(gflops).1f GFLOP/s, / '
                '%(mflop).1f MFLOP per training image' % _matmul_words(machine))
   axes.set_xticks(range(len(towers)), ['%d tower%s' % (n, 's' * (n > 1)) for n in towers])
-  axes.set_ylim(0, 1.25 * max([estimate] + [row['window_max'] for row in rows]))
+  axes.set_ylim(0, 1.25 * max(estimate, *(row['window_max'] for row in rows)))
   axes.set_ylabel('training images/sec (median of the windows)')
   axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
                  'windows min-max' % settings['batch_size'], fontsize=10)
@@ -672,11 +662,3 @@ def figure(report):
   fig.tight_layout(rect=(0, 0.04 + 0.025 * len(caption), 1, 1))
   return fig
 
-
-if __name__ == '__main__':
-  from cifar10_towers.runtime import stderr_filter
-  stderr_filter.install()  # as cli.main: TensorFlow's known noise never shows
-  if len(sys.argv) != 2:
-    sys.exit('usage: python -m cifar10_towers.bench SPEC_JSON (internal: use the bench '
-             'command)')
-  contend(json.loads(sys.argv[1]))

@@ -18,6 +18,8 @@ import dataclasses
 import re
 import statistics
 
+import numpy as np
+
 # Categories, highest priority first: an instant where a tower computes and a
 # copy runs counts as compute, so copies show only when they stall the towers.
 CATEGORIES = FORWARD, BACKWARD, AVERAGE, UPDATE, EMA, INPUT, COPY, OTHER = (
@@ -108,24 +110,16 @@ def pieces(spans, window):
   """Cuts the window at the spans' edges.
 
   Args:
-    spans: iterable of (start, end, key).
+    spans: list of (start, end).
     window: (start, end).
 
-  Yields:
-    (length, set of the keys of the spans covering that piece), in order.
+  Returns:
+    (lengths, covers): float [pieces], the pieces' lengths in order; bool
+    [spans, pieces], whether span i runs during all of piece j.
   """
-  lo, hi = window
-  edges = [(lo, 0, None), (hi, 0, None)]
-  for start, end, key in spans:
-    start, end = max(start, lo), min(end, hi)
-    if end > start:
-      edges += [(start, 1, key), (end, -1, key)]
-  active, last = collections.Counter(), lo
-  for time, delta, key in sorted(edges, key=lambda edge: edge[0]):
-    if time > last:
-      yield time - last, {k for k, count in active.items() if count}
-      last = time
-    active[key] += delta
+  starts, ends = np.clip(np.reshape(spans, (-1, 2)), *window).T
+  edges = np.unique(np.concatenate([window, starts, ends]))
+  return np.diff(edges), (starts[:, None] <= edges[:-1]) & (ends[:, None] >= edges[1:])
 
 
 def _time_per_device(events):
@@ -136,6 +130,10 @@ def _time_per_device(events):
 
 
 def _median(values):
+  """The median of numbers (None left out; none: None), or of dicts key by key (missing: 0)."""
+  if isinstance(values[0], dict):
+    return {k: _median([v.get(k, 0.0) for v in values])
+            for k in dict.fromkeys(k for v in values for k in v)}
   values = [v for v in values if v is not None]
   return statistics.median(values) if values else None
 
@@ -150,31 +148,30 @@ def analyze_step(events, window, num_towers, wall_us=None):
     wall_us: float, the step's time as the caller measured it, or None.
   """
   step_us = window[1] - window[0]
-  split = dict.fromkeys(CATEGORIES + (IDLE,), 0.0)
-  # Device or tower -> time during which any of its ops runs (overlaps counted
-  # once); the number of towers computing at once -> time.
-  busy, computing = collections.Counter(), collections.Counter()
-  for length, active in pieces([(e.start_us, e.end_us, (CATEGORIES.index(e.category), e.device,
-                                                        e.tower)) for e in events], window):
-    split[CATEGORIES[min(rank for rank, _, _ in active)] if active else IDLE] += length
-    towers = {tower for _, _, tower in active} - {None}
-    for key in {device for _, device, _ in active} | towers:
-      busy[key] += length
-    computing[len(towers)] += length
-  compute_us = sum(t for count, t in computing.items() if count)
-  slowest = max([busy[i] for i in range(num_towers)], default=0)
+  lengths, covers = pieces([(e.start_us, e.end_us) for e in events], window)
+
+  def running(keep):  # per piece: whether an op that keep(event) selects runs
+    return covers[[keep(e) for e in events]].any(axis=0)
+
+  towers = [running(lambda e: e.tower == i) for i in range(num_towers)]
+  computing = lengths @ (sum(towers) > 0), lengths @ (sum(towers) > 1)  # 1+, 2+ towers at once
+  slowest = max(lengths @ tower for tower in towers)
+  # A piece's category: the highest-priority one of its running ops; none: idle.
+  ranks = np.array([CATEGORIES.index(e.category) for e in events], int)[:, None]
+  first = np.where(covers, ranks, len(CATEGORIES)).min(axis=0, initial=len(CATEGORIES))
   return {
       'step_us': step_us,
       'wall_us': wall_us,
       # The runtime's own time around the ops (dispatch, collecting the
       # trace): the step as measured in Python minus the traced window.
       'outside_trace_us': wall_us - step_us if wall_us is not None else None,
-      'busy_fraction': {device: busy[device] / step_us
+      # Time during which any of the device's ops runs (overlaps counted once).
+      'busy_fraction': {device: lengths @ running(lambda e: e.device == device) / step_us
                         for device in sorted({e.device for e in events})},
-      'split_us': split,
+      'split_us': dict(zip(CATEGORIES + (IDLE,), np.bincount(
+          first, lengths, len(CATEGORIES) + 1).tolist())),
       # Time 2+ towers compute at once / time 1+ tower computes.
-      'tower_overlap': None if num_towers < 2 else compute_us and sum(
-          t for count, t in computing.items() if count > 1) / compute_us,
+      'tower_overlap': None if num_towers < 2 else computing[0] and computing[1] / computing[0],
       'step_over_slowest_tower': step_us / slowest if slowest else None,
   }
 
@@ -193,12 +190,8 @@ def analyze(events, windows, planned, variable_device, wall_us=None):
     dict (JSON-serializable): 'steps', 'median', 'placement', 'verdict', ...
   """
   steps = [analyze_step([e for e in events if e.step == k], window, len(planned),
-                        wall_us[k] if wall_us else None) for k, window in enumerate(windows)]
-  median = {key: _median([s[key] for s in steps]) for key in (
-      'step_us', 'wall_us', 'outside_trace_us', 'tower_overlap', 'step_over_slowest_tower')}
-  for key in ('split_us', 'busy_fraction'):
-    median[key] = {k: _median([s[key].get(k, 0.0) for s in steps])
-                   for k in dict.fromkeys(k for s in steps for k in s[key])}
+                        wall_us and wall_us[k]) for k, window in enumerate(windows)]
+  median = _median(steps)
   placement = []
   for i, device in enumerate(map(canonical_device, planned)):
     times = _time_per_device([e for e in events if e.tower == i])

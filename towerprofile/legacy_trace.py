@@ -63,11 +63,11 @@ def trace(config, plan, decay_steps, steps, warmup):
         # the call's own bounds place the window on the trace's clock: the
         # runtime's time before the first and after the last op (dispatch,
         # collecting the trace: 0.5 and 2-7 ms measured) is part of the step.
-        called, began = time.time() * 1e6, time.perf_counter()
+        called = time.time() * 1e6
         sess.run(parts.towers.train_op, run_metadata=metadata,
                  options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
-        wall_us.append((time.perf_counter() - began) * 1e6)
         returned = time.time() * 1e6
+        wall_us.append(returned - called)
         step_events = events_from_step_stats(metadata.step_stats, k)
         events += step_events
         windows.append((min([called] + [e.start_us for e in step_events]),

@@ -6,6 +6,7 @@ matplotlib) and the report (report.json, and as lines for the terminal).
 
 import collections
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -16,8 +17,6 @@ from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.towerprofile import analysis
-from cifar10_towers.towerprofile import legacy_trace
-from cifar10_towers.towerprofile import modern_trace
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,8 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
                      hparams.min_queue_examples(examples))
     config = config_lib.TrainConfig(data_dir=data_dir, train_dir=scratch,
                                     num_gpus=plan.num_towers, batch_size=batch_size, seed=0)
-    events, windows, wall_us, sources = (legacy_trace if impl == 'legacy' else modern_trace).trace(
+    adapter = importlib.import_module('cifar10_towers.towerprofile.%s_trace' % impl)
+    events, windows, wall_us, sources = adapter.trace(
         config, trainer_plan, max(1, hparams.decay_steps(examples, batch_size, plan.num_towers)),
         steps, warmup)
   report = analysis.analyze(events, windows, plan.tower_devices, devices.VARIABLE_DEVICE,
@@ -91,35 +91,35 @@ def chrome_trace(events):
 
 
 def png_timeline(events, windows, report, path):
-  """Draws one row per device, ops coloured by category, dotted step bounds; needs matplotlib.
+  """Draws one row per device, ops coloured by category, dotted step bounds; returns path.
 
   Raises:
-    ImportError: matplotlib is not installed.
+    ImportError: matplotlib is not installed (it is needed).
   """
   from matplotlib import figure, patches  # pylint: disable=g-import-not-at-top
   names = sorted({e.device for e in events})
   origin = min(start for start, _ in windows)
   fig = figure.Figure(figsize=(12, 1.0 + 0.7 * len(names)))
   axes = fig.add_subplot()
-  colours = {c: 'C%d' % i for i, c in enumerate(analysis.CATEGORIES)}  # tab10
-  bars = collections.defaultdict(list)
-  for e in events:
-    bars[e.device, e.category].append(((e.start_us - origin) / 1e3,
-                                       (e.end_us - e.start_us) / 1e3))
-  for (device, category), spans in bars.items():
-    axes.broken_barh(spans, (names.index(device) - 0.4, 0.8), facecolors=colours[category],
-                     linewidth=0)
+  # One bar per op, in its category's colour of tab10 (matplotlib's C0, C1, ...).
+  axes.barh([names.index(e.device) for e in events],
+            [(e.end_us - e.start_us) / 1e3 for e in events], 0.8,
+            [(e.start_us - origin) / 1e3 for e in events], linewidth=0,
+            color=['C%d' % analysis.CATEGORIES.index(e.category) for e in events])
+  axes.use_sticky_edges = False  # a margin, so the first and last step bounds show
   for edge in sum(windows, ()):
     axes.axvline((edge - origin) / 1e3, color='black', linestyle=':', linewidth=0.6)
   axes.set_yticks(range(len(names)), names)
   axes.invert_yaxis()
   axes.set_xlabel('ms')
   axes.set_title(report['verdict'], fontsize=9)
-  axes.legend(handles=[patches.Patch(color=c, label=k) for k, c in colours.items()],
-              loc='lower center', bbox_to_anchor=(0.5, 1.08), ncol=len(colours),
+  axes.legend(handles=[patches.Patch(color='C%d' % i, label=category)
+                       for i, category in enumerate(analysis.CATEGORIES)],
+              loc='lower center', bbox_to_anchor=(0.5, 1.08), ncol=len(analysis.CATEGORIES),
               fontsize=8, frameon=False)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  return path
 
 
 def write_all(events, windows, report, out_dir):
@@ -129,17 +129,16 @@ def write_all(events, windows, report, out_dir):
     dict name -> path of what was written.
   """
   os.makedirs(out_dir, exist_ok=True)
-  written = {name: os.path.join(out_dir, file) for name, file in (
-      ('trace', 'trace.json'), ('report', 'report.json'), ('png', 'timeline.png'))}
+  written = {}
   for name, content in (('trace', chrome_trace(events)), ('report', report)):
+    written[name] = os.path.join(out_dir, name + '.json')
     with open(written[name], 'w', encoding='utf-8') as f:
       json.dump(content, f, indent=1, sort_keys=True)
   try:
-    png_timeline(events, windows, report, written['png'])
+    written['png'] = png_timeline(events, windows, report, os.path.join(out_dir, 'timeline.png'))
   except ImportError:
     logger.warning('matplotlib is not installed: no timeline.png '
                    '(pip install matplotlib, or the [profile] extra).')
-    del written['png']
   return written
 
 
