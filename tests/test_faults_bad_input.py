@@ -321,8 +321,8 @@ TRAIN_CASES = [
          r'to resume from it, move model\.ckpt-2\.\* and `checkpoint` out of '
          r'.*/train; or use another --train_dir\.$', 'in'),
     Case('latest_checkpoint_files_missing', latest_checkpoint_missing, 1,
-         r'^Error: checkpoint .*/train/model\.ckpt-2 is incomplete: '
-         r'model\.ckpt-2\.index is missing, and it is the latest checkpoint; the '
+         r'^Error: checkpoint .*/train/model\.ckpt-2 is damaged \(Failed to find any '
+         r'matching files for .*/train/model\.ckpt-2\), and it is the latest checkpoint; the '
          r'newest intact one is model\.ckpt-1: to resume from it, move '
          r'model\.ckpt-2\.\* and `checkpoint` out of .*/train; or use another '
          r'--train_dir\.$', 'in'),
