@@ -112,7 +112,7 @@ def reason(error):
     nodes = [i for i, line in enumerate(lines) if line.startswith('Node: ')]
     lines = lines[nodes[-1] + 1:] if nodes else lines[1:]
   text = lines[0] if lines else type(error).__name__
-  text = re.sub(r'\s*\[Op:\w+\]$', '', text)  # eager's op name
+  text = re.sub(r'\s*(\[\[|\[Op:).*', '', text)  # a node's decorations, eager's op name
   text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text)
   # 'TensorBundle at <prefix> shard 0 (19200 bytes): Checksum does not match'
   return re.sub(r'^(TensorBundle at \S+ shard \d+ \(\d+ bytes\)|Unsuccessful '
@@ -179,12 +179,12 @@ def _remove_temp_files(directory):
   """Removes the temp files of saves a kill interrupted; they are never read.
 
   Only TensorFlow's own temp names of this train_dir's checkpoints:
-  `<basename>-<step>.*.tempstate<digits>` and `<basename>-<step>_temp/`
+  `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
   (test_faults_checkpoints.py: incomplete_newer_checkpoint).
   """
-  pattern = re.compile(r'^%s-\d+(\..*\.tempstate\d+|_temp)$' % re.escape(_BASENAME))
-  removed = sum(_delete(os.path.join(directory, name.rstrip('/')))
-                for name in tf.io.gfile.listdir(directory) if pattern.match(name.rstrip('/')))
+  prefix = os.path.join(directory, _BASENAME + '-*')
+  removed = sum(map(_delete, tf.io.gfile.glob(prefix + '.tempstate*')
+                    + tf.io.gfile.glob(prefix + '_temp')))
   if removed:
     logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
                    directory)
@@ -395,16 +395,16 @@ def check_fits(path, expected_shapes):
   wrong = [k for k in expected_shapes
            if k in saved and tuple(saved[k]) != tuple(expected_shapes[k])]
   if wrong:
-    what = ('it holds %s with shape %s, this model has %s (%d variable(s) differ)'
-            % (wrong[0].removesuffix(_VALUE_SUFFIX), list(saved[wrong[0]]),
-               list(expected_shapes[wrong[0]]), len(wrong)))
+    what = 'it holds %s with shape %s, this model has %s' % (
+        wrong[0].removesuffix(_VALUE_SUFFIX), list(saved[wrong[0]]),
+        list(expected_shapes[wrong[0]]))
   elif missing:
-    what = ('it lacks %s (%d of this model\'s %d variables are missing)'
-            % (missing[0].removesuffix(_VALUE_SUFFIX), len(missing), len(expected_shapes)))
+    what = 'it lacks %s' % missing[0].removesuffix(_VALUE_SUFFIX)
   else:
     return
-  raise CheckpointError('%s is a checkpoint of another model: %s. Use another --train_dir, '
-                        'or move its checkpoints away.' % (path, what))
+  raise CheckpointError('%s is a checkpoint of another model: %s (%d of the %d variables '
+                        'differ). Use another --train_dir, or move its checkpoints away.'
+                        % (path, what, len(wrong + missing), len(expected_shapes)))
 
 
 _ADVICE = [  # (what to do, how the operating system words a failed write it fixes)

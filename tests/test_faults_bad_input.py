@@ -301,7 +301,7 @@ TRAIN_CASES = [
     Case('checkpoint_of_another_model', checkpoint_of_another_model, 1,
          r'^Error: .*/train/model\.ckpt-5 is a checkpoint of another model: it '
          r'holds (model/)?conv1/weights with shape \[3, 3, 3, 64\], this model '
-         r'has \[5, 5, 3, 64\] \(1 variable\(s\) differ\)\. Use another '
+         r'has \[5, 5, 3, 64\] \(\d+ of the \d+ variables differ\)\. Use another '
          r'--train_dir, or move its checkpoints away\.$', 'in'),
     Case('checkpoint_of_the_other_trainer', checkpoint_of_the_other_trainer, 1,
          r'^Error: .*/train/model\.ckpt-2 is a (modern|legacy) \(tf\..*\) '
