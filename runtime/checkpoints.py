@@ -104,13 +104,11 @@ def global_step(contents):
 def reason(error):
   """The first line of a TensorFlow error, without its op decorations."""
   text = getattr(error, 'message', None) or str(error)
-  if 'Original error:' in text:  # the Saver's restore wraps the cause
-    text = text.split('Original error:', 1)[1]
+  # The Saver's restore wraps the cause; a Session's error says it after its
+  # header and the last "Node: '<name>'" line.
+  text = re.split(r'Original error:|^\s*(?:Graph execution error:|Node: .*)$', text,
+                  flags=re.M)[-1]
   lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if lines and lines[0].startswith('Graph execution error'):
-    # A Session's error: the cause follows the "Node: '<name>'" line.
-    nodes = [i for i, line in enumerate(lines) if line.startswith('Node: ')]
-    lines = lines[nodes[-1] + 1:] if nodes else lines[1:]
   text = lines[0] if lines else type(error).__name__
   text = re.sub(r'\s*(\[\[|\[Op:).*', '', text)  # a node's decorations, eager's op name
   text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text)
