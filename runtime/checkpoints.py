@@ -1,4 +1,4 @@
-"""Telling the two trainers' checkpoints apart.
+"""Telling the two trainers' checkpoints apart, and finding the newest intact one.
 
 Legacy writes name-based `tf.compat.v1.train.Saver` checkpoints; modern writes
 object-based `tf.train.Checkpoint`s. Both are `<train_dir>/model.ckpt-<step>`
@@ -16,19 +16,23 @@ checkpoint, plus at most an incomplete newer one that nothing names.
 
 `resume_point` builds on that: it resumes from the newest checkpoint that is
 complete and passes its checksums - the one the state file names, or a newer
-complete one a killed run wrote but did not get to name - and ignores
+complete one a killed run wrote but did not get to name - and skips
 incomplete newer files (they are overwritten when that step is saved again);
 the temp files of an interrupted save are removed.
 Our own code, because tf.train.latest_checkpoint alone would name a damaged
 checkpoint, miss a complete unnamed one and fail on a damaged state file:
 tests/test_faults_state.py (test_train, test_eval, test_convert_refuses) and
 tests/test_faults_checkpoints.py (test_resume_from_the_newest_intact_checkpoint).
-A checkpoint the state file names was complete when it was named, so if it is
-damaged now, something else damaged it (the disk, a copy, a hand): training
-then stops with an error naming it and the newest intact older checkpoint,
-and changes nothing, rather than silently training over the evidence. A named
-checkpoint whose files are all gone (deleted by hand) leaves nothing to
-protect: training resumes from the newest intact older one and says so.
+A checkpoint the state file names was complete when it was named, so if it
+cannot be read now, something else damaged it (the disk, a copy, a hand):
+training then stops with an error naming it and the newest intact older
+checkpoint, and changes nothing, rather than silently training over the
+evidence. A named checkpoint whose files are all gone (deleted by hand)
+leaves nothing to protect: training resumes from the newest intact older one
+and says so.
+
+Every way a checkpoint's files can be damaged (empty, truncated, bit-flipped,
+missing) is one fault here: TensorFlow's reader fails, and its reason is said.
 
 Eval and convert read (`newest_intact`) without changing anything: eval
 evaluates the newest intact checkpoint and says which it skipped; convert
@@ -39,7 +43,6 @@ cannot pull it from under an evaluation.
 """
 
 import collections
-import errno
 import logging
 import os
 import re
@@ -66,10 +69,19 @@ Contents = collections.namedtuple('Contents', [
     'tensors',  # dict checkpoint key -> numpy value: every tensor, checksums checked
 ])
 
+Found = collections.namedtuple('Found', [
+    'contents',  # Contents of the newest intact checkpoint, or None
+    'skipped',  # [(prefix, problem)] newest first: the named one, or older, not intact
+    'unfinished',  # [(prefix, problem)]: newer than the named one, not intact
+    'state_problem',  # 'unreadable' when the `checkpoint` state file is, else None
+    'named',  # the prefix the state file names, or None
+])
 
 STATE_FILE = 'checkpoint'  # TensorFlow's checkpoint state file in a train_dir
 _BASENAME = config_lib.CHECKPOINT_BASENAME  # checkpoints are <train_dir>/model.ckpt-<step>
 _VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'  # of object-based keys
+# The problem of a checkpoint none of whose files is left (only the named one is said).
+GONE = 'gone (`%s` names it, but none of its files is left)' % STATE_FILE
 
 
 def step_of(path):
@@ -92,75 +104,33 @@ def global_step(contents):
 def reason(error):
   """The first line of a TensorFlow error, without its op decorations."""
   text = getattr(error, 'message', None) or str(error)
-  if 'Original error:' in text:  # the Saver's restore wraps the cause
-    text = text.split('Original error:', 1)[1]
+  # The Saver's restore wraps the cause; a Session's error says it after its
+  # header and the last "Node: '<name>'" line.
+  text = re.split(r'Original error:|^\s*(?:Graph execution error:|Node: .*)$', text,
+                  flags=re.M)[-1]
   lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if lines and lines[0].startswith('Graph execution error'):
-    # A Session's error: the cause follows the "Node: '<name>'" line.
-    nodes = [i for i, line in enumerate(lines) if line.startswith('Node: ')]
-    lines = lines[nodes[-1] + 1:] if nodes else lines[1:]
   text = lines[0] if lines else type(error).__name__
-  text = re.sub(r'\s*\[Op:\w+\]$', '', text)  # eager's op name
+  text = re.sub(r'\s*(\[\[|\[Op:).*', '', text)  # a node's decorations, eager's op name
   text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text)
   # 'TensorBundle at <prefix> shard 0 (19200 bytes): Checksum does not match'
-  return re.sub(r'^TensorBundle at \S+ shard \d+ \(\d+ bytes\): ', '', text)
-
-
-GONE = 'gone'  # the start of the problem of a checkpoint none of whose files is left
-
-
-def _size(path):
-  try:
-    return tf.io.gfile.stat(path).length
-  except (tf.errors.OpError, OSError):
-    return None
+  return re.sub(r'^(TensorBundle at \S+ shard \d+ \(\d+ bytes\)|Unsuccessful '
+                r'TensorSliceReader constructor): ', '', text)
 
 
 def _read(path):
-  """Every tensor of a checkpoint, or what is wrong with its files.
+  """(Contents, None) when every file is there and every checksum right, else (None, problem).
 
-  Returns:
-    (Contents, None) when every file is there and every checksum right, else
-    (None, problem): 'gone (...)', 'incomplete: ...' or 'damaged (...)',
-    naming the file at fault where the reader's error tells which.
+  The problem is GONE, or 'damaged (<the reader's reason>)' for any damage.
   """
-  # Own code: tf.train.load_checkpoint alone names neither the file at fault
-  # nor what is wrong with it (test_faults_state.py: the DAMAGES of `latest`).
-  name = os.path.basename(path)
-  data_files = sorted(tf.io.gfile.glob(path + '.data-?????-of-?????'))
-  index_size = _size(path + '.index')
-  if index_size is None:
-    return None, ('incomplete: %s.index is missing' % name if data_files
-                  else '%s (no %s.index or .data file is left)' % (GONE, name))
-  if index_size == 0:
-    return None, 'damaged (%s.index is empty)' % name
-  if not data_files:
-    return None, 'incomplete: %s.index has no .data file' % name
   try:
     reader = tf.train.load_checkpoint(path)
     # get_tensor checks the CRC32C of each tensor's bytes.
     tensors = {key: reader.get_tensor(key)
                for key in sorted(reader.get_variable_to_shape_map())}
-  except IndexError:
-    # The reader's 'Read less bytes than requested': a .data file ends early.
-    sizes = {os.path.basename(f): _size(f) for f in data_files}
-    empty = [f for f, size in sizes.items() if size == 0]
-    if empty:
-      return None, 'damaged (%s is empty)' % empty[0]
-    if len(sizes) > 1:
-      return None, 'damaged (a .data file of %s is truncated)' % name
-    return None, ('damaged (%s is truncated: %s bytes, a tensor reaches past its end)'
-                  % next(iter(sizes.items())))
-  except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError) as e:
-    text = reason(e)
-    if 'sstable' in text:  # the index is a LevelDB table
-      text = '%s.index is not a checkpoint index: %s' % (name, text)
-    return None, 'damaged (%s)' % text
+  except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError, IndexError) as e:
+    # IndexError: the reader's 'Read less bytes than requested' (a .data file ends early).
+    return None, 'damaged (%s)' % reason(e) if tf.io.gfile.glob(path + '.*') else GONE
   return Contents(path, MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY, tensors), None
-
-
-def _is_gone(problem):
-  return problem is not None and problem.startswith(GONE)
 
 
 def read(path):
@@ -174,7 +144,7 @@ def read(path):
 
   Raises:
     CheckpointError: a file is missing, truncated or fails its checksum; the
-      message names the checkpoint and the first problem.
+      message names the checkpoint and the reader's reason.
   """
   contents, problem = _read(path)
   if problem:
@@ -207,41 +177,67 @@ def _remove_temp_files(directory):
   """Removes the temp files of saves a kill interrupted; they are never read.
 
   Only TensorFlow's own temp names of this train_dir's checkpoints:
-  `<basename>-<step>.*.tempstate<digits>` and `<basename>-<step>_temp/`
+  `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
   (test_faults_checkpoints.py: incomplete_newer_checkpoint).
   """
-  pattern = re.compile(r'^%s-\d+(\..*\.tempstate\d+|_temp)$' % re.escape(_BASENAME))
-  removed = sum(_delete(os.path.join(directory, name.rstrip('/')))
-                for name in tf.io.gfile.listdir(directory) if pattern.match(name.rstrip('/')))
+  prefix = os.path.join(directory, _BASENAME + '-*')
+  removed = sum(map(_delete, tf.io.gfile.glob(prefix + '.tempstate*')
+                    + tf.io.gfile.glob(prefix + '_temp')))
   if removed:
     logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
                    directory)
 
 
 def _state(directory):
-  """TensorFlow's CheckpointState of `directory`, or why its state file is unreadable.
+  """TensorFlow's CheckpointState of `directory`, and 'unreadable' if its state file is.
 
   Returns:
-    (CheckpointState or None, problem or None): (None, None) when there is no
-    state file; problem says why an existing one is unreadable (what a crash
-    or a hand can leave: empty, not text, torn).
+    (CheckpointState or None, None or 'unreadable'): (None, None) when there
+    is no state file.
   """
-  # tf.train.get_checkpoint_state raises on an empty or non-text file, without
-  # saying which (test_faults_state.py: state_empty, state_not_text).
-  path = os.path.join(directory, STATE_FILE)
-  if not tf.io.gfile.exists(path):
+  if not tf.io.gfile.exists(os.path.join(directory, STATE_FILE)):
     return None, None
-  if _size(path) == 0:
-    return None, 'it is empty'
   try:
     state = tf.train.get_checkpoint_state(directory)
-  except UnicodeDecodeError:
-    return None, 'it is not text'
-  except (ValueError, tf.errors.OpError):  # parsed, but names no checkpoint
+  # It raises on an empty or non-text file (test_faults_state.py: state_empty,
+  # state_not_text) and returns None for a torn one.
+  except (ValueError, UnicodeDecodeError, tf.errors.OpError):
     state = None
-  if state is None or not state.model_checkpoint_path:
-    return None, 'it is not a checkpoint state file'
-  return state, None
+  return (state, None) if state else (None, 'unreadable')
+
+
+def _refusal(found, directory, do, flag):
+  """The CheckpointError of a latest checkpoint (or state file) that cannot be read.
+
+  Args:
+    found: Found, with a state_problem or a skipped latest checkpoint.
+    directory: str, the train_dir.
+    do: str, what the user may do with the newest intact one, e.g. 'convert'.
+    flag: str, the flag that names another directory, e.g. '--from_dir'.
+  """
+  moved = '`%s`' % STATE_FILE
+  if found.state_problem:
+    what = '%s is unreadable' % os.path.join(directory, STATE_FILE)
+  else:
+    prefix, problem = found.skipped[0]
+    what = 'checkpoint %s is %s, and it is the latest checkpoint' % (prefix, problem)
+    if problem != GONE:
+      moved = '%s.* and %s' % (os.path.basename(prefix), moved)
+  todo = ('the newest intact one is %s: to %s it, move' % (os.path.basename(
+      found.contents.path), do) if found.contents else 'no intact checkpoint is left: move')
+  return CheckpointError('%s; %s %s out of %s; or use another %s.'
+                         % (what, todo, moved, directory, flag))
+
+
+def _say_passed_over(found, directory, doing):
+  """Logs what `newest_intact` skipped, and a newest intact checkpoint the state file misses."""
+  for note in skip_notes(found, directory, doing):
+    logger.warning(note)
+  path = found.contents and found.contents.path
+  if (path and path != found.named and not found.state_problem
+      and found.named not in dict(found.skipped)):
+    logger.warning('%s is complete, but `%s` does not name it (the file is missing, or a run '
+                   'was interrupted as it saved); %s.', path, STATE_FILE, doing)
 
 
 def resume_point(directory):
@@ -257,52 +253,21 @@ def resume_point(directory):
     str, a checkpoint prefix inside `directory`, or None for a fresh start.
 
   Raises:
-    CheckpointError: the checkpoint the state file names is damaged or
-      incomplete, or gone with no intact one left; the message names it, the
-      newest intact older one, and what to do. No checkpoint file is changed
-      (only the temp files of an interrupted save are removed, as on every
-      call).
+    CheckpointError: the checkpoint the state file names is damaged, or
+      gone with no intact one left; the message names it, the newest intact
+      older one, and what to do. No checkpoint file is changed (only the
+      temp files of an interrupted save are removed, as on every call).
   """
   if not tf.io.gfile.isdir(directory):
     return None
   _remove_temp_files(directory)
   found = newest_intact(directory)
-  fallback = found.contents and found.contents.path
-  named, problem = found.named, dict(found.skipped).get(found.named)
-  if found.state_problem:
-    logger.warning('%s is unreadable; resuming from the newest intact checkpoint found '
-                   'on disk.', os.path.join(directory, STATE_FILE))
-  elif named is None and (fallback or found.skipped):
-    logger.warning('%s has checkpoints but no `%s` state file; resuming from the newest '
-                   'intact one found on disk.', directory, STATE_FILE)
-  # Newer than the named one (or, with none named, any): left by an interrupted save.
-  for prefix, reason_ in found.unfinished + found.skipped:
-    if prefix == named:
-      break
-    logger.warning('ignoring %s: it is %s, left by an interrupted save; it will be '
-                   'overwritten.', prefix, reason_)
-  if problem is None:
-    if named and fallback != named:
-      logger.warning('%s is complete but was not yet recorded as the latest checkpoint '
-                     '(the run writing it was interrupted); resuming from it.', fallback)
-    return fallback
-  name = os.path.basename(named)
-  if _is_gone(problem) and fallback is not None:
-    # Deleted by hand, e.g. to go back to an older checkpoint: nothing of it
-    # is left to protect.
-    logger.warning('`%s` names %s as the latest checkpoint, but none of its files is '
-                   'left in %s; resuming from %s, the newest intact one.',
-                   STATE_FILE, name, directory, os.path.basename(fallback))
-    return fallback
-  if fallback is None:
-    todo = ('there is no intact older checkpoint; use another --train_dir, or move %s.* and '
-            '`%s` out of %s to start from scratch' % (name, STATE_FILE, directory))
-  else:
-    todo = ('the newest intact one is %s: to resume from it, move %s.* and `%s` out of %s; '
-            'or use another --train_dir'
-            % (os.path.basename(fallback), name, STATE_FILE, directory))
-  raise CheckpointError('checkpoint %s is %s, and it is the latest checkpoint; %s.'
-                        % (named, problem, todo))
+  problem = dict(found.skipped).get(found.named)
+  # Gone (deleted by hand, e.g. to go back to an older checkpoint): nothing of it to protect.
+  if problem and (problem != GONE or found.contents is None):
+    raise _refusal(found, directory, 'resume from', '--train_dir')
+  _say_passed_over(found, directory, 'resuming from the newest intact checkpoint')
+  return found.contents and found.contents.path
 
 
 def replace_unreadable_state(directory, prefix):
@@ -325,15 +290,6 @@ def replace_unreadable_state(directory, prefix):
   return True
 
 
-Found = collections.namedtuple('Found', [
-    'contents',  # Contents of the newest intact checkpoint, or None
-    'skipped',  # [(prefix, problem)] newest first: the named one, or older, not intact
-    'unfinished',  # [(prefix, problem)]: newer than the named one, not intact
-    'state_problem',  # why the `checkpoint` state file is unreadable, or None
-    'named',  # the prefix the state file names, or None
-])
-
-
 def newest_intact(directory):
   """The newest intact checkpoint of `directory`, read whole, and what was passed over.
 
@@ -353,28 +309,21 @@ def newest_intact(directory):
   """
   if not tf.io.gfile.isdir(directory):
     return Found(None, [], [], None, None)
-  on_disk = _on_disk(directory)
   # Upstream's Saver records absolute paths; the checkpoint is looked up by its
   # base name in `directory`, so a copied or moved train_dir resumes from its own
   # files (test_faults_checkpoints.py: state_file_of_a_moved_directory).
   state, state_problem = _state(directory)
   named = state and os.path.join(directory, os.path.basename(state.model_checkpoint_path))
-  named_step = step_of(named) if named else None
-  candidates = [on_disk[s] for s in sorted(on_disk, reverse=True)]
-  if named is not None and named not in candidates:
-    later = [p for p in candidates if named_step is None or step_of(p) > named_step]
-    candidates.insert(len(later), named)
+  named_step = named and step_of(named)
+  candidates = set(_on_disk(directory).values()) | ({named} if named else set())
   skipped, unfinished = [], []
-  for prefix in candidates:
+  for prefix in sorted(candidates, key=lambda p: step_of(p) or 0, reverse=True):
     contents, problem = _read(prefix)
     if contents is not None:
       return Found(contents, skipped, unfinished, state_problem, named)
-    if _is_gone(problem) and prefix != named:
-      continue
-    if named_step is not None and prefix != named and step_of(prefix) > named_step:
-      unfinished.append((prefix, problem))
-    else:
-      skipped.append((prefix, problem))
+    if prefix == named or problem != GONE:
+      newer = named_step is not None and prefix != named and step_of(prefix) > named_step
+      (unfinished if newer else skipped).append((prefix, problem))
   return Found(None, skipped, unfinished, state_problem, named)
 
 
@@ -392,18 +341,12 @@ def skip_notes(found, directory, doing, unfinished=True):
   Returns:
     list of str.
   """
-  notes = []
-  if found.state_problem:
-    notes.append('%s is unreadable (%s); %s found on disk.'
-                 % (os.path.join(directory, STATE_FILE), found.state_problem, doing))
-  notes += ['skipping %s: it is %s, and newer than the latest checkpoint `%s` names (a save '
-            'in progress or interrupted).' % (prefix, problem, STATE_FILE)
-            for prefix, problem in (found.unfinished if unfinished else [])]
-  for prefix, problem in found.skipped:
-    why = ('`%s` names it as the latest checkpoint, but it is %s' % (STATE_FILE, problem)
-           if _is_gone(problem) else 'it is %s' % problem)
-    notes.append('skipping %s: %s; %s.' % (prefix, why, doing))
-  return notes
+  notes = (['%s is unreadable; %s found on disk.' % (os.path.join(directory, STATE_FILE), doing)]
+           if found.state_problem else [])
+  newer = [(prefix, problem + ', newer than the latest checkpoint (a save in progress or '
+            'interrupted)') for prefix, problem in (found.unfinished if unfinished else [])]
+  return notes + ['skipping %s: it is %s; %s.' % (prefix, problem, doing)
+                  for prefix, problem in newer + found.skipped]
 
 
 def for_conversion(directory):
@@ -421,28 +364,12 @@ def for_conversion(directory):
 
   Raises:
     CheckpointError: the state file is unreadable, or the latest checkpoint
-      is damaged, incomplete or gone; one line naming the file and what to do.
+      is damaged or gone; one line naming the file and what to do.
   """
   found = newest_intact(directory)
-  intact = found.contents.path if found.contents else None
   if found.state_problem or found.skipped:
-    moved = '`%s`' % STATE_FILE
-    if found.state_problem:
-      what = '%s is unreadable (%s)' % (os.path.join(directory, STATE_FILE), found.state_problem)
-    else:
-      prefix, problem = found.skipped[0]
-      what = 'checkpoint %s is %s, and it is the latest checkpoint' % (prefix, problem)
-      if not _is_gone(problem):
-        moved = '%s.* and %s' % (os.path.basename(prefix), moved)
-    todo = ('The newest intact checkpoint is %s: to convert it, move %s out of %s and run '
-            'again.' % (os.path.basename(intact), moved, directory) if intact
-            else 'No intact checkpoint is left in %s.' % directory)
-    raise CheckpointError('%s; nothing was converted. %s' % (what, todo))
-  for prefix, problem in found.unfinished:
-    logger.warning('ignoring %s: it is %s, left by an interrupted save.', prefix, problem)
-  if intact and found.named is None:
-    logger.warning('%s has no `%s` state file; converting %s, the newest intact '
-                   'checkpoint found on disk.', directory, STATE_FILE, os.path.basename(intact))
+    raise _refusal(found, directory, 'convert', '--from_dir')
+  _say_passed_over(found, directory, 'converting the newest intact checkpoint')
   return found.contents
 
 
@@ -465,29 +392,31 @@ def check_fits(path, expected_shapes):
   missing = [k for k in expected_shapes if k not in saved]
   wrong = [k for k in expected_shapes
            if k in saved and tuple(saved[k]) != tuple(expected_shapes[k])]
-  readable = lambda key: key[:-len(_VALUE_SUFFIX)] if key.endswith(_VALUE_SUFFIX) else key
   if wrong:
-    what = ('it holds %s with shape %s, this model has %s (%d variable(s) differ)'
-            % (readable(wrong[0]), list(saved[wrong[0]]), list(expected_shapes[wrong[0]]),
-               len(wrong)))
+    what = 'it holds %s with shape %s, this model has %s' % (
+        wrong[0].removesuffix(_VALUE_SUFFIX), list(saved[wrong[0]]),
+        list(expected_shapes[wrong[0]]))
   elif missing:
-    what = ('it lacks %s (%d of this model\'s %d variables are missing)'
-            % (readable(missing[0]), len(missing), len(expected_shapes)))
+    what = 'it lacks %s' % missing[0].removesuffix(_VALUE_SUFFIX)
   else:
     return
-  raise CheckpointError('%s is a checkpoint of another model: %s. Use another --train_dir, '
-                        'or move its checkpoints away.' % (path, what))
+  raise CheckpointError('%s is a checkpoint of another model: %s (%d of the %d variables '
+                        'differ). Use another --train_dir, or move its checkpoints away.'
+                        % (path, what, len(wrong + missing), len(expected_shapes)))
+
+
+_ADVICE = [  # (what to do, how the operating system words a failed write it fixes)
+    ('Make it writable', ('Permission denied', 'Operation not permitted',
+                          'Read-only file system')),
+    ('Free space on that disk', ('No space left on device', 'Disk quota exceeded',
+                                 'File too large')),
+    ('Move the file in the way', ('Not a directory',)),
+]
 
 
 def advice(cause):
   """What to do about a failed write, from how the operating system worded its `cause`."""
-  if any(text in cause for text in ('Permission denied', 'Operation not permitted',
-                                    'Read-only file system')):
-    return 'Make it writable'
-  if any(text in cause for text in ('No space left on device', 'Disk quota exceeded',
-                                    'File too large')):
-    return 'Free space on that disk'
-  return 'Move the file in the way' if os.strerror(errno.ENOTDIR) in cause else 'Fix that'
+  return next((todo for todo, words in _ADVICE if any(w in cause for w in words)), 'Fix that')
 
 
 def write_failed(directory, what, error):

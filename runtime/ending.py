@@ -69,16 +69,14 @@ def cause(error):
     return error.line()
   if stream_closed(error):
     return ('the output stream closed under the run (%s: a pipe\'s reader ended '
-            'or the terminal is gone)' % (os.strerror(error.errno) if error.errno
-                                           else type(error).__name__))
+            'or the terminal is gone)' % os.strerror(error.errno))
   if isinstance(error, OSError) and getattr(error, 'filename', None):
     return '%s: %s' % (error.filename, error.strerror or error)
   module = type(error).__module__ or ''
   if module.startswith('tensorflow'):
     from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
-    text = re.sub(r'\s*(\[\[|\[Op:).*', '', checkpoints.reason(error)).strip()
     kind = re.sub(r'(?<!^)(?=[A-Z])', ' ', type(error).__name__.replace('Error', ''))
-    return 'TensorFlow failed (%s): %s' % (kind.lower() or 'error', text)
+    return 'TensorFlow failed (%s): %s' % (kind.lower() or 'error', checkpoints.reason(error))
   text = str(error).strip().splitlines()
   return '%s: %s' % (type(error).__name__, text[0]) if text else type(error).__name__
 
@@ -115,26 +113,24 @@ def failed(error, first_step, step, held, saved, save, train_dir):
   if step == first_step:
     return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
   line = cause(error).rstrip('.') + '.'
-  if not os.path.isdir(train_dir):
-    return RunFailed(
-        '%s %s is gone: no checkpoint remains; the same command starts again at '
-        'step 0.' % (line, train_dir))
   try:
     intact = held() == step
   except Exception:  # pylint: disable=broad-except
     intact = False
   problem = ''
-  if intact and step != saved:
+  if intact and step != saved and os.path.isdir(train_dir):
     try:
       return RunFailed(
           '%s Saved global step %d to %s; the same command resumes from it.'
           % (line, step, save()))
     except Exception as e:  # pylint: disable=broad-except
-      if not os.path.isdir(train_dir):
-        return failed(error, first_step, step, held, saved, save, train_dir)
       again = cause(e).rstrip('.')  # said already if it is what ended the run
       if again not in line:
         problem = ' Saving global step %d failed too: %s.' % (step, again)
+  if not os.path.isdir(train_dir):  # removed under the run, before or as it saved
+    return RunFailed(
+        '%s %s is gone: no checkpoint remains; the same command starts again at '
+        'step 0.' % (line, train_dir))
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
   try:

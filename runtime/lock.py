@@ -10,7 +10,6 @@ Readers (eval, convert) take no lock.
 
 import contextlib
 import datetime
-import errno
 import fcntl
 import os
 import socket
@@ -45,12 +44,10 @@ def _lock(path, directory):
     handle = open(path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
     try:
       fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
+    except BlockingIOError:  # EWOULDBLOCK: another open file holds it
       handle.seek(0)
       holder = handle.read().strip() or 'a process that did not say which'
       handle.close()
-      if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-        raise
       raise LockError(
           '%s is in use by another run (%s). Wait for it to end, or pass another '
           '--train_dir; two runs in one train_dir would overwrite each other\'s '
@@ -78,31 +75,24 @@ def exclusive(directory, what='training'):
   handle = _lock(path, directory)
   _held[path] = handle
   try:
-    try:
-      handle.seek(0)
-      handle.truncate()
+    with contextlib.suppress(OSError):  # e.g. a full disk: it holds without the note
+      handle.truncate(0)
       handle.write('PID %d on host %s, %s, since %s (%s)\n' % (
           os.getpid(), socket.gethostname(), what,
           datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S'),
           ' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]))
       handle.flush()
-    except OSError:
-      pass  # e.g. a full disk: the lock holds without the note of who holds it
     yield path
   finally:
     if _held.get(path) is handle:
       del _held[path]
-    try:
-      # While still held (see _lock), and only if it is still ours: if the
-      # directory was removed under the run, another run may hold a new one.
+    # While still held (see _lock), and only if it is still ours: if the
+    # directory was removed under the run, another run may hold a new one.
+    with contextlib.suppress(OSError):
       if _ours(handle, path):
         os.remove(path)
-    except OSError:
-      pass
-    try:
-      handle.close()  # releases the lock
-    except OSError:
-      pass  # a note that could not be written; the descriptor is closed
+    with contextlib.suppress(OSError):  # a note that could not be written
+      handle.close()  # releases the lock; the descriptor is closed either way
 
 
 def check(directory):

@@ -135,45 +135,46 @@ def _read(*path):
     return ''
 
 
-def _number(*path):
-  text = _read(*path).strip()
-  return _NO_LIMIT if text == 'max' else int(text) if text.isdigit() else None
-
-
 def _field(name, *path):
-  """The value of a 'name value' line (memory.stat, /proc/meminfo: kB as bytes), or None."""
-  match = re.search(r'^%s:?\s+(\d+)( kB)?' % name, _read(*path), re.M)
-  return match and int(match.group(1)) * (1024 if match.group(2) else 1)
+  """The number after `name` in a file (memory.max's 'max': no limit; kB as bytes), or None."""
+  match = re.search(r'^%s:?\s*(\d+|max)( kB)?' % name, _read(*path), re.M)
+  if not match:
+    return None
+  return _NO_LIMIT if match[1] == 'max' else int(match[1]) * (1024 if match[2] else 1)
+
+
+_CGROUP_FILES = {  # version: (its limit, its usage, memory.stat's reclaimable page cache)
+    'v2': ('memory.max', 'memory.current', 'inactive_file'),
+    'v1': ('memory.limit_in_bytes', 'memory.usage_in_bytes', 'total_inactive_file'),
+}
 
 
 def _cgroup_headroom(proc, cgroup_root):
-  """Least headroom under the memory limits of this process's cgroups, and where.
+  """(bytes, where) of the least headroom under this process's cgroup memory limits.
 
-  Returns:
-    (bytes, directory) or (None, None) without a limit.
+  None for each without a limit.
   """
   found = []
   for line in _read(proc, 'self', 'cgroup').splitlines():
-    hierarchy, controllers, path = (line.split(':', 2) + ['', ''])[:3]
-    if (hierarchy, controllers) == ('0', ''):  # v2: one unified hierarchy
-      base, files = cgroup_root, ('memory.max', 'memory.current', 'inactive_file')
-    elif 'memory' in controllers.split(','):  # v1
-      base = os.path.join(cgroup_root, 'memory')
-      files = ('memory.limit_in_bytes', 'memory.usage_in_bytes', 'total_inactive_file')
-    else:
+    _, controllers, path = line.split(':', 2)
+    if controllers and 'memory' not in controllers.split(','):
       continue
+    # v2 ('0::/path'): one unified hierarchy; v1: the memory controller's own.
+    base = os.path.join(cgroup_root, 'memory') if controllers else cgroup_root
+    limit_file, usage_file, cache = _CGROUP_FILES['v1' if controllers else 'v2']
     # This cgroup and every ancestor: each limit applies. In a container the
     # mount's root is the container's own cgroup, whatever the path says.
     parts = [part for part in path.split('/') if part]
     for depth in range(len(parts) + 1):
       directory = os.path.join(base, *parts[:depth])
-      limit = _number(directory, files[0])
+      limit = _field('', directory, limit_file)
       if limit is not None and limit < _NO_LIMIT:
         # Page cache the kernel reclaims before it kills counts as free.
-        usage = ((_number(directory, files[1]) or 0)
-                 - (_field(files[2], directory, 'memory.stat') or 0))
-        found.append((max(0, limit - max(0, usage)), directory))
-  return min(found, key=lambda f: f[0], default=(None, None))
+        usage = ((_field('', directory, usage_file) or 0)
+                 - (_field(cache, directory, 'memory.stat') or 0))
+        found.append((max(0, limit - max(0, usage)),
+                      'under the memory limit of cgroup %s' % directory))
+  return min(found, default=(None, None))
 
 
 def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
@@ -189,18 +190,14 @@ def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
   Returns:
     (bytes, str naming the source) or (None, None) when neither can be read.
   """
-  headroom, cgroup_dir = _cgroup_headroom(proc, cgroup_root)
   meminfo = os.path.join(proc, 'meminfo')
-  found = [(free, source) for free, source in [
-      (_field('MemAvailable', meminfo), 'MemAvailable in %s' % meminfo),
-      (headroom, 'under the memory limit of cgroup %s' % cgroup_dir)] if free is not None]
-  if not found:
+  found = [(_field('MemAvailable', meminfo), 'MemAvailable in %s' % meminfo),
+           _cgroup_headroom(proc, cgroup_root)]
+  free, source = min([f for f in found if f[0] is not None], default=(None, None))
+  if free is None:
     return None, None
-  free, source = min(found, key=lambda f: f[0])
-  try:
-    rss = int(_read(proc, 'self', 'statm').split()[1]) * os.sysconf('SC_PAGE_SIZE')
-  except (ValueError, IndexError):
-    rss = 0
+  statm = _read(proc, 'self', 'statm').split()
+  rss = int(statm[1]) * os.sysconf('SC_PAGE_SIZE') if statm[1:] else 0
   return free + rss, source
 
 

@@ -32,36 +32,27 @@ class Progress:
     unit: str, what the lines call a unit, e.g. 'records'.
     file: the text stream; default sys.stdout, looked up when made (so
       click's CliRunner captures it).
-    every_secs: optional float; default EVERY_SECS.
     clock: callable() -> float seconds, for tests.
   """
 
-  def __init__(self, total, label, unit, file=None, every_secs=None,
-               clock=time.monotonic):
-    self.total = total
-    self.label = label
-    self.unit = unit
+  def __init__(self, total, label, unit, file=None, clock=time.monotonic):
+    self.total, self.label, self.unit = total, label, unit
     self.file = sys.stdout if file is None else file
     self.terminal = _isatty(self.file)  # draw a bar, not lines
-    self._every_secs = EVERY_SECS if every_secs is None else every_secs
+    self._bar = click.progressbar(length=total, label=label, file=self.file, show_pos=True,
+                                  item_show_func=lambda item: item) if self.terminal else None
     self._clock = clock
-    self._bar = None
+    self._said_at = clock()  # of the last line
     self._quarters = 0  # quarters of the total said so far
-    self._said_at = None  # clock() of the last line
 
   def __enter__(self):
-    self._said_at = self._clock()
-    if self.terminal:
-      self._bar = click.progressbar(length=self.total, label=self.label,
-                                    file=self.file, show_pos=True,
-                                    item_show_func=lambda item: item)
+    if self._bar is not None:
       self._bar.__enter__()
     return self
 
   def __exit__(self, *exc):
     if self._bar is not None:
       self._bar.__exit__(*exc)  # ends the bar's line
-    return False
 
   def stage(self, done, line, item=None):
     """A stage begins with `done` units done.
@@ -81,11 +72,9 @@ class Progress:
     if self._bar is not None:
       self._move(done)
       return
-    if not 0 < done < self.total:
-      return  # nothing to say yet, or the result comes next
-    quarters = 4 * done // self.total
-    if (quarters > self._quarters
-        and self._clock() - self._said_at >= self._every_secs):
+    # Nothing to say at 0, nor at the end: the result comes next.
+    quarters = 4 * done // self.total if 0 < done < self.total else 0
+    if quarters > self._quarters and self._clock() - self._said_at >= EVERY_SECS:
       self._quarters = quarters
       self._say('%s: %d of %d %s (%d%%)...' % (
           self.label, done, self.total, self.unit, 100 * done // self.total))
@@ -95,10 +84,8 @@ class Progress:
     self._said_at = self._clock()
 
   def _move(self, done, item=None):
-    if item is not None:
-      self._bar.current_item = item
-    if done >= self.total:
-      self._bar.current_item = None  # all done: no stage to name
+    # All done: no stage to name.
+    self._bar.current_item = None if done >= self.total else item or self._bar.current_item
     if done != self._bar.pos:
       self._bar.update(done - self._bar.pos)
     else:

@@ -10,7 +10,7 @@ receives signals stay the user's. TensorFlow's arithmetic is untouched
 (TF_ENABLE_ONEDNN_OPTS=0 would change speed and numerics).
 
 `restore` passes on what the pipe holds and gives fd 2 back; it runs at exit.
-`say` writes a line straight to the real stderr, after everything before it.
+`say` writes a line of its own past the filter, after everything before it.
 """
 
 import atexit
@@ -30,11 +30,11 @@ KNOWN = re.compile('|'.join([
     r'AVX-512\b.*',
 ]))
 
-# Markers written into the pipe by this module alone: everything before one
-# has been passed on when the reader reaches it.
-_SYNC = b'\x00cifar10-towers stderr filter: sync\x00'
+# Markers written into the pipe by this module alone: `say`'s line starts on a
+# line of its own; everything before the end has been passed on when `restore`
+# gives fd 2 back (a child may still hold the pipe: there is no end-of-file).
+_SAY = b'\x00cifar10-towers stderr filter: say\x00'
 _END = b'\x00cifar10-towers stderr filter: end\x00'
-_MARKS = re.compile(re.escape(_SYNC) + b'|' + re.escape(_END))
 _state = None  # _Filter while installed
 _lock = threading.Lock()
 
@@ -45,7 +45,6 @@ class _Filter:
     self.real = os.dup(2)
     read_end, self.write_end = os.pipe()  # both non-inheritable
     os.dup2(self.write_end, 2)  # fd 2 itself stays inheritable: children write here
-    self.synced = threading.Event()
     self.thread = threading.Thread(target=self._pump, args=(read_end,),
                                    name='stderr-filter', daemon=True)
     self.thread.start()
@@ -53,33 +52,21 @@ class _Filter:
   def _pump(self, read_end):
     pending = b''
     with os.fdopen(read_end, 'rb', buffering=0) as pipe:
-      while True:
-        chunk = pipe.read(65536)
-        if not chunk:
+      while chunk := pipe.read(65536):
+        # After a partial line `say`'s mark is a newline; elsewhere nothing.
+        pending = re.sub(rb'(?<=[^\n])' + re.escape(_SAY), b'\n', pending + chunk)
+        pending = pending.replace(_SAY, b'')
+        if _END in pending:
+          pending = pending.split(_END)[0]
           break
-        pending += chunk
-        while mark := _MARKS.search(pending):
-          self._pass(pending[:mark.start()], whole=True)
-          pending = pending[mark.end():]
-          if mark.group() == _END:
-            return
-          self.synced.set()
         *lines, pending = pending.split(b'\n')
-        self._pass(b''.join(line + b'\n' for line in lines))
-    self._pass(pending, whole=True)
+        self._pass(lines)
+    lines = pending.split(b'\n')
+    self._pass(lines if lines[-1] else lines[:-1])  # a last partial line too, ended
 
-  def _pass(self, data, whole=False):
-    """Writes data's lines but the known ones; `whole`: a last partial line too, ended."""
-    lines = data.split(b'\n')
-    if not whole or not lines[-1]:
-      lines.pop()  # b'' after the last newline
+  def _pass(self, lines):
+    """Writes each of `lines` (without its newline) but the known ones."""
     _write(self.real, b''.join(l + b'\n' for l in lines if not _known(l)))
-
-  def sync(self):
-    """Returns once every byte written to fd 2 before the call has been passed on."""
-    self.synced.clear()
-    _write(self.write_end, _SYNC)
-    self.synced.wait(timeout=2)
 
   def close(self):
     os.dup2(self.real, 2)  # from here on, fd 2 writes go straight out
@@ -134,20 +121,21 @@ def restore():
 
 
 def say(line):
-  """Writes one line to the real stderr, after everything written before it; never raises.
+  """Writes one line to stderr, on a line of its own, after everything written before it.
 
-  Without the filter (a library call, a test's CliRunner), to sys.stderr.
+  Through the filter's pipe, in order (`restore` passes it on before any
+  exit); with os.write, so a signal's handler may call it while Python
+  writes to sys.stderr. Without the filter (a library call, a test's
+  CliRunner), to sys.stderr. Never raises.
   """
-  with _lock:
-    if _state is None:
-      try:
-        print(line, file=sys.stderr, flush=True)
-      except (OSError, ValueError):
-        pass
-      return
-    _flush_python()
-    _state.sync()
-    _write(_state.real, (line + '\n').encode('utf-8', 'replace'))
+  if _state is None:
+    try:
+      print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+      pass
+    return
+  _flush_python()
+  _write(2, _SAY + (line + '\n').encode('utf-8', 'replace'))
 
 
 def real_stderr():

@@ -301,7 +301,7 @@ TRAIN_CASES = [
     Case('checkpoint_of_another_model', checkpoint_of_another_model, 1,
          r'^Error: .*/train/model\.ckpt-5 is a checkpoint of another model: it '
          r'holds (model/)?conv1/weights with shape \[3, 3, 3, 64\], this model '
-         r'has \[5, 5, 3, 64\] \(1 variable\(s\) differ\)\. Use another '
+         r'has \[5, 5, 3, 64\] \(\d+ of the \d+ variables differ\)\. Use another '
          r'--train_dir, or move its checkpoints away\.$', 'in'),
     Case('checkpoint_of_the_other_trainer', checkpoint_of_the_other_trainer, 1,
          r'^Error: .*/train/model\.ckpt-2 is a (modern|legacy) \(tf\..*\) '
@@ -321,8 +321,8 @@ TRAIN_CASES = [
          r'to resume from it, move model\.ckpt-2\.\* and `checkpoint` out of '
          r'.*/train; or use another --train_dir\.$', 'in'),
     Case('latest_checkpoint_files_missing', latest_checkpoint_missing, 1,
-         r'^Error: checkpoint .*/train/model\.ckpt-2 is incomplete: '
-         r'model\.ckpt-2\.index is missing, and it is the latest checkpoint; the '
+         r'^Error: checkpoint .*/train/model\.ckpt-2 is damaged \(Failed to find any '
+         r'matching files for .*/train/model\.ckpt-2\), and it is the latest checkpoint; the '
          r'newest intact one is model\.ckpt-1: to resume from it, move '
          r'model\.ckpt-2\.\* and `checkpoint` out of .*/train; or use another '
          r'--train_dir\.$', 'in'),

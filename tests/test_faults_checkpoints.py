@@ -103,18 +103,18 @@ def _state_of_another_directory(train_dir):
       ['/moved/away/model.ckpt-1', '/moved/away/model.ckpt-2'])
 
 
+NOT_NAMED = (r'.*/model\.ckpt-2 is complete, but `checkpoint` does not name it \(the file '
+             r'is missing, or a run was interrupted as it saved\); resuming from the newest '
+             r'intact checkpoint\.')
 RESUME_CASES = [
     # (name, damage, the warning on stderr (regex) or None)
     ('incomplete_newer_checkpoint', _incomplete_newer,
      r'removed 2 temp file\(s\) of an interrupted save from .*/train\.\n'
-     r'ignoring .*/model\.ckpt-3: it is damaged \(.*\), left by an interrupted '
-     r'save; it will be overwritten\.'),
+     r'skipping .*/model\.ckpt-3: it is damaged \(.*\), newer than the latest checkpoint '
+     r'\(a save in progress or interrupted\); resuming from the newest intact checkpoint\.'),
     ('complete_checkpoint_not_yet_named', _name_only_step_1,
-     r'.*/model\.ckpt-2 is complete but was not yet recorded as the latest '
-     r'checkpoint \(the run writing it was interrupted\); resuming from it\.'),
-    ('no_state_file', _no_state_file,
-     r'has checkpoints but no `checkpoint` state file; resuming from the newest '
-     r'intact one found on disk\.'),
+     NOT_NAMED),
+    ('no_state_file', _no_state_file, NOT_NAMED),
     ('unreadable_state_file', _garbage_state_file,
      r'/checkpoint is unreadable; resuming from the newest intact checkpoint '
      r'found on disk\.'),

@@ -187,9 +187,8 @@ def test_a_damaged_latest_is_said_once_and_a_save_in_progress_not_at_all(
                     fs.ScriptedStop(lambda: None, lambda: None, restore(2)), warnings)
   assert results == [(1, 'model.ckpt-1'), (2, 'model.ckpt-2')]
   assert warnings == [
-      'skipping %s/model.ckpt-2: it is damaged (model.ckpt-2.data-00000-of-00001 '
-      'is truncated: 100 bytes, a tensor reaches past its end); evaluating the '
-      'newest intact checkpoint.' % train_dir]
+      'skipping %s/model.ckpt-2: it is damaged (Read less bytes than requested); '
+      'evaluating the newest intact checkpoint.' % train_dir]
 
   # A newer checkpoint not yet named and incomplete: a save in progress.
   train_dir = fs.copy_trained(impl, synth_data_dir, str(tmp_path / 'saving'))

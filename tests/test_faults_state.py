@@ -5,7 +5,7 @@ checkpoint, a bit-flipped .data file, an empty or non-text `checkpoint`
 state file, a state file naming a checkpoint whose files were deleted) is
 run through all three commands of both trainers, in this process (click's
 CliRunner). Each case asserts the exit code, that nothing was raised (a
-traceback for a user), the message's facts (the file at fault, what to do),
+traceback for a user), the message's facts (the checkpoint at fault, what to do),
 and that no checkpoint file changed:
 
 - train resumes from the newest intact checkpoint with a warning (the state
@@ -60,28 +60,26 @@ def _delete_latest(train_dir):
       os.remove(os.path.join(train_dir, name))
 
 
-DATA = r'model\.ckpt-2\.data-00000-of-00001'
+# Every damage is one fault: the checkpoint is named, with TensorFlow's reader's reason.
+SHORT = r'damaged \(Read less bytes than requested\)'  # a .data file ends early
 DAMAGES = [
-    Damage('data_empty', lambda d: _truncate(fs.data_file(_ckpt(d, 2)), 0),
-           r'damaged \(%s is empty\)' % DATA, 'latest'),
-    Damage('data_truncated', lambda d: _truncate(fs.data_file(_ckpt(d, 2)), 0.5),
-           r'damaged \(%s is truncated: \d+ bytes, a tensor reaches past its '
-           r'end\)' % DATA, 'latest'),
+    Damage('data_empty', lambda d: _truncate(fs.data_file(_ckpt(d, 2)), 0), SHORT, 'latest'),
+    Damage('data_truncated', lambda d: _truncate(fs.data_file(_ckpt(d, 2)), 0.5), SHORT,
+           'latest'),
     Damage('data_bit_flipped', lambda d: fs.flip_bytes(fs.data_file(_ckpt(d, 2))),
            r'damaged \(Checksum does not match: stored \d+ vs\. calculated on '
            r'the restored bytes \d+\)', 'latest'),
     Damage('index_empty', lambda d: _truncate(_ckpt(d, 2) + '.index', 0),
-           r'damaged \(model\.ckpt-2\.index is empty\)', 'latest'),
+           r'damaged \(file is too short to be an sstable\)', 'latest'),
     Damage('index_truncated', lambda d: _truncate(_ckpt(d, 2) + '.index', 0.5),
-           r'damaged \(model\.ckpt-2\.index is not a checkpoint index: not an '
-           r'sstable \(bad magic number\)\)', 'latest'),
+           r'damaged \(not an sstable \(bad magic number\)\)', 'latest'),
     Damage('state_empty', lambda d: _write(os.path.join(d, 'checkpoint'), b''),
-           r'it is empty', 'state'),
+           r'unreadable', 'state'),
     Damage('state_not_text',
            lambda d: _write(os.path.join(d, 'checkpoint'), bytes(range(256)) * 4),
-           r'it is not text', 'state'),
+           r'unreadable', 'state'),
     Damage('state_names_deleted_checkpoint', _delete_latest,
-           r'gone \(no model\.ckpt-2\.index or \.data file is left\)', 'gone'),
+           r'gone \(`checkpoint` names it, but none of its files is left\)', 'gone'),
 ]
 
 
@@ -145,9 +143,8 @@ def test_train(damaged, synth_data_dir):
                      % re.escape(os.path.join(train_dir, 'checkpoint')), err), err
     resumed = 2
   else:
-    assert ('`checkpoint` names model.ckpt-2 as the latest checkpoint, but none '
-            'of its files is left in %s; resuming from model.ckpt-1, the newest '
-            'intact one.' % train_dir) in err
+    assert ('skipping %s: it is gone (`checkpoint` names it, but none of its files is '
+            'left); resuming from the newest intact checkpoint.' % _ckpt(train_dir, 2)) in err
     resumed = 1
   assert 'Resuming from %s at global step %d.' % (_ckpt(train_dir, resumed),
                                                   resumed) in out
@@ -204,15 +201,13 @@ def test_eval(damaged, synth_data_dir):
   assert (code, _errors(err)) == (0, []), err
   if damage.where == 'state':
     assert fs.ours(err) == [
-        '%s is unreadable (%s); evaluating the newest intact checkpoint found on '
-        'disk.' % (os.path.join(train_dir, 'checkpoint'), damage.fact)]
+        '%s is unreadable; evaluating the newest intact checkpoint found on '
+        'disk.' % os.path.join(train_dir, 'checkpoint')]
     evaluated = 2
   else:
-    said = ('`checkpoint` names it as the latest checkpoint, but it is '
-            if damage.where == 'gone' else 'it is ')
     assert len(fs.ours(err)) == 1 and re.fullmatch(
-        r'skipping %s: %s%s; evaluating the newest intact checkpoint\.'
-        % (re.escape(_ckpt(train_dir, 2)), re.escape(said), damage.fact),
+        r'skipping %s: it is %s; evaluating the newest intact checkpoint\.'
+        % (re.escape(_ckpt(train_dir, 2)), damage.fact),
         fs.ours(err)[0]), err
     evaluated = 1
   assert _evaluated(out, evaluated, evaluated), out
@@ -257,16 +252,14 @@ def test_eval_says_when_num_examples_exceeds_the_test_set(synth_data_dir, tmp_pa
 
 def _convert_message(damage, train_dir):
   if damage.where == 'state':
-    return (r'Error: %s is unreadable \(%s\); nothing was converted\. The newest '
-            r'intact checkpoint is model\.ckpt-2: to convert it, move `checkpoint` '
-            r'out of %s and run again\.'
-            % (re.escape(os.path.join(train_dir, 'checkpoint')), damage.fact,
-               re.escape(train_dir)))
+    return (r'Error: %s is unreadable; the newest intact one is model\.ckpt-2: to '
+            r'convert it, move `checkpoint` out of %s; or use another --from_dir\.'
+            % (re.escape(os.path.join(train_dir, 'checkpoint')), re.escape(train_dir)))
   moved = 'model\\.ckpt-2\\.\\* and `checkpoint`' if damage.where == 'latest' \
       else '`checkpoint`'
-  return (r'Error: checkpoint %s is %s, and it is the latest checkpoint; nothing '
-          r'was converted\. The newest intact checkpoint is model\.ckpt-1: to convert it, '
-          r'move %s out of %s and run again\.'
+  return (r'Error: checkpoint %s is %s, and it is the latest checkpoint; the newest '
+          r'intact one is model\.ckpt-1: to convert it, move %s out of %s; or use '
+          r'another --from_dir\.'
           % (re.escape(_ckpt(train_dir, 2)), damage.fact, moved,
              re.escape(train_dir)))
 

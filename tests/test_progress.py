@@ -38,12 +38,11 @@ class _Terminal(io.StringIO):
     return True
 
 
-def _lines(total, updates, every_secs=10.0):
+def _lines(total, updates):
   """The lines of a stage of `total` records, `updates` as (seconds, done)."""
   out, clock = io.StringIO(), _Clock()
   with progress_lib.Progress(total, 'Evaluating model.ckpt-9', 'records',
-                             file=out, every_secs=every_secs,
-                             clock=clock) as progress:
+                             file=out, clock=clock) as progress:
     assert not progress.terminal
     progress.stage(0, 'Evaluating model.ckpt-9 on %d test records...' % total)
     for seconds, done in updates:
