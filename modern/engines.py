@@ -424,18 +424,13 @@ class MultiWorker(Mirrored):
                     % (cluster.name(), seconds)):
         self.trainer = self.build(decay_steps)
     except tf.errors.OpError as e:
-      text = str(e).strip()
-      if 'Could not start gRPC server' in text:
-        reason = ('TensorFlow could not start its server on port %s: another '
-                  'process took it after this worker found it free. Start this '
-                  'worker again, or give it another port in %s (the same list '
-                  'on every worker).' % (cluster.address.rpartition(':')[2],
-                                         cluster.source))
-      else:
-        reason = ('TensorFlow\'s start-up failed (%s: %s). Start every worker '
-                  'again with the same flags.'
-                  % (type(e).__name__, text.splitlines()[0] if text else ''))
-      raise cluster_lib.StartupError('%s: %s' % (cluster.name(), reason)) from None
+      # e.g. 'Could not start gRPC server': another process took the port
+      # after the rendezvous found it free.
+      raise cluster_lib.StartupError(
+          "%s: TensorFlow's start-up failed (%s: %s). Start every worker again with the "
+          "same flags, or, if this worker's port was taken meanwhile, another in %s." % (
+              cluster.name(), type(e).__name__, (str(e).strip() + '\n').splitlines()[0],
+              cluster.source)) from None
     finally:
       if sigterm is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
@@ -497,9 +492,9 @@ class MultiWorker(Mirrored):
     saved = self._save_completed(step, first_step)
     step = step if step is not None else int(self.trainer.state.global_step.numpy())
     if stop.requested:
+      # (Not lower(): that would change the path's case.)
       logger.warning('%s: stopped by %s at global step %d while waiting for the other '
-                     'workers; %s', self.cluster.name(), stop.signal_name, step,
-                     _saved(saved).lower())
+                     'workers. %s', self.cluster.name(), stop.signal_name, step, _saved(saved))
       return step
     # The line that names the cause, and the unhealthy tasks after a ':'.
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or ['']

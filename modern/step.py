@@ -121,24 +121,18 @@ def slot_tree(slots):
   return tree
 
 
-def _check_and_assign(groups):
-  """Assigns every (what, given, targets) group: a dict name -> array to the
-  dict name -> tf.Variable, after checking every group's names and shapes.
+def _assign(what, given, targets):
+  """Sets each tf.Variable of the dict `targets` to the array of the same name in `given`.
 
   Raises:
-    ValueError: a name is missing or unknown, or a shape is wrong.
+    ValueError: a name is missing or unknown, or a shape is wrong
+      (TensorFlow's message names the variable).
   """
-  for what, given, targets in groups:
-    if set(given) != set(targets):
-      raise ValueError('%s: missing %s, unknown %s' % (
-          what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
-    for name, var in targets.items():
-      shape = tuple(tf.shape(given[name]).numpy())
-      if shape != tuple(var.shape):
-        raise ValueError('%s[%r] has shape %s, the variable %s' % (what, name, shape, var.shape))
-  for _, given, targets in groups:
-    for name, var in targets.items():
-      var.assign(tf.cast(given[name], tf.float32))
+  if set(given) != set(targets):
+    raise ValueError('%s: missing %s, unknown %s' % (
+        what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
+  for name, var in targets.items():
+    var.assign(tf.cast(given[name], tf.float32))
 
 
 class TrainState:
@@ -258,7 +252,7 @@ class TrainState:
     Raises:
       ValueError: a name is missing or unknown, or a shape is wrong.
     """
-    _check_and_assign([('slots', values, self._slots)])
+    _assign('slots', values, self._slots)
 
   def assign_variables(self, values, shadow_values=None):
     """Sets the trainable variables and their moving averages.
@@ -272,10 +266,9 @@ class TrainState:
     Raises:
       ValueError: a name is missing or unknown, or a shape is wrong.
     """
-    _check_and_assign([
-        ('values', values, self.variables()),
-        ('shadow_values', values if shadow_values is None else shadow_values,
-         self.shadow_variables())])
+    _assign('values', values, self.variables())
+    _assign('shadow_values', values if shadow_values is None else shadow_values,
+            self.shadow_variables())
 
 
 class Trainer:
