@@ -232,24 +232,21 @@ class ReplicaTrainer(step_lib.Trainer):
     state = self.state
     # The optimizer's slots too: a resumed momentum or Adam run goes on from
     # the chief's.
-    values = (state.model.variable_list() + list(state.shadow_variables().values())
-              + list(state.slot_variables().values()))
+    variables = (state.model.variable_list() + list(state.shadow_variables().values())
+                 + list(state.slot_variables().values()) + [state.global_step])
 
     def replica_fn():
       context = tf.distribute.get_replica_context()
       # Replica 0 (the chief's first) sends its values, all others zeros: the
-      # SUM is the chief's values, exactly. The step goes as float64 (exact
-      # below 2**53) in its own all-reduce: one all-reduce packs one dtype.
-      def from_chief(value):
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.nest.map_structure(
-            lambda x: tf.where(context.replica_id_in_sync_group == 0, x, tf.zeros_like(x)),
-            value))
-      return (from_chief([var.read_value() for var in values]),
-              tf.cast(from_chief(tf.cast(state.global_step, tf.float64)), tf.int64))
+      # SUM is the chief's values, exactly. As float64, exact for float32 and
+      # for the int64 step below 2**53: one all-reduce packs one dtype.
+      return context.all_reduce(tf.distribute.ReduceOp.SUM, [
+          tf.where(context.replica_id_in_sync_group == 0, x, tf.zeros_like(x))
+          for x in (tf.cast(var.read_value(), tf.float64) for var in variables)])
 
-    sums, step = self.strategy.run(replica_fn)
-    for var, value in zip(values + [state.global_step], list(sums) + [step]):
-      self.strategy.extended.update(var, lambda v, x: v.assign(x), args=(value,))
+    for var, value in zip(variables, self.strategy.run(replica_fn)):
+      self.strategy.extended.update(var, lambda v, x: v.assign(tf.cast(x, v.dtype)),
+                                    args=(value,))
 
   def _barrier(self):
     """Returns when every replica of every worker has called it."""
