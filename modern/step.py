@@ -456,11 +456,10 @@ class Trainer:
     labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
     size = hparams.IMAGE_SIZE
     if (images.shape.rank != 5 or images.shape[0] not in self.batch_counts
-        or tuple(images.shape[2:]) != (size, size, 3)):
-      raise ValueError('images must be [N, batch, %d, %d, 3] with N in %s (a batch per '
-                       'tower), got %s' % (size, size, list(self.batch_counts), images.shape))
-    if labels.shape != images.shape[:2]:
-      raise ValueError('labels must be %s, got %s' % (tuple(images.shape[:2]), labels.shape))
+        or tuple(images.shape[2:]) != (size, size, 3) or labels.shape != images.shape[:2]):
+      raise ValueError('images must be [N, batch, %d, %d, 3] and labels [N, batch] with N in %s '
+                       '(a batch per tower), got %s and %s' % (
+                           size, size, list(self.batch_counts), images.shape, labels.shape))
     return images, labels
 
   def step(self, tower_batches, stop_requested=False, summaries=False):
