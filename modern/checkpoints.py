@@ -150,8 +150,7 @@ def legacy_shapes(optimizer=optimizer_lib.SGD):
   """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
   shapes = {'global_step': ()}
   for name in model_spec.VARIABLE_NAMES:
-    average = '%s/%s' % (name, model_spec.EMA_SUFFIX)
-    shapes[name] = shapes[average] = model_spec.variable_shape(name)
+    shapes[name] = shapes[training.average_tag(name)] = model_spec.variable_shape(name)
   shapes.update((name, optimizer_lib.slot_shape(name))
                 for name in optimizer_lib.slot_names(optimizer))
   return shapes

@@ -173,14 +173,11 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
   if not isinstance(cluster, dict) or not isinstance(task, dict):
     raise ClusterError('TF_CONFIG needs "cluster" and "task" objects, got %r.' % text)
   for job, hosts in cluster.items():
-    if job not in ('chief', 'worker'):
-      raise ClusterError('TF_CONFIG lists a %r job; MultiWorkerMirroredStrategy '
-                         'trains with "chief" and "worker" tasks only.' % job)
-    if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
-      raise ClusterError('TF_CONFIG cluster.%s must be a list of "host:port", got %r.'
-                         % (job, hosts))
-  if len(cluster.get('chief', ())) > 1:
-    raise ClusterError('TF_CONFIG lists %d chiefs; there can be one.' % len(cluster['chief']))
+    if (job not in ('chief', 'worker') or not isinstance(hosts, list)
+        or not all(isinstance(h, str) for h in hosts) or job == 'chief' and len(hosts) > 1):
+      raise ClusterError('TF_CONFIG cluster.%s must be a list of "host:port" of a "chief" '
+                         '(one at most) or "worker" job, the tasks MultiWorkerMirroredStrategy '
+                         'trains with; got %r.' % (job, hosts))
   # Every host:port of every job checked, none twice.
   parse_worker_hosts(','.join(sum(cluster.values(), [])), TF_CONFIG)
   jobs = {job: tuple(h.strip() for h in hosts if h.strip()) for job, hosts in cluster.items()}

@@ -90,7 +90,7 @@ class Towers:
     """Builds the step; with peers, meets them first. Nothing is written."""
     self.trainer = self.build(decay_steps)
 
-  def step(self, batches, stop, summaries=False):  # pylint: disable=unused-argument
+  def step(self, batches, stop, summaries=False):
     """One training step: (tower losses numpy [replicas], summaries, voted to stop).
 
     Args:
@@ -104,16 +104,15 @@ class Towers:
         the variables (runtime.training.summary_tags(activations=False)).
 
     Returns:
-      The third item: whether a worker's stop request rode on this step's
-      all-reduce (the replica engines), so that every worker stops after it;
-      a process alone checks its own request after the step.
+      The third item: whether a stop request rode on this step (on the
+      replica engines, its all-reduce), so that every worker stops after it.
     """
-    if not summaries:
-      return self.trainer.train_step(batches).numpy(), {}, False
-    tower_losses, scalars, histograms = self.trainer.train_step_with_summaries(batches)
-    return tower_losses.numpy(), {
-        'scalars': scalars, 'histograms': histograms,
-        'images': batches[0][0][:training.NUM_SUMMARY_IMAGES]}, False
+    summaries = summaries and self.trainer.inner_summaries
+    tower_losses, voted, scalars, histograms = self.trainer.step(
+        batches, stop.requested, summaries)
+    inner = {'scalars': scalars, 'histograms': histograms,
+             'images': batches[0][0][:training.NUM_SUMMARY_IMAGES]} if summaries else {}
+    return tower_losses.numpy(), inner, bool(voted)
 
   def dataset(self):
     """The training batches of this process (its shard of the records)."""
@@ -147,16 +146,17 @@ class Towers:
     ending.say(training.stopped_line(stopped_by, step, path))  # on stderr
 
 
-class ReplicaTrainer:
+class ReplicaTrainer(step_lib.Trainer):
   """modern.step's step on the replicas of a tf.distribute strategy.
 
-  The interface of modern.step.Trainer (`state`, `num_towers`, `train_step`,
-  `compute_gradients`), plus what keeps several workers together.
-  `tower_batches` = (images [N, B, 24, 24, 3], labels [N, B]) hold either one
-  batch per replica of the whole run (N = num_towers, replica r takes
-  images[r]; every worker passes the same N batches) or one per replica of
-  this worker (N = num_local_replicas, local replica i takes images[i]). With
-  one worker the two are the same.
+  The interface of modern.step.Trainer (`state`, `num_towers`, `step`,
+  `train_step`, `compute_gradients`), plus what keeps several workers
+  together. `tower_batches` = (images [N, B, 24, 24, 3], labels [N, B]) hold
+  either one batch per replica of the whole run (N = num_towers, replica r
+  takes images[r]; every worker passes the same N batches) or one per replica
+  of this worker (N = num_local_replicas, local replica i takes images[i]).
+  With one worker the two are the same. The step returns no summaries from
+  inside it (`inner_summaries`).
 
   Attributes:
     strategy: the tf.distribute.Strategy.
@@ -167,42 +167,17 @@ class ReplicaTrainer:
       worker_index * num_local_replicas + 0 .. num_local_replicas - 1.
   """
 
+  inner_summaries = False
+
   def __init__(self, strategy, plan, decay_steps, jit=False, worker_index=0,
                optimizer=optimizer_lib.Optimizer()):
-    self.strategy = strategy
-    with strategy.scope():
-      self.state = step_lib.TrainState(plan, decay_steps, optimizer)
+    super().__init__(plan, decay_steps, jit=jit, optimizer=optimizer, strategy=strategy)
     self.num_local_replicas = plan.num_towers
-    self.num_towers = strategy.num_replicas_in_sync
+    self.num_towers = self.grad_divisor = strategy.num_replicas_in_sync
+    self.batch_counts = sorted({self.num_towers, self.num_local_replicas})
     self.worker_index = int(worker_index)
-    self._replica_fn = (tf.function(self._replica_loss_and_grads, jit_compile=True)
-                        if jit else self._replica_loss_and_grads)
-    self._step_fn = tf.function(self._step)
-    self._gradients_fn = tf.function(self._gradients)
     self.broadcast_from_chief = tf.function(self._broadcast_from_chief)
     self.barrier = tf.function(self._barrier)
-
-  def _replica_loss_and_grads(self, values, images, labels):
-    """One replica: its total loss, and the gradients of its share of the mean."""
-    model = self.state.model
-    with tf.GradientTape() as tape:
-      tape.watch(values)
-      loss = step_lib.tower_loss(model, images, labels, model.params(values))
-      # Why 1/R: the all-reduce SUMs the replicas' gradients, and docs/equivalence.md §2
-      # wants the towers' MEAN of the per-tower gradients, each tower's loss
-      # being its batch's mean cross-entropy plus the weight decay once:
-      #   sum_r grad(loss_r / R) = (1/R) sum_r grad(CE_r + WD)
-      #                          = mean_r grad(CE_r) + grad(WD).
-      # So weight decay is counted once in total (not R times, upstream's
-      # collection bug), and the result is the gradient of the mean loss over
-      # all R * batch images. Scaling the loss by a power of two (R = 2, 4)
-      # scales every backpropagated value exactly, so the sum matches the
-      # towers' reduce_mean to the last bit but for the summation order.
-      scaled_loss = loss / tf.cast(self.num_towers, loss.dtype)
-    grads = tape.gradient(scaled_loss, values)
-    # --clip_where per_tower: this replica's own gradients, by their global
-    # norm, before the all-reduce; they carry the 1/R, so does the bound.
-    return loss, self.state.clip_tower(grads, 1.0 / self.num_towers)
 
   def _replica_step(self, images, labels, vote):
     """In each replica: its gradients, then the all-reduce over every replica.
@@ -214,7 +189,7 @@ class ReplicaTrainer:
     context = tf.distribute.get_replica_context()
     # This replica's own copy of the variables (mirrored on its device).
     values = [var.read_value() for var in self.state.model.variable_list()]
-    loss, grads = self._replica_fn(values, images, labels)
+    loss, grads = self._tower_fn(values, images, labels)
     # Each replica's loss goes into its own slot of a vector (zeros elsewhere,
     # so the sum is exact), and the worker's stop vote into the last slot; one
     # all-reduce then gives every worker all R losses and whether any worker
@@ -227,8 +202,8 @@ class ReplicaTrainer:
       reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [report])
     return reduced[:-1], reduced[-1]
 
-  def _run_replicas(self, images, labels, vote):
-    """All-reduced gradients (per replica), tower losses [R] and the vote sum."""
+  def _gradients(self, images, labels, vote, summaries=False):
+    """All-reduced gradients (per replica), tower losses [R], the vote and no summaries."""
     offset = 0
     if images.shape[0] != self.num_towers:
       offset = self.worker_index * self.num_local_replicas  # local batches
@@ -240,15 +215,9 @@ class ReplicaTrainer:
         self._replica_step, args=(dist_images, dist_labels, vote))
     # Identical on every replica after the all-reduce: take the first local one.
     report = self.strategy.experimental_local_results(report)[0]
-    return grads, report[:self.num_towers], report[self.num_towers]
+    return grads, report[:self.num_towers], report[self.num_towers] > 0, {}, {}
 
-  def _gradients(self, images, labels):
-    grads, tower_losses, _ = self._run_replicas(images, labels, 0.0)
-    return [self.strategy.experimental_local_results(g)[0] for g in grads], tower_losses
-
-  def _step(self, images, labels, vote):
-    """One SGD step on every replica; returns (tower losses [R], vote sum)."""
-    grads, tower_losses, votes = self._run_replicas(images, labels, vote)
+  def _apply(self, grads):
     # --clip_where averaged: in every replica, on its identical averaged
     # gradients (clip_by_global_norm needs them all at once, which the
     # per-variable `update` does not give).
@@ -257,64 +226,27 @@ class ReplicaTrainer:
                                 args=tuple(grads))
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
-    return tower_losses, votes
-
-  def _check(self, tower_batches):
-    counts = sorted({self.num_towers, self.num_local_replicas})
-    return step_lib.check_batches(
-        tower_batches, counts, 'N', " with N in %s (all replicas, or this "
-        "worker's)" % counts)
-
-  def train_step(self, tower_batches):
-    """As modern.step.Trainer's: tower losses float32 tensor [R]."""
-    return self._step_fn(*self._check(tower_batches), tf.constant(0.0))[0]
-
-  def step_graph(self, tower_batches, summaries=False):  # pylint: disable=unused-argument
-    """The traced graph of the step (one step function: no summary step)."""
-    return self._step_fn.get_concrete_function(
-        *self._check(tower_batches), tf.constant(0.0)).graph
-
-  def compute_gradients(self, tower_batches):
-    """As modern.step.Trainer's."""
-    grads, tower_losses = self._gradients_fn(*self._check(tower_batches))
-    return dict(zip(self.state.variables(), grads)), tower_losses
-
-  def train_step_and_vote(self, tower_batches, stop_requested):
-    """One step that also tells every worker whether any wants to stop.
-
-    A stop request (Ctrl-C, SIGTERM) on one worker rides on the step's
-    all-reduce, so every worker stops after the same step.
-
-    Returns:
-      (tower losses float32 numpy [R], bool: some worker wants to stop).
-    """
-    tower_losses, votes = self._step_fn(
-        *self._check(tower_batches), tf.constant(1.0 if stop_requested else 0.0))
-    return tower_losses.numpy(), float(votes.numpy()) > 0.0
 
   def _broadcast_from_chief(self):
     """Sets every worker's variables, averages and global step to the chief's."""
     state = self.state
     # The optimizer's slots too: a resumed momentum or Adam run goes on from
     # the chief's.
-    values = (state.model.variable_list() + list(state.shadow_variables().values())
-              + list(state.slot_variables().values()))
+    variables = (state.model.variable_list() + list(state.shadow_variables().values())
+                 + list(state.slot_variables().values()) + [state.global_step])
 
     def replica_fn():
       context = tf.distribute.get_replica_context()
       # Replica 0 (the chief's first) sends its values, all others zeros: the
-      # SUM is the chief's values, exactly. The step goes as float64 (exact
-      # below 2**53) in its own all-reduce: one all-reduce packs one dtype.
-      def from_chief(value):
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.nest.map_structure(
-            lambda x: tf.where(context.replica_id_in_sync_group == 0, x, tf.zeros_like(x)),
-            value))
-      return (from_chief([var.read_value() for var in values]),
-              tf.cast(from_chief(tf.cast(state.global_step, tf.float64)), tf.int64))
+      # SUM is the chief's values, exactly. As float64, exact for float32 and
+      # for the int64 step below 2**53: one all-reduce packs one dtype.
+      return context.all_reduce(tf.distribute.ReduceOp.SUM, [
+          tf.where(context.replica_id_in_sync_group == 0, x, tf.zeros_like(x))
+          for x in (tf.cast(var.read_value(), tf.float64) for var in variables)])
 
-    sums, step = self.strategy.run(replica_fn)
-    for var, value in zip(values + [state.global_step], list(sums) + [step]):
-      self.strategy.extended.update(var, lambda v, x: v.assign(x), args=(value,))
+    for var, value in zip(variables, self.strategy.run(replica_fn)):
+      self.strategy.extended.update(var, lambda v, x: v.assign(tf.cast(x, v.dtype)),
+                                    args=(value,))
 
   def _barrier(self):
     """Returns when every replica of every worker has called it."""
@@ -341,12 +273,6 @@ class Mirrored(Towers):
   def build(self, decay_steps):
     return ReplicaTrainer(mirrored_strategy(self.plan), self.plan, decay_steps,
                           jit=self.config.jit, optimizer=self.config.optimizer)
-
-  def step(self, batches, stop, summaries=False):  # pylint: disable=unused-argument
-    # A stop request rides on the step's all-reduce: every worker learns of
-    # it and stops after this same step.
-    tower_losses, voted = self.trainer.train_step_and_vote(batches, stop.requested)
-    return tower_losses, {}, voted
 
 
 WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
@@ -495,18 +421,13 @@ class MultiWorker(Mirrored):
                     % (cluster.name(), seconds)):
         self.trainer = self.build(decay_steps)
     except tf.errors.OpError as e:
-      text = str(e).strip()
-      if 'Could not start gRPC server' in text:
-        reason = ('TensorFlow could not start its server on port %s: another '
-                  'process took it after this worker found it free. Start this '
-                  'worker again, or give it another port in %s (the same list '
-                  'on every worker).' % (cluster.address.rpartition(':')[2],
-                                         cluster.source))
-      else:
-        reason = ('TensorFlow\'s start-up failed (%s: %s). Start every worker '
-                  'again with the same flags.'
-                  % (type(e).__name__, text.splitlines()[0] if text else ''))
-      raise cluster_lib.StartupError('%s: %s' % (cluster.name(), reason)) from None
+      # e.g. 'Could not start gRPC server': another process took the port
+      # after the rendezvous found it free.
+      raise cluster_lib.StartupError(
+          "%s: TensorFlow's start-up failed (%s: %s). Start every worker again with the "
+          "same flags, or, if this worker's port was taken meanwhile, another in %s." % (
+              cluster.name(), type(e).__name__, (str(e).strip() + '\n').splitlines()[0],
+              cluster.source)) from None
     finally:
       if sigterm is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
@@ -568,9 +489,9 @@ class MultiWorker(Mirrored):
     saved = self._save_completed(step, first_step)
     step = step if step is not None else int(self.trainer.state.global_step.numpy())
     if stop.requested:
+      # (Not lower(): that would change the path's case.)
       logger.warning('%s: stopped by %s at global step %d while waiting for the other '
-                     'workers; %s', self.cluster.name(), stop.signal_name, step,
-                     _saved(saved).lower())
+                     'workers. %s', self.cluster.name(), stop.signal_name, step, _saved(saved))
       return step
     # The line that names the cause, and the unhealthy tasks after a ':'.
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or ['']

@@ -14,18 +14,25 @@ from cifar10_towers.common import devices
 from cifar10_towers.common import model_spec
 
 
-class LayerVariables(tf.Module):
-  """The `weights` and `biases` of one layer (a node of the checkpoint graph)."""
-
-  def __init__(self, layer_name, weights, biases):
-    """Wraps existing variables: weights of the layer's weight shape, biases [out_dim]."""
-    super().__init__(name=layer_name)
-    self.weights = weights
-    self.biases = biases
+def _variable_on_cpu(name, initial_value, trainable=True):
+  """A float32 variable on the variables' device (upstream's helper)."""
+  with tf.device(devices.VARIABLE_DEVICE):
+    return tf.Variable(initial_value, name=name, trainable=trainable)  # float32 initial values
 
 
 class _Layers(tf.Module):
-  """A module holding one `LayerVariables` per layer, as attributes named like the layers."""
+  """One node per layer, an attribute named like the layer (a node of the
+  checkpoint graph), holding that layer's `weights` and `biases`."""
+
+  def __init__(self, name, variable):
+    """variable: callable(LayerSpec, 'weights' or 'biases') -> tf.Variable."""
+    super().__init__(name=name)
+    # Variables are created outside self.name_scope so that their names are
+    # exactly legacy's ('conv1/weights:0'), with no module prefix.
+    for layer in model_spec.LAYERS:
+      node = tf.Module(name=layer.name)
+      node.weights, node.biases = (variable(layer, kind) for kind in ('weights', 'biases'))
+      setattr(self, layer.name, node)
 
   def variables_by_name(self):
     """Dict 'conv1/weights' -> tf.Variable, in upstream's (VARIABLE_NAMES) order."""
@@ -37,40 +44,33 @@ class _Layers(tf.Module):
     return list(self.variables_by_name().values())
 
 
-def _variable_on_cpu(name, initial_value, trainable=True):
-  """A float32 variable on the variables' device (upstream's helper)."""
+def _initial_variable(layer, kind):
+  """Upstream's initializers on `VARIABLE_DEVICE` (the initial values too): weights
+  truncated normal with the layer's stddev (tf.random global seed), biases the
+  layer's constant."""
   with tf.device(devices.VARIABLE_DEVICE):
-    return tf.Variable(initial_value, name=name, trainable=trainable)  # float32 initial values
+    initial = (tf.random.truncated_normal(layer.weight_shape, stddev=layer.stddev)
+               if kind == 'weights' else tf.fill([layer.weight_shape[-1]], layer.bias_init))
+  return _variable_on_cpu('%s/%s' % (layer.name, kind), initial)
 
 
 class Cifar10Model(_Layers):
   """The 10 trainable variables of docs/equivalence.md §1 and the forward pass over them.
 
   Attributes:
-    conv1, conv2, local3, local4, softmax_linear: `LayerVariables`.
+    conv1, conv2, local3, local4, softmax_linear: nodes holding `weights`
+      and `biases`.
   """
 
   def __init__(self, lrn=None):
-    """Creates the variables with upstream's initializers on `VARIABLE_DEVICE`.
-
-    Weights: truncated normal with the layer's stddev (tf.random global seed);
-    biases: the layer's constant.
+    """Creates the variables (`_initial_variable`).
 
     Args:
       lrn: optional callable computing the local response normalization
         (`common.lrn.for_plan`); default upstream's `tf.nn.lrn`.
     """
-    super().__init__(name='cifar10_model')
+    super().__init__('cifar10_model', _initial_variable)
     self._lrn = lrn
-    # Variables are created outside self.name_scope so that their names are
-    # exactly legacy's ('conv1/weights:0'), with no module prefix.
-    for layer in model_spec.LAYERS:
-      with tf.device(devices.VARIABLE_DEVICE):  # the initial values too
-        weights = _variable_on_cpu(layer.name + '/weights', tf.random.truncated_normal(
-            layer.weight_shape, stddev=layer.stddev))
-        biases = _variable_on_cpu(layer.name + '/biases',
-                                  tf.fill([layer.weight_shape[-1]], layer.bias_init))
-      setattr(self, layer.name, LayerVariables(layer.name, weights, biases))
 
   def params(self, values=None):
     """The `params` dict of `model_spec.forward`.
@@ -144,10 +144,6 @@ class MovingAverages(_Layers):
     Like legacy's `ExponentialMovingAverage.apply`, which initializes each
     shadow with the variable's initial value.
     """
-    super().__init__(name='moving_averages')
-    for layer in model_spec.LAYERS:
-      source = getattr(model, layer.name)
-      setattr(self, layer.name, LayerVariables(layer.name, *[
-          _variable_on_cpu('%s/%s/%s' % (layer.name, kind, model_spec.EMA_SUFFIX),
-                           getattr(source, kind).read_value(), trainable=False)
-          for kind in ('weights', 'biases')]))
+    super().__init__('moving_averages', lambda layer, kind: _variable_on_cpu(
+        '%s/%s/%s' % (layer.name, kind, model_spec.EMA_SUFFIX),
+        getattr(getattr(model, layer.name), kind).read_value(), trainable=False))

@@ -121,24 +121,18 @@ def slot_tree(slots):
   return tree
 
 
-def _check_and_assign(groups):
-  """Assigns every (what, given, targets) group: a dict name -> array to the
-  dict name -> tf.Variable, after checking every group's names and shapes.
+def _assign(what, given, targets):
+  """Sets each tf.Variable of the dict `targets` to the array of the same name in `given`.
 
   Raises:
-    ValueError: a name is missing or unknown, or a shape is wrong.
+    ValueError: a name is missing or unknown, or a shape is wrong
+      (TensorFlow's message names the variable).
   """
-  for what, given, targets in groups:
-    if set(given) != set(targets):
-      raise ValueError('%s: missing %s, unknown %s' % (
-          what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
-    for name, var in targets.items():
-      shape = tuple(tf.shape(given[name]).numpy())
-      if shape != tuple(var.shape):
-        raise ValueError('%s[%r] has shape %s, the variable %s' % (what, name, shape, var.shape))
-  for _, given, targets in groups:
-    for name, var in targets.items():
-      var.assign(tf.cast(given[name], tf.float32))
+  if set(given) != set(targets):
+    raise ValueError('%s: missing %s, unknown %s' % (
+        what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
+  for name, var in targets.items():
+    var.assign(tf.cast(given[name], tf.float32))
 
 
 class TrainState:
@@ -258,7 +252,7 @@ class TrainState:
     Raises:
       ValueError: a name is missing or unknown, or a shape is wrong.
     """
-    _check_and_assign([('slots', values, self._slots)])
+    _assign('slots', values, self._slots)
 
   def assign_variables(self, values, shadow_values=None):
     """Sets the trainable variables and their moving averages.
@@ -272,43 +266,37 @@ class TrainState:
     Raises:
       ValueError: a name is missing or unknown, or a shape is wrong.
     """
-    _check_and_assign([
-        ('values', values, self.variables()),
-        ('shadow_values', values if shadow_values is None else shadow_values,
-         self.shadow_variables())])
-
-
-def check_batches(tower_batches, counts, leading, note=''):
-  """(images float32, labels int32) of a step, checked for shape.
-
-  Args:
-    tower_batches: (images [N, batch, 24, 24, 3], labels [N, batch]).
-    counts: the values N may take.
-    leading, note: how an error names N.
-  """
-  images = tf.convert_to_tensor(tower_batches[0], tf.float32)
-  labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
-  size = hparams.IMAGE_SIZE
-  if (images.shape.rank != 5 or images.shape[0] not in counts
-      or tuple(images.shape[2:]) != (size, size, 3)):
-    raise ValueError('images must be [%s, batch, %d, %d, 3]%s, got %s'
-                     % (leading, size, size, note, images.shape))
-  if labels.shape != images.shape[:2]:
-    raise ValueError('labels must be %s, got %s' % (tuple(images.shape[:2]), labels.shape))
-  return images, labels
+    _assign('values', values, self.variables())
+    _assign('shadow_values', values if shadow_values is None else shadow_values,
+            self.shadow_variables())
 
 
 class Trainer:
   """The tower step: one tf.function tower per device of the plan.
 
+  The base of `modern.engines.ReplicaTrainer`, the same step on the
+  replicas of a tf.distribute strategy, which overrides where the towers'
+  gradients meet (`_gradients`) and how the update reaches the variables
+  (`_apply`).
+
   Attributes:
     plan: common.devices.DevicePlan, tower i runs on plan.tower_devices[i].
-    num_towers: int.
+    strategy: the tf.distribute.Strategy the state was created in (here the
+      default one: no distribution).
+    num_towers: int, the towers (replicas) of one step.
+    batch_counts: the numbers of batches a step may be given.
     state: TrainState.
   """
 
+  # Each tower's loss is divided by this before its gradients are taken: 1
+  # here, where average_gradients takes the mean; a replica's R, where an
+  # all-reduce sums them.
+  grad_divisor = 1
+  # Whether the step can return what the summaries need from inside it.
+  inner_summaries = True
+
   def __init__(self, plan, decay_steps, jit=False,
-               optimizer=optimizer_lib.Optimizer()):
+               optimizer=optimizer_lib.Optimizer(), strategy=None):
     """Creates the state (see TrainState) and the step's functions.
 
     Args:
@@ -316,10 +304,14 @@ class Trainer:
       decay_steps: int >= 1, `training.checked_decay_steps(...)`.
       jit: bool, compile each tower's forward and backward pass with XLA.
       optimizer: common.optimizer.Optimizer; default upstream's SGD.
+      strategy: the tf.distribute.Strategy to create the state in.
     """
     self.plan = plan
+    self.strategy = strategy or tf.distribute.get_strategy()
+    with self.strategy.scope():
+      self.state = TrainState(plan, decay_steps, optimizer)
     self.num_towers = plan.num_towers
-    self.state = TrainState(plan, decay_steps, optimizer)
+    self.batch_counts = (plan.num_towers,)
     # Not a whole-step jit_compile: XLA compiles one device's ops
     # and cannot read variables that live on another device, so with `jit`
     # each tower's loss-and-gradients function (which receives the variables'
@@ -328,8 +320,8 @@ class Trainer:
     # `summaries` (a Python bool) traces the step of the steps that write
     # summaries apart: the same arithmetic, and what the summaries need from
     # inside it; the other steps run the plain step unchanged.
-    self._train_step_fn = tf.function(self._train_step)
-    self._compute_gradients_fn = tf.function(self._averaged_gradients)
+    self._step_fn = tf.function(self._step)
+    self._gradients_fn = tf.function(self._averaged_gradients)
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -341,10 +333,11 @@ class Trainer:
       summaries: bool, also return what the summaries need.
 
     Returns:
-      (loss float32 scalar, list of gradients shaped like `values`), and with
-      `summaries` the loss terms in `training.loss_terms()` order, the
-      layers' activations in model_spec.LAYERS order and their fractions of
-      zeros.
+      (loss float32 scalar, list of gradients of loss / grad_divisor shaped
+      like `values`, clipped by their global norm with --clip_where
+      per_tower), and with `summaries` the loss terms in
+      `training.loss_terms()` order, the layers' activations in
+      model_spec.LAYERS order and their fractions of zeros.
     """
     model = self.state.model
     activations = []
@@ -354,28 +347,44 @@ class Trainer:
       # With summaries, the same forward pass with a hook keeping each layer's output.
       loss = tower_loss(model, images, labels, params,
                         activations.append if summaries else None)
-    grads = tape.gradient(loss, values)
+      # Why 1/R on the replicas: the all-reduce SUMs the replicas' gradients,
+      # and docs/equivalence.md §2 wants the towers' MEAN of the per-tower
+      # gradients, each tower's loss being its batch's mean cross-entropy
+      # plus the weight decay once:
+      #   sum_r grad(loss_r / R) = (1/R) sum_r grad(CE_r + WD)
+      #                          = mean_r grad(CE_r) + grad(WD).
+      # So weight decay is counted once in total (not R times, upstream's
+      # collection bug), and the result is the gradient of the mean loss over
+      # all R * batch images. Scaling the loss by a power of two (R = 2, 4)
+      # scales every backpropagated value exactly, so the sum matches the
+      # towers' reduce_mean to the last bit but for the summation order.
+      share = loss / self.grad_divisor
+    # --clip_where per_tower: this tower's own gradients, by their global
+    # norm, before they meet (legacy clips inside each tower); they carry the
+    # 1/R, so does the bound.
+    grads = self.state.clip_tower(tape.gradient(share, values), 1.0 / self.grad_divisor)
     if not summaries:
       return loss, grads
     # The last layer's output is the logits.
     return (loss, grads, model.loss_terms(activations[-1], labels, params),
             activations, [tf.nn.zero_fraction(a) for a in activations])
 
-  def _averaged_gradients(self, images, labels, summaries=False):
+  def _gradients(self, images, labels, vote, summaries=False):
     """Runs the towers and averages their gradients, without applying them.
 
-    (With --clip_where per_tower, each tower's are clipped before the
-    average; with averaged, `TrainState.clip_averaged` comes after this.)
+    (With --clip_where averaged, `TrainState.clip_averaged` comes after this.)
 
     Args:
       images: float32 [num_towers, batch, 24, 24, 3].
       labels: int32 [num_towers, batch].
+      vote: float32 scalar, > 0 when this process wants to stop.
       summaries: bool, also return each tower's loss terms, activations and
         sparsity (tags of `runtime.training.summary_tags`).
 
     Returns:
       (list of averaged gradients in VARIABLE_NAMES order,
        tower total losses float32 [num_towers],
+       bool scalar: some process wants to stop,
        scalars and histograms: dicts tag -> tensor, empty without `summaries`).
     """
     variables = self.state.model.variable_list()
@@ -400,9 +409,6 @@ class Trainer:
           for layer, x, zero in zip(model_spec.LAYERS, activations, zeros):
             histograms[training.activations_tag(scope, layer.name)] = x
             scalars[training.sparsity_tag(scope, layer.name)] = zero
-        # With --clip_where per_tower, on the tower's device before the
-        # average, as legacy clips inside each tower.
-        grads = self.state.clip_tower(grads)
       tower_losses.append(loss)
       tower_grads.append(list(zip(grads, variables)))
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'):
@@ -415,66 +421,89 @@ class Trainer:
       # mean loss over all N*batch images with weight decay counted once.
       # Nothing is summed across replicas implicitly.
       grads = [g for g, _ in average_gradients(tower_grads)]
-      return grads, tf.stack(tower_losses), scalars, histograms
+      return grads, tf.stack(tower_losses), vote > 0, scalars, histograms
 
-  def _train_step(self, images, labels, summaries=False):
+  def _averaged_gradients(self, images, labels):
+    """`_gradients`' averaged gradients (one copy of them) and tower losses."""
+    grads, tower_losses = self._gradients(images, labels, tf.constant(0.0))[:2]
+    return [self.strategy.experimental_local_results(g)[0] for g in grads], tower_losses
+
+  def _apply(self, grads):
+    """Clips the averaged gradients (--clip_where averaged) and applies them."""
+    with tf.device(devices.VARIABLE_DEVICE):
+      self.state.apply_gradients(self.state.clip_averaged(grads))
+
+  def _step(self, images, labels, vote, summaries=False):
     """One training step over all towers.
 
     Returns:
-      (tower losses float32 [num_towers], scalars, histograms): with
-      `summaries`, dicts tag -> tensor of each tower's loss terms,
-      activations and sparsity, and the averaged gradients; else empty.
+      (tower losses float32 [num_towers], bool scalar: some process wants to
+      stop, scalars, histograms): with `summaries`, dicts tag -> tensor of
+      each tower's loss terms, activations and sparsity, and the averaged
+      gradients; else empty.
     """
-    grads, tower_losses, scalars, histograms = self._averaged_gradients(
-        images, labels, summaries)
+    grads, tower_losses, voted, scalars, histograms = self._gradients(
+        images, labels, vote, summaries)
     if summaries:
       for name, grad in zip(model_spec.VARIABLE_NAMES, grads):
         histograms[training.gradients_tag(name)] = grad
-    with tf.device(devices.VARIABLE_DEVICE):
-      self.state.apply_gradients(self.state.clip_averaged(grads))
-    return tower_losses, scalars, histograms
+    self._apply(grads)
+    return tower_losses, voted, scalars, histograms
 
   def _check(self, tower_batches):
-    return check_batches(tower_batches, (self.num_towers,),
-                         '%d towers' % self.num_towers)
+    """(images float32, labels int32) of a step, checked for shape."""
+    images = tf.convert_to_tensor(tower_batches[0], tf.float32)
+    labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
+    size = hparams.IMAGE_SIZE
+    if (images.shape.rank != 5 or images.shape[0] not in self.batch_counts
+        or tuple(images.shape[2:]) != (size, size, 3) or labels.shape != images.shape[:2]):
+      raise ValueError('images must be [N, batch, %d, %d, 3] and labels [N, batch] with N in %s '
+                       '(a batch per tower), got %s and %s' % (
+                           size, size, list(self.batch_counts), images.shape, labels.shape))
+    return images, labels
 
-  def train_step(self, tower_batches):
+  def step(self, tower_batches, stop_requested=False, summaries=False):
     """Runs one training step.
 
     Args:
-      tower_batches: (images float32 [num_towers, batch, 24, 24, 3],
-        labels int32 [num_towers, batch]), e.g. an element of
+      tower_batches: (images float32 [N, batch, 24, 24, 3],
+        labels int32 [N, batch]), e.g. an element of
         `inputs.distorted_inputs`; tower i trains on images[i], labels[i].
+      stop_requested: bool, this process wants to stop (a stop request rides
+        on the step, so that every worker learns of it: see ReplicaTrainer).
+      summaries: bool, also return what the summaries need from inside the
+        step (`inner_summaries`; ignored where that is False).
 
     Returns:
-      float32 tensor [num_towers], each tower's total loss (before the update).
+      (tower losses float32 tensor [num_towers], each tower's total loss
+       before the update; bool tensor: some process wants to stop;
+       scalars, histograms: dicts tag -> tensor of
+       `runtime.training.summary_tags`, the towers' loss terms and sparsity,
+       their activations and the averaged gradients; empty without
+       `summaries`).
     """
-    return self._train_step_fn(*self._check(tower_batches))[0]
+    return self._step_fn(*self._check(tower_batches), tf.constant(float(stop_requested)),
+                         summaries and self.inner_summaries)
 
-  def train_step_with_summaries(self, tower_batches):
-    """`train_step` (the same update), and what the summaries need from inside it.
-
-    Returns:
-      (tower losses float32 tensor [num_towers], scalars, histograms): dicts
-      tag -> tensor of `runtime.training.summary_tags`, the towers' loss
-      terms and sparsity, their activations and the averaged gradients.
-    """
-    return self._train_step_fn(*self._check(tower_batches), True)
+  def train_step(self, tower_batches):
+    """`step`'s tower losses, float32 tensor [num_towers]."""
+    return self.step(tower_batches)[0]
 
   def step_graph(self, tower_batches, summaries=False):
     """The traced graph of the step (`summaries`: of the summary step) for these batches."""
-    return self._train_step_fn.get_concrete_function(
-        *self._check(tower_batches), summaries).graph
+    return self._step_fn.get_concrete_function(
+        *self._check(tower_batches), tf.constant(0.0),
+        summaries and self.inner_summaries).graph
 
   def compute_gradients(self, tower_batches):
     """The averaged gradients at the current variables, without applying them.
 
     Args:
-      tower_batches: as for `train_step`.
+      tower_batches: as for `step`.
 
     Returns:
       (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
        order; tower total losses float32 [num_towers]).
     """
-    grads, tower_losses, _, _ = self._compute_gradients_fn(*self._check(tower_batches))
+    grads, tower_losses = self._gradients_fn(*self._check(tower_batches))
     return dict(zip(model_spec.VARIABLE_NAMES, grads)), tower_losses

@@ -224,7 +224,7 @@ def test_cluster_from_tf_config():
     ('', 'set TF_CONFIG'),
     ('{"cluster": ', 'not valid JSON'),
     ('{"cluster": {"ps": ["p:1"], "worker": ["w:1"]}, "task": {"type": "worker"}}',
-     "'ps' job"),
+     'cluster.ps must be a list of "host:port" of a "chief"'),
     ('{"cluster": {"worker": ["w:1"]}, "task": {"type": "worker", "index": 1}}',
      'not in its cluster'),
     ('{"cluster": {"worker": ["w"]}, "task": {"type": "worker", "index": 0}}',

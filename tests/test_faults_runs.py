@@ -231,7 +231,7 @@ def _phases(impl):
     ]
   else:
     # Tracing and compiling the step: seconds, tens on a busy machine.
-    first_step = fs.hook('modern.step:Trainer.train_step', say='HOOK first step')
+    first_step = fs.hook('modern.step:Trainer.step', say='HOOK first step')
     rows += [
         Phase('first_step', impl, term, [first_step], 'HOOK first step', (),
               False, None),

@@ -232,8 +232,7 @@ def test_heartbeat_during_a_slow_first_step(tmp_path, synth_data_dir, monkeypatc
   def slow():
     print('HOOK first step', flush=True)
     time.sleep(6)
-  monkeypatch.setattr(step.Trainer, 'train_step',
-                      fs.at_call(1, slow, step.Trainer.train_step))
+  monkeypatch.setattr(step.Trainer, 'step', fs.at_call(1, slow, step.Trainer.step))
   code, out, err, exception = fs.invoke_cli(
       ['modern', '--data_dir', synth_data_dir, '--train_dir', tmp_path / 'train',
        '--num_gpus', 1, '--batch_size', 4, '--max_steps', 2, '--log_every', 1,
