@@ -109,30 +109,14 @@ def _ensure_train_data(data_dir):
   if data_dir is None:
     return
   from cifar10_towers.common import cifar10_format as fmt
-  from cifar10_towers.datasets import download
   # Like upstream, download only when cifar-10-batches-bin/ is not there at
   # all: a download into a partial directory would replace the files in it.
   if not os.path.isdir(fmt.batches_dir(data_dir)):
-    try:
-      _download(data_dir)
-    except download.DownloadError as e:
-      # The DownloadError says how to get the archive or generate data.
-      raise click.ClickException('no CIFAR-10 data in %s and the download '
-                                 'failed: %s' % (data_dir, e.line())) from None
-  paths = fmt.train_files(data_dir)
-  extra = fmt.unexpected_files(data_dir)
-  if extra:
-    raise fmt.DataError(
-        '%s is not a CIFAR-10 data file, and training would silently ignore it '
-        '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
-        'problem.' % (extra[0], len(extra), fmt.batches_dir(data_dir),
-                      prog.command('data check')))
-  # Fail before building a graph on sizes and label bytes (judge_files reads
-  # and validates every record); say which files cannot be real data (all
-  # one image, one label, copies), and go on.
-  for line in fmt.judge_files(paths):
-    logger.warning('Warning: %s. Training goes on; `%s` lists every problem.',
-                   line, prog.command('data check --data_dir %s' % data_dir))
+    _download(data_dir)
+  # Fail before building a graph on sizes and label bytes; say which files
+  # cannot be real data (all one image, one label, copies), and go on.
+  fmt.checked_files(data_dir, True, 'training goes on (`%s` lists every problem).'
+                    % prog.command('data check --data_dir %s' % data_dir))
 
 
 def _download(data_dir):
@@ -427,9 +411,7 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   # (_Group), answered with one line and 128 + its number.
   from cifar10_towers.common import cifar10_format as fmt
   from cifar10_towers.runtime import evaluation
-  paths = fmt.eval_files(data_dir)
-  for line in fmt.judge_files(paths):  # reads and validates every record
-    logger.warning('Warning: %s; a precision measured on it means nothing.', line)
+  paths = fmt.checked_files(data_dir, False, 'a precision measured on it means nothing.')
   _say_if_generated(data_dir, 'Evaluating')
   available = fmt.num_examples(paths)
   if num_examples is not None and num_examples > available:
@@ -633,12 +615,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
     if plot_path is not None:
       bench_lib.check_plotting()  # before minutes of measuring, not after
     _ensure_train_data(options['data_dir'])
-    try:
-      report = bench_lib.run(bench_lib.BenchConfig(**options))
-    except bench_lib.BenchError as e:
-      raise click.ClickException('%s. Run the measurement again; if it keeps '
-                                 'failing, train once with the same flags to '
-                                 'see the error.' % e.line()) from None
+    report = bench_lib.run(bench_lib.BenchConfig(**options))
   click.echo(bench_lib.format_table(report))
   if json_path:  # never with --from_json
     bench_lib.write_json(report, json_path)
@@ -767,10 +744,7 @@ def digits(data_dir, seed, force):
   def write():
     click.echo('Converting scikit-learn\'s digits to CIFAR format in %s...' % data_dir)
     from cifar10_towers.datasets import digits as digits_lib
-    try:
-      return digits_lib.convert_digits(data_dir, seed=seed)
-    except ImportError as e:
-      raise click.ClickException(str(e)) from None
+    return digits_lib.convert_digits(data_dir, seed=seed)
 
   _generate(data_dir, 'digits', force, write)
 
