@@ -649,18 +649,16 @@ def _generate(data_dir, generator, force, write):
   data - only with --force. write() returns the records written per file.
   """
   from cifar10_towers.datasets import generated
-  marker = generated.read(data_dir)
-  what = ('data not marked as generated (CIFAR-10, or your own)' if marker is None
-          else generated.describe(marker))
+  marker = generated.read(data_dir) or {
+      'generator': None, 'what': 'data not marked as generated (CIFAR-10, or your own)'}
+  own = marker['generator'] == generator
   replacing = ''
-  if marker is not None and marker['generator'] == generator:
-    replacing = ', replacing the %s there' % what
-  elif marker is not None or generated.holds_data(data_dir):
-    if not force:
+  if own or marker['generator'] or generated.holds_data(data_dir):
+    if not (own or force):
       raise click.ClickException(
-          '%s holds %s; left it as it is. Pass --force to replace it with '
-          'generated data (%s), or pass another --data_dir.' % (data_dir, what, generator))
-    replacing = ', replacing the %s there (--force)' % what
+          '%s holds %s; left it as it is. Pass --force to replace it with generated data '
+          '(%s), or pass another --data_dir.' % (data_dir, marker['what'], generator))
+    replacing = ', replacing the %s there%s' % (marker['what'], '' if own else ' (--force)')
   counts = write()
   test = counts.pop('test_batch.bin', 0)  # the others: training files
   click.echo('Wrote %d training and %d test records of generated data (%s) to %s%s. It is '
@@ -673,8 +671,8 @@ def _say_if_generated(data_dir, doing):
   from cifar10_towers.datasets import generated
   marker = generated.read(data_dir)
   if marker is not None:
-    logger.warning('%s on %s in %s, not on CIFAR-10 (%s).', doing,
-                   generated.describe(marker), data_dir, generated.CIFAR10_RESULT)
+    logger.warning('%s on %s in %s, not on CIFAR-10 (%s).', doing, marker['what'], data_dir,
+                   generated.CIFAR10_RESULT)
 
 
 @data.command()
@@ -722,12 +720,11 @@ def check(data_dir):
     click.echo('%s: %d records, ok' % (name, count))
   for problem in problems:
     logger.warning(problem)
-  kind = '' if marker is None else generated.describe(marker)
+  kind = marker['what'] if marker else ''
   if problems:
     fix = ('Re-download (`%s`) or regenerate (`%s`)' % (
         prog.command('data download'), prog.command('data synth --force')) if marker is None
-           else 'Regenerate it (`%s`)' % (generated.command(marker) or prog.command(
-               'data %s --data_dir %s' % (marker['generator'], data_dir))))
+           else 'Regenerate it (`%s`)' % marker['command'])
     raise click.ClickException('%d problem(s) in %s%s. %s.' % (
         len(problems), data_dir, kind and ' (%s)' % kind, fix))
   click.echo('%s: all %d files are valid%s.' % (

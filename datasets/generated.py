@@ -93,7 +93,9 @@ def read(data_dir):
 
   Returns:
     dict with at least 'generator' (str; 'unknown' when the file is there but
-    unreadable or not this format: it still says the data is generated).
+    unreadable or not this format: it still says the data is generated),
+    'what' (what every message calls the set: 'generated data (synth)') and
+    'command' (the command that rewrites the set, for the program as run now).
   """
   path = marker_path(data_dir)
   if not os.path.lexists(path):
@@ -107,18 +109,11 @@ def read(data_dir):
     info = {}
   if not isinstance(info.get('generator'), str) or not info['generator']:
     info['generator'] = 'unknown'
-  return info
-
-
-def describe(info):
-  """'generated data (synth)': what every message calls a marked data set."""
-  return 'generated data (%s)' % info['generator']
-
-
-def command(info):
-  """The command that rewrites this set, for the program as run now; None if unknown."""
   args = info.get('args')
-  return prog.command(args) if isinstance(args, str) and args else None
+  info.update(what='generated data (%s)' % info['generator'], command=prog.command(
+      args if isinstance(args, str) and args else 'data %s --data_dir %s'
+      % (info['generator'], data_dir)))
+  return info
 
 
 def holds_data(data_dir):
