@@ -44,6 +44,7 @@ _POSITIVE_FLOAT = click.FloatRange(min=0.0, min_open=True)
 _TOWERS = click.IntRange(1, devices.MAX_TOWERS)
 _DIR = click.Path(file_okay=False)
 _FILE = click.Path(dir_okay=False)
+_IMPLS = ('legacy', 'modern')  # the trainers
 
 
 def _configure_logging():
@@ -234,7 +235,7 @@ _COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data
 # Commands that own a loop and answer a stop at its boundaries, saying what
 # they kept; every other command ends at once (training.Stopped), its writers
 # leaving nothing half-written.
-_LOOP_COMMANDS = ('legacy', 'modern', 'eval')
+_LOOP_COMMANDS = _IMPLS + ('eval',)
 _stopped_by_signal = False  # see _Group.invoke
 
 
@@ -272,7 +273,7 @@ class _Group(click.Group):
           line) from None
     except training.Stopped as stopped:
       command = ctx.meta.get(_COMMAND)
-      ending.say(str(stopped) if command in ('legacy', 'modern')
+      ending.say(str(stopped) if command in _IMPLS
                  else 'Stopped by %s; `%s` did not finish, and left nothing '
                  'half-written.' % (stopped.signal_name, command))
     if not stop.requested:
@@ -508,7 +509,7 @@ def crosscheck(num_gpus, strategy, **options):
 
 
 @cli.command()
-@click.argument('impl', type=click.Choice(['legacy', 'modern']))
+@click.argument('impl', type=click.Choice(_IMPLS))
 @_NUM_TOWERS_N
 @_batch_size('Images per tower.')
 @_option('--steps', _POSITIVE, 10, 'Traced steps K, after a few untraced warm-up steps.')
@@ -570,7 +571,7 @@ def _comma_list(item_type):
 
 @cli.command()
 @_option('--impl impls', None, 'legacy,modern', 'Trainers to measure, comma-separated.',
-         callback=_comma_list(click.Choice(['legacy', 'modern'])))
+         callback=_comma_list(click.Choice(_IMPLS)))
 @_option('--num_gpus', None, '1,2', 'Tower counts, comma-separated; without GPUs the CPU is '
          'split into that many logical devices.', callback=_comma_list(_TOWERS))
 @_batch_size('Images per tower per step.')

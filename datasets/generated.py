@@ -19,7 +19,6 @@ import shlex
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import prog
 
-MARKER_FILE = fmt.GENERATED_FILE
 # What the commands that label generated data add: the figure to compare with.
 CIFAR10_RESULT = ('on CIFAR-10 the original trainer reaches ~86% precision @ 1 '
                   'after 100K steps')
@@ -27,7 +26,7 @@ CIFAR10_RESULT = ('on CIFAR-10 the original trainer reaches ~86% precision @ 1 '
 
 def marker_path(data_dir):
   """`<data_dir>/cifar-10-batches-bin/GENERATED.json`."""
-  return os.path.join(fmt.batches_dir(data_dir), MARKER_FILE)
+  return os.path.join(fmt.batches_dir(data_dir), fmt.GENERATED_FILE)
 
 
 def write_set(data_dir, files, needed_bytes, class_names, mark, generator, version, **params):
@@ -84,7 +83,7 @@ def write_marker(directory, generator, version, data_dir, **params):
       'written': datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec='seconds'),
   }
-  with open(os.path.join(directory, MARKER_FILE), 'w') as f:
+  with open(os.path.join(directory, fmt.GENERATED_FILE), 'w') as f:
     print(json.dumps(info, indent=2, sort_keys=True), file=f)
 
 
