@@ -64,7 +64,13 @@ import tempfile
 import time
 import timeit
 
+from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import devices
 from cifar10_towers.common import errors
+from cifar10_towers.common import hparams
+from cifar10_towers.datasets import synth
+from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import stderr_filter
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +113,7 @@ def layer_flops_per_image():
   in model_spec.LAYERS' order: conv1 at 24x24, conv2 at 12x12 (after the
   first stride-2 pool), then the three fully connected layers.
   """
-  from cifar10_towers.common import hparams, model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   size, flops = hparams.IMAGE_SIZE, []
   for layer in model_spec.LAYERS:
     conv = len(layer.weight_shape) == 4
@@ -152,14 +158,8 @@ class Pacer:
     self._start = time.perf_counter(), time.process_time()
 
 
-def _plan(spec):
-  from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
-  return devices.plan_devices(spec['num_gpus'])
-
-
 def _train_config(spec, train_dir, max_steps):
-  from cifar10_towers.runtime import config  # pylint: disable=g-import-not-at-top
-  return config.TrainConfig(
+  return config_lib.TrainConfig(
       data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
       batch_size=spec['batch_size'], max_steps=max_steps,
       save_every=max_steps + 1, jit=spec['jit'])  # only the final checkpoint
@@ -171,7 +171,7 @@ def contend_training(spec, pacer):
   The first boundary (after graph building, queue filling or tracing, and one
   window of steps) is the ready one.
   """
-  plan = _plan(spec)
+  plan = devices.plan_devices(spec['num_gpus'])
   trainer = importlib.import_module('cifar10_towers.%s.train' % spec['impl'])
 
   def on_step(step, *_):  # the pacer times whole windows
@@ -190,7 +190,7 @@ def keras_model(keras):
   biases) and weight decay as `common.model_spec`: Keras' L2(l) adds
   l * sum(w**2), so wd * l2_loss(w) = wd * sum(w**2) / 2 is L2(wd / 2).
   """
-  from cifar10_towers.common import hparams, lrn, model_spec  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.common import lrn, model_spec  # pylint: disable=g-import-not-at-top
   layers = keras.layers
 
   def layer(name, activation='relu'):
@@ -224,10 +224,9 @@ def contend_baseline(spec, pacer):
   batches, pre-batched in memory, so the baseline spends nothing on input.
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
-  plan = _plan(spec)
+  plan = devices.plan_devices(spec['num_gpus'])
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.common import hparams  # pylint: disable=g-import-not-at-top
   size, rng = hparams.IMAGE_SIZE, np.random.default_rng(0)
   shape = (BASELINE_DISTINCT_BATCHES, spec['batch_size'] * spec['num_gpus'])
   dataset = tf.data.Dataset.from_tensor_slices((
@@ -271,7 +270,7 @@ def _input_batches(spec):
   runs and at the end stops its queue threads); modern: one tf.data element
   (all towers' batches).
   """
-  plan = _plan(spec)
+  plan = devices.plan_devices(spec['num_gpus'])
   if spec['impl'] == 'modern':
     from cifar10_towers.modern import inputs  # pylint: disable=g-import-not-at-top
     yield from inputs.distorted_inputs(spec['data_dir'], spec['batch_size'],
@@ -315,7 +314,6 @@ def contend(spec, conn, stderr_path):
   this program's own memory map (getrusage's ru_maxrss survives exec: it could
   be the parent's).
   """
-  from cifar10_towers.runtime import stderr_filter  # pylint: disable=g-import-not-at-top
   for fd, path in ((1, os.devnull), (2, stderr_path)):
     os.dup2(os.open(path, os.O_WRONLY), fd)
   stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
@@ -356,7 +354,8 @@ class Contender:
       problem = 'failed (exit %s): %s' % (self._proc.exitcode, (
           self._stderr.read().strip().splitlines() or ['no output'])[-1])
     self.kill()
-    raise BenchError('%s %s' % (describe(self.spec), problem))
+    raise BenchError('%s %s. Run the measurement again; if it keeps failing, train once with '
+                     'the same flags to see the error.' % (describe(self.spec), problem))
 
   def window(self):
     """Runs one more window (after the last: the contender ends); returns `read()`."""
@@ -404,8 +403,6 @@ def run(config, launch=Contender):
     BenchError: a measurement failed.
     common.cifar10_format.DataError: data_dir holds no valid training data.
   """
-  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
     data_dir = config.data_dir or tmp
     if config.data_dir is None:

@@ -44,6 +44,7 @@ _POSITIVE_FLOAT = click.FloatRange(min=0.0, min_open=True)
 _TOWERS = click.IntRange(1, devices.MAX_TOWERS)
 _DIR = click.Path(file_okay=False)
 _FILE = click.Path(dir_okay=False)
+_IMPLS = ('legacy', 'modern')  # the trainers
 
 
 def _configure_logging():
@@ -109,30 +110,14 @@ def _ensure_train_data(data_dir):
   if data_dir is None:
     return
   from cifar10_towers.common import cifar10_format as fmt
-  from cifar10_towers.datasets import download
   # Like upstream, download only when cifar-10-batches-bin/ is not there at
   # all: a download into a partial directory would replace the files in it.
   if not os.path.isdir(fmt.batches_dir(data_dir)):
-    try:
-      _download(data_dir)
-    except download.DownloadError as e:
-      # The DownloadError says how to get the archive or generate data.
-      raise click.ClickException('no CIFAR-10 data in %s and the download '
-                                 'failed: %s' % (data_dir, e.line())) from None
-  paths = fmt.train_files(data_dir)
-  extra = fmt.unexpected_files(data_dir)
-  if extra:
-    raise fmt.DataError(
-        '%s is not a CIFAR-10 data file, and training would silently ignore it '
-        '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
-        'problem.' % (extra[0], len(extra), fmt.batches_dir(data_dir),
-                      prog.command('data check')))
-  # Fail before building a graph on sizes and label bytes (judge_files reads
-  # and validates every record); say which files cannot be real data (all
-  # one image, one label, copies), and go on.
-  for line in fmt.judge_files(paths):
-    logger.warning('Warning: %s. Training goes on; `%s` lists every problem.',
-                   line, prog.command('data check --data_dir %s' % data_dir))
+    _download(data_dir)
+  # Fail before building a graph on sizes and label bytes; say which files
+  # cannot be real data (all one image, one label, copies), and go on.
+  fmt.checked_files(data_dir, True, 'training goes on (`%s` lists every problem).'
+                    % prog.command('data check --data_dir %s' % data_dir))
 
 
 def _download(data_dir):
@@ -250,7 +235,7 @@ _COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data
 # Commands that own a loop and answer a stop at its boundaries, saying what
 # they kept; every other command ends at once (training.Stopped), its writers
 # leaving nothing half-written.
-_LOOP_COMMANDS = ('legacy', 'modern', 'eval')
+_LOOP_COMMANDS = _IMPLS + ('eval',)
 _stopped_by_signal = False  # see _Group.invoke
 
 
@@ -288,7 +273,7 @@ class _Group(click.Group):
           line) from None
     except training.Stopped as stopped:
       command = ctx.meta.get(_COMMAND)
-      ending.say(str(stopped) if command in ('legacy', 'modern')
+      ending.say(str(stopped) if command in _IMPLS
                  else 'Stopped by %s; `%s` did not finish, and left nothing '
                  'half-written.' % (stopped.signal_name, command))
     if not stop.requested:
@@ -427,9 +412,7 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   # (_Group), answered with one line and 128 + its number.
   from cifar10_towers.common import cifar10_format as fmt
   from cifar10_towers.runtime import evaluation
-  paths = fmt.eval_files(data_dir)
-  for line in fmt.judge_files(paths):  # reads and validates every record
-    logger.warning('Warning: %s; a precision measured on it means nothing.', line)
+  paths = fmt.checked_files(data_dir, False, 'a precision measured on it means nothing.')
   _say_if_generated(data_dir, 'Evaluating')
   available = fmt.num_examples(paths)
   if num_examples is not None and num_examples > available:
@@ -526,7 +509,7 @@ def crosscheck(num_gpus, strategy, **options):
 
 
 @cli.command()
-@click.argument('impl', type=click.Choice(['legacy', 'modern']))
+@click.argument('impl', type=click.Choice(_IMPLS))
 @_NUM_TOWERS_N
 @_batch_size('Images per tower.')
 @_option('--steps', _POSITIVE, 10, 'Traced steps K, after a few untraced warm-up steps.')
@@ -588,7 +571,7 @@ def _comma_list(item_type):
 
 @cli.command()
 @_option('--impl impls', None, 'legacy,modern', 'Trainers to measure, comma-separated.',
-         callback=_comma_list(click.Choice(['legacy', 'modern'])))
+         callback=_comma_list(click.Choice(_IMPLS)))
 @_option('--num_gpus', None, '1,2', 'Tower counts, comma-separated; without GPUs the CPU is '
          'split into that many logical devices.', callback=_comma_list(_TOWERS))
 @_batch_size('Images per tower per step.')
@@ -633,12 +616,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
     if plot_path is not None:
       bench_lib.check_plotting()  # before minutes of measuring, not after
     _ensure_train_data(options['data_dir'])
-    try:
-      report = bench_lib.run(bench_lib.BenchConfig(**options))
-    except bench_lib.BenchError as e:
-      raise click.ClickException('%s. Run the measurement again; if it keeps '
-                                 'failing, train once with the same flags to '
-                                 'see the error.' % e.line()) from None
+    report = bench_lib.run(bench_lib.BenchConfig(**options))
   click.echo(bench_lib.format_table(report))
   if json_path:  # never with --from_json
     bench_lib.write_json(report, json_path)
@@ -672,18 +650,16 @@ def _generate(data_dir, generator, force, write):
   data - only with --force. write() returns the records written per file.
   """
   from cifar10_towers.datasets import generated
-  marker = generated.read(data_dir)
-  what = ('data not marked as generated (CIFAR-10, or your own)' if marker is None
-          else generated.describe(marker))
+  marker = generated.read(data_dir) or {
+      'generator': None, 'what': 'data not marked as generated (CIFAR-10, or your own)'}
+  own = marker['generator'] == generator
   replacing = ''
-  if marker is not None and marker['generator'] == generator:
-    replacing = ', replacing the %s there' % what
-  elif marker is not None or generated.holds_data(data_dir):
-    if not force:
+  if own or marker['generator'] or generated.holds_data(data_dir):
+    if not (own or force):
       raise click.ClickException(
-          '%s holds %s; left it as it is. Pass --force to replace it with '
-          'generated data (%s), or pass another --data_dir.' % (data_dir, what, generator))
-    replacing = ', replacing the %s there (--force)' % what
+          '%s holds %s; left it as it is. Pass --force to replace it with generated data '
+          '(%s), or pass another --data_dir.' % (data_dir, marker['what'], generator))
+    replacing = ', replacing the %s there%s' % (marker['what'], '' if own else ' (--force)')
   counts = write()
   test = counts.pop('test_batch.bin', 0)  # the others: training files
   click.echo('Wrote %d training and %d test records of generated data (%s) to %s%s. It is '
@@ -696,8 +672,8 @@ def _say_if_generated(data_dir, doing):
   from cifar10_towers.datasets import generated
   marker = generated.read(data_dir)
   if marker is not None:
-    logger.warning('%s on %s in %s, not on CIFAR-10 (%s).', doing,
-                   generated.describe(marker), data_dir, generated.CIFAR10_RESULT)
+    logger.warning('%s on %s in %s, not on CIFAR-10 (%s).', doing, marker['what'], data_dir,
+                   generated.CIFAR10_RESULT)
 
 
 @data.command()
@@ -745,12 +721,11 @@ def check(data_dir):
     click.echo('%s: %d records, ok' % (name, count))
   for problem in problems:
     logger.warning(problem)
-  kind = '' if marker is None else generated.describe(marker)
+  kind = marker['what'] if marker else ''
   if problems:
     fix = ('Re-download (`%s`) or regenerate (`%s`)' % (
         prog.command('data download'), prog.command('data synth --force')) if marker is None
-           else 'Regenerate it (`%s`)' % (generated.command(marker) or prog.command(
-               'data %s --data_dir %s' % (marker['generator'], data_dir))))
+           else 'Regenerate it (`%s`)' % marker['command'])
     raise click.ClickException('%d problem(s) in %s%s. %s.' % (
         len(problems), data_dir, kind and ' (%s)' % kind, fix))
   click.echo('%s: all %d files are valid%s.' % (
@@ -767,10 +742,7 @@ def digits(data_dir, seed, force):
   def write():
     click.echo('Converting scikit-learn\'s digits to CIFAR format in %s...' % data_dir)
     from cifar10_towers.datasets import digits as digits_lib
-    try:
-      return digits_lib.convert_digits(data_dir, seed=seed)
-    except ImportError as e:
-      raise click.ClickException(str(e)) from None
+    return digits_lib.convert_digits(data_dir, seed=seed)
 
   _generate(data_dir, 'digits', force, write)
 

@@ -160,15 +160,11 @@ def _check_directories(from_dir, to_dir):
     ConvertError: naming both as given, and the directory they reach.
   """
   source, target = os.path.realpath(from_dir), os.path.realpath(to_dir)
-  advice = ('Pass a new or empty directory outside it as --to_dir, e.g. %s_converted; '
-            'nothing was converted.' % source)
-  if target == source:
-    raise ConvertError('--from_dir %s and --to_dir %s are the same directory, %s: '
-                       'the converted checkpoint goes to a directory of its own. %s'
-                       % (from_dir, to_dir, source, advice))
   if os.path.commonpath([source, target]) == source:
-    raise ConvertError('--to_dir %s is %s, inside --from_dir %s: convert leaves '
-                       '--from_dir as it is. %s' % (to_dir, target, from_dir, advice))
+    raise ConvertError('--to_dir %s is %s, --from_dir %s or inside it: the converted checkpoint '
+                       'goes to a directory of its own. Pass a new or empty directory outside '
+                       'it as --to_dir, e.g. %s_converted; nothing was converted.'
+                       % (to_dir, target, from_dir, source))
 
 
 def convert(from_dir, to_dir):

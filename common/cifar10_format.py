@@ -22,6 +22,7 @@ files, or a partial file, in `cifar-10-batches-bin/`.
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ import numpy as np
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 from cifar10_towers.common import prog
+
+logger = logging.getLogger(__name__)
 
 BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
 TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))
@@ -192,27 +195,6 @@ def _judge(path, seen):
   return records.shape[0], problems
 
 
-def judge_files(paths):
-  """Reads and validates files; one line for each whose content cannot be real.
-
-  For training and evaluation, which go on after saying so (`data check`
-  reports the same lines as problems).
-
-  Args:
-    paths: list of file paths.
-
-  Returns:
-    list of str, '<path> cannot be real data: <why>'.
-
-  Raises:
-    DataError: a file is malformed (see `decode_records`).
-    OSError: a file cannot be read.
-  """
-  seen = {}
-  judged = [(path, _judge(path, seen)[1]) for path in paths]
-  return ['%s cannot be real data: %s' % (path, '; '.join(why)) for path, why in judged if why]
-
-
 def _files(data_dir, names, what):
   paths = [os.path.join(batches_dir(data_dir), n) for n in names]
   missing = [p for p in paths if not os.path.isfile(p)]  # a directory there is no file either
@@ -249,6 +231,32 @@ def num_examples(paths):
           'Re-download or regenerate the data (`%s` lists every problem).'
           % (path, size, RECORD_BYTES, prog.command('data check')))
   return sum(sizes.values()) // RECORD_BYTES
+
+
+def checked_files(data_dir, train, then):
+  """The training (or test) files of data_dir for a run, every record read and validated.
+
+  A .bin file that training would silently ignore is refused; a file whose
+  content cannot be real data (`_judge`) is a warning, ending with `then`,
+  and the run goes on (`data check` reports the same as problems).
+
+  Raises:
+    DataError: a file is missing, unexpected or malformed (see `decode_records`).
+    OSError: a file cannot be read.
+  """
+  paths = train_files(data_dir) if train else eval_files(data_dir)
+  extra = unexpected_files(data_dir) if train else []
+  if extra:
+    raise DataError('%s is not a CIFAR-10 data file, and training would silently ignore it '
+                    '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
+                    'problem.' % (extra[0], len(extra), batches_dir(data_dir),
+                                  prog.command('data check')))
+  seen = {}
+  for path in paths:
+    why = _judge(path, seen)[1]
+    if why:
+      logger.warning('Warning: %s cannot be real data: %s; %s', path, '; '.join(why), then)
+  return paths
 
 
 def unexpected_files(data_dir):

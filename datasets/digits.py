@@ -77,16 +77,15 @@ def convert_digits(data_dir, seed=0, mark=True):
     dict file name -> number of records written.
 
   Raises:
-    ImportError: scikit-learn is not installed (the message says how to).
-    common.cifar10_format.DataError: the disk is full or read-only, or
-      cifar-10-batches-bin is a file; nothing was changed.
+    common.cifar10_format.DataError: scikit-learn is not installed, the disk
+      is full or read-only, or cifar-10-batches-bin is a file; nothing was
+      changed (the message says what to do).
   """
   try:
     from sklearn import datasets  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError(
-        'the digits data set comes with scikit-learn, which is not installed: '
-        'run `pip install scikit-learn`') from e
+    raise fmt.DataError('the digits data set comes with scikit-learn, which is not '
+                        'installed: run `pip install scikit-learn`') from e
   digits = datasets.load_digits()
   images = to_cifar_images(digits.images)
   labels = np.asarray(digits.target, np.int32)

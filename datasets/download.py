@@ -197,7 +197,7 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     raise DownloadError(
         '%s holds %s, not CIFAR-10; nothing was downloaded. To get CIFAR-10 '
         'there, remove %s and run this again, or pass another --data_dir.'
-        % (data_dir, generated.describe(marker), fmt.batches_dir(data_dir)))
+        % (data_dir, marker['what'], fmt.batches_dir(data_dir)))
   if is_present(data_dir):
     return PRESENT
   archive = archive_path(data_dir)

@@ -19,7 +19,6 @@ import shlex
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import prog
 
-MARKER_FILE = fmt.GENERATED_FILE
 # What the commands that label generated data add: the figure to compare with.
 CIFAR10_RESULT = ('on CIFAR-10 the original trainer reaches ~86% precision @ 1 '
                   'after 100K steps')
@@ -27,7 +26,7 @@ CIFAR10_RESULT = ('on CIFAR-10 the original trainer reaches ~86% precision @ 1 '
 
 def marker_path(data_dir):
   """`<data_dir>/cifar-10-batches-bin/GENERATED.json`."""
-  return os.path.join(fmt.batches_dir(data_dir), MARKER_FILE)
+  return os.path.join(fmt.batches_dir(data_dir), fmt.GENERATED_FILE)
 
 
 def write_set(data_dir, files, needed_bytes, class_names, mark, generator, version, **params):
@@ -84,7 +83,7 @@ def write_marker(directory, generator, version, data_dir, **params):
       'written': datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec='seconds'),
   }
-  with open(os.path.join(directory, MARKER_FILE), 'w') as f:
+  with open(os.path.join(directory, fmt.GENERATED_FILE), 'w') as f:
     print(json.dumps(info, indent=2, sort_keys=True), file=f)
 
 
@@ -93,7 +92,9 @@ def read(data_dir):
 
   Returns:
     dict with at least 'generator' (str; 'unknown' when the file is there but
-    unreadable or not this format: it still says the data is generated).
+    unreadable or not this format: it still says the data is generated),
+    'what' (what every message calls the set: 'generated data (synth)') and
+    'command' (the command that rewrites the set, for the program as run now).
   """
   path = marker_path(data_dir)
   if not os.path.lexists(path):
@@ -107,18 +108,11 @@ def read(data_dir):
     info = {}
   if not isinstance(info.get('generator'), str) or not info['generator']:
     info['generator'] = 'unknown'
-  return info
-
-
-def describe(info):
-  """'generated data (synth)': what every message calls a marked data set."""
-  return 'generated data (%s)' % info['generator']
-
-
-def command(info):
-  """The command that rewrites this set, for the program as run now; None if unknown."""
   args = info.get('args')
-  return prog.command(args) if isinstance(args, str) and args else None
+  info.update(what='generated data (%s)' % info['generator'], command=prog.command(
+      args if isinstance(args, str) and args else 'data %s --data_dir %s'
+      % (info['generator'], data_dir)))
+  return info
 
 
 def holds_data(data_dir):

@@ -199,10 +199,9 @@ def test_cli_convert_refuses_the_same_directory(trained, tmp_path, monkeypatch,
     to_dir = os.path.join('..', 'runs', 'train')
   real = os.path.realpath(trained)
   assert _refused(['--from_dir', from_dir, '--to_dir', to_dir], str(tmp_path)) == [
-      'Error: --from_dir %s and --to_dir %s are the same directory, %s: the '
-      'converted checkpoint goes to a directory of its own. Pass a new or empty '
-      'directory outside it as --to_dir, e.g. %s_converted; nothing was converted.'
-      % (from_dir, to_dir, real, real)]
+      'Error: --to_dir %s is %s, --from_dir %s or inside it: the converted checkpoint '
+      'goes to a directory of its own. Pass a new or empty directory outside it as '
+      '--to_dir, e.g. %s_converted; nothing was converted.' % (to_dir, real, from_dir, real)]
 
 
 @pytest.mark.parametrize('inside', ['modern', 'a/b'])
@@ -210,9 +209,9 @@ def test_cli_convert_refuses_a_to_dir_inside_from_dir(trained, tmp_path, inside)
   to_dir = os.path.join(str(trained), inside)
   real = os.path.realpath(trained)
   assert _refused(['--from_dir', str(trained), '--to_dir', to_dir], str(tmp_path)) == [
-      'Error: --to_dir %s is %s, inside --from_dir %s: convert leaves --from_dir '
-      'as it is. Pass a new or empty directory outside it as --to_dir, e.g. '
-      '%s_converted; nothing was converted.'
+      'Error: --to_dir %s is %s, --from_dir %s or inside it: the converted checkpoint '
+      'goes to a directory of its own. Pass a new or empty directory outside it as '
+      '--to_dir, e.g. %s_converted; nothing was converted.'
       % (to_dir, os.path.join(real, inside), trained, real)]
 
 

@@ -97,6 +97,6 @@ def test_same_seed_same_files_other_seed_other_split(source, tmp_path):  # pylin
 def test_without_sklearn_says_how_to_install(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, 'sklearn', None)  # import sklearn fails
   monkeypatch.setitem(sys.modules, 'sklearn.datasets', None)
-  with pytest.raises(ImportError, match='pip install scikit-learn'):
+  with pytest.raises(fmt.DataError, match='pip install scikit-learn'):
     digits.convert_digits(str(tmp_path))
   assert not os.path.exists(fmt.batches_dir(str(tmp_path)))

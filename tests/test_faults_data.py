@@ -378,8 +378,8 @@ def test_training_warns_on_data_that_cannot_be_real_and_goes_on(ws):
     assert re.match(r'^Warning: .*/%s cannot be real data: all 200 images are the '
                     r'same image \(every byte 0\); all 200 records have label 0'
                     % re.escape(name), line), line
-    assert line.endswith('Training goes on; `python cli.py data check --data_dir '
-                         '%s` lists every problem.' % ws.data)
+    assert line.endswith('; training goes on (`python cli.py data check --data_dir '
+                         '%s` lists every problem).' % ws.data)
   assert 'step 1, loss = ' in out
   assert fs.changed(before, fs.snapshot(ws.data)) == []
 

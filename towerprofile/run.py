@@ -20,7 +20,6 @@ from cifar10_towers.towerprofile import analysis
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ('legacy', 'modern')
 WARMUP_STEPS = 3  # untraced steps first: queues fill, functions trace, kernels warm up
 SYNTH_PER_FILE = 200  # generated examples per data_batch file when no data_dir is given
 
