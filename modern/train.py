@@ -81,15 +81,6 @@ def _first_step_progress(first, what):
   return training.Heartbeat(lambda seconds: '%s... %d s' % (what, seconds))
 
 
-@contextlib.contextmanager
-def _summaries_may_fail(what):
-  """A failed write of `what` in the block (e.g. disk full) is a warning: checkpoints decide."""
-  try:
-    yield
-  except (tf.errors.OpError, OSError) as e:
-    logger.warning('could not write %s (%s).', what, str(e).strip().splitlines()[0])
-
-
 def train(config, plan, on_step=None):
   """Trains until global_step == config.max_steps, resuming from train_dir.
 
@@ -161,12 +152,11 @@ def train(config, plan, on_step=None):
 
 def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
                 examples_per_worker=0):
-  """The steps, with log lines, summaries and checkpoints, until max_steps or a stop.
+  """`runtime.training.train_loop` on `engine`, after every worker took the chief's state.
 
-  A stop request (`stop`, a runtime.training.StopRequest) ends the loop at the
-  next step boundary, with a checkpoint of that step. `examples_per_worker`
-  (the records of this worker's shard) sizes the shuffle buffer the first
-  batch waits for, which the first step's heartbeat line names.
+  `examples_per_worker` (the records of this worker's shard) sizes the
+  shuffle buffer the first batch waits for, which the first step's heartbeat
+  line names.
 
   Returns:
     int, the global step reached.
@@ -176,7 +166,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       first step, in a single process.
   """
   state = engine.trainer.state
-  step = first_step = None
+  alone, traced = engine.num_workers == 1, []  # traced: the first step's (batches, summaries)
 
   def global_step():
     return int(state.global_step.numpy())
@@ -186,95 +176,66 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     # restored), so all resume from the chief's checkpoint.
     with engine.waiting('the start-up', global_step(), first=True):
       engine.broadcast()
-    step = first_step = global_step()
-    if resume_from:
-      logger.info('Resuming from %s at global step %d.', resume_from, step)
-      save.last_saved = step
-    if step >= config.max_steps:
-      logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
-      return step
-    # A single process stops at once until its first step is done; with peers
-    # a stop rides on the step's vote instead, so that all stop after one step.
-    alone = engine.num_workers == 1
-    with stop.raising() if alone else contextlib.nullcontext():
-      iterator = iter(engine.dataset())
-    writer = None  # opened after the first step: a stop before it writes nothing
-    stopped_by = None
-    # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
-    # Deviation from upstream: examples/sec and sec/batch are means over the
-    # steps since the last line, not divided by the towers (training.StepLog).
+  except engine.peer_errors as e:
+    return engine.lost_peers(e, None, None, save, stop)
+  step = global_step()
+  if resume_from:
+    logger.info('Resuming from %s at global step %d.', resume_from, step)
+    save.last_saved = step
+  if step >= config.max_steps:
+    logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
+    return step
+  # A single process stops at once until its first step is done; with peers
+  # a stop rides on the step's vote instead, so that all stop after one step.
+  with stop.raising() if alone else contextlib.nullcontext():
+    iterator = iter(engine.dataset())
+
+  def run_step(step, first, write_summary):
+    # The first step traces and compiles the step function and fills the
+    # shuffle buffer: seconds, tens of seconds on a busy machine, with
+    # nothing written yet, so a stop ends it at once. (With peers a stop
+    # rides on the step's vote instead, so that all stop after one step.)
     # Progress comes from the chief.
-    log = training.StepLog(config, config.batch_size * engine.trainer.num_towers, on_step,
-                           speaks=engine.is_chief)
-    while step < config.max_steps and not stopped_by:
-      first = step == first_step
-      write_summary = (step + 1) % config.summary_every == 0
-      # The first step traces and compiles the step function and fills the
-      # shuffle buffer: seconds, tens of seconds on a busy machine, with
-      # nothing written yet, so a stop ends it at once. (With peers a stop
-      # rides on the step's vote instead, so that all stop after one step.)
-      with stop.raising() if first and alone else contextlib.nullcontext():
-        fetch_time = time.time()
-        with _first_step_progress(first and engine.is_chief, 'Filling the shuffle buffer '
-                                  'with %d examples' % hparams.min_queue_examples(
-                                      examples_per_worker)):
-          batches = next(iterator)
-        start_time = time.time()
-        with engine.waiting('the step', step, first=first), _first_step_progress(
-            first and engine.is_chief, 'Building and tracing the step (first step)'):
-          tower_losses, summaries, voted = engine.step(batches, stop, write_summary)
-      end_time = time.time()
-      duration = end_time - start_time
-      # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
-      # Upstream logged and saved its 0-based loop index.
-      # Before `step` counts it: a diverged step is never saved.
-      training.check_divergence(global_step(), tower_losses)
-      step = global_step()
-      if writer is None:
-        writer = tf.summary.create_file_writer(engine.write_dir)
-        with _summaries_may_fail(
-            'the graph to TensorBoard summaries in ' + engine.write_dir), \
-            writer.as_default():
-          tf.summary.graph(engine.trainer.step_graph(batches, write_summary))
+    with stop.raising() if first and alone else contextlib.nullcontext():
+      with _first_step_progress(first and engine.is_chief, 'Filling the shuffle buffer '
+                                'with %d examples' % hparams.min_queue_examples(
+                                    examples_per_worker)):
+        batches = next(iterator)
       # The speed of the log lines counts the wait for the batch too (legacy's
-      # session run dequeues it); the first and the summary steps only when
-      # nothing else (training.LogWindow).
-      log.add(step, float(tower_losses.mean()), end_time - fetch_time,
-              first or write_summary, step_seconds=duration)
-      if write_summary:  # the step just taken is a summary step
-        # The learning rate the step just taken used (read before the increment).
-        lr = float(model_spec.learning_rate(step - 1, decay_steps,
-                                            config.optimizer.learning_rate))
-        try:
-          with writer.as_default():
-            _write_summaries(state, step, tower_losses, lr, summaries)
-        except (tf.errors.OpError, OSError) as e:  # e.g. disk full
-          raise checkpoints.write_failed(
-              engine.write_dir, 'TensorBoard summaries', e) from e
-      if step % config.save_every == 0:
-        save()
-      # With peers, every worker stops after the step whose vote said so.
-      if voted or (alone and stop.requested):
-        stopped_by = stop.signal_name or engines.ANOTHER_WORKER
-    path = save()  # with peers every worker saves: the chief's copy is kept
-    with _summaries_may_fail('the last TensorBoard summaries to ' + engine.write_dir):
-      writer.flush()
+      # session run dequeues it); `on_step` the step alone.
+      start_time = time.time()
+      with engine.waiting('the step', step, first=first), _first_step_progress(
+          first and engine.is_chief, 'Building and tracing the step (first step)'):
+        tower_losses, summaries, voted = engine.step(batches, stop, write_summary)
+    traced[:] = traced or [batches, write_summary]
+    return tower_losses, (tower_losses, summaries), voted, time.time() - start_time
+
+  def open_summaries():
+    writer = tf.summary.create_file_writer(engine.write_dir)
+    try:
+      with writer.as_default():
+        tf.summary.graph(engine.trainer.step_graph(*traced))
+    except (tf.errors.OpError, OSError) as e:
+      logger.warning('could not write the graph to TensorBoard summaries in %s (%s).',
+                     engine.write_dir, str(e).strip().splitlines()[0])
+    return writer
+
+  def write_summaries(writer, step, summary):
+    # The learning rate the step just taken used (read before the increment).
+    lr = float(model_spec.learning_rate(step - 1, decay_steps, config.optimizer.learning_rate))
+    with writer.as_default():
+      _write_summaries(state, step, summary[0], lr, summary[1])
+
+  def finish(step):
     # Synchronization point: no worker leaves before all have saved.
     with engine.waiting('the final barrier', step):
       engine.barrier()
-  except engine.peer_errors as e:
-    return engine.lost_peers(e, step, first_step, save, stop)
-  except Exception as e:  # pylint: disable=broad-except
-    if step is None:  # before the first broadcast: nothing to keep
-      raise
-    # The one ending path of a failure, whatever it was: keep the last
-    # completed step if the variables still hold it, and say so in one line.
-    raise ending.failed(e, first_step, step, global_step,
-                        save.last_saved, save, config.train_dir) from e
-  if not stopped_by and alone and stop.requested:
-    stopped_by = stop.signal_name  # the stop came during the last save
-  if stopped_by:
-    engine.report_stop(stopped_by, step, path)
-  elif engine.is_chief:
-    training.report_end(None, step, path, config)
-  return step
+
+  run = training.Run(
+      images=config.batch_size * engine.trainer.num_towers, write_dir=engine.write_dir,
+      chief=engine.is_chief, alone=alone, peer_errors=engine.peer_errors, step=run_step,
+      held=global_step, save=save, open_summaries=open_summaries,
+      write_summaries=write_summaries, finish=finish,
+      lost_peers=lambda *args: engine.lost_peers(*args),  # only engines with peers have it
+      report_stop=lambda name, *args: engine.report_stop(name or engines.ANOTHER_WORKER, *args))
+  return training.train_loop(config, stop, run, step, on_step)
