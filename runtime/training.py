@@ -302,11 +302,6 @@ def average_tag(variable_name):
   return '%s/%s' % (variable_name, model_spec.EMA_SUFFIX)
 
 
-def image_tags():
-  """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
-  return ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)]
-
-
 def summary_tags(num_towers, activations=True):
   """{'scalars', 'histograms', 'images'} -> sorted tags both trainers write.
 
@@ -324,7 +319,7 @@ def summary_tags(num_towers, activations=True):
       scalars += [tower_tag(i, term) for term in loss_terms()]
       scalars += [sparsity_tag(prefix, layer) for layer in layers]
       histograms += [activations_tag(prefix, layer) for layer in layers]
-  images = image_tags() if activations else []
+  images = ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)] if activations else []
   if activations:
     histograms += [gradients_tag(v) for v in names]
   return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
