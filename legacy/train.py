@@ -16,7 +16,6 @@ import logging
 import tensorflow.compat.v1 as tf
 from tf_slim.data import prefetch_queue
 
-from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn as lrn_lib
@@ -308,19 +307,8 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
   if plan.num_towers != config.num_gpus:
     raise ValueError('the device plan has %d towers, the config asks for %d'
                      % (plan.num_towers, config.num_gpus))
-  # Deviation from upstream: train_dir is never deleted; training resumes.
-  # The lock creates it if missing. One run at a
-  # time: a second one would write the same steps and overwrite the first's
-  # checkpoints.
-  with training.StopRequest() as stop, lock.exclusive(config.train_dir,
-                                                      what='legacy training'):
-    # Until the first step nothing is written: a stop ends the run at once.
-    with stop.raising():
-      examples_per_epoch = cifar10_format.num_examples(
-          cifar10_format.train_files(config.data_dir))
-      decay_steps = training.checked_decay_steps(
-          examples_per_epoch, config.batch_size, config.num_gpus)
-
+  with training.starting(config, config.num_gpus, config.train_dir, 'legacy training') as (
+      stop, examples_per_epoch, decay_steps):
     with tf.Graph().as_default() as graph:
       with stop.raising():
         graph_parts = build_train_graph(config, plan, decay_steps, num_threads)

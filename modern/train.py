@@ -13,15 +13,11 @@ import time
 
 import tensorflow as tf
 
-from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
-from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import config as config_lib
-from cifar10_towers.runtime import ending
-from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
@@ -102,41 +98,31 @@ def train(config, plan, on_step=None):
     modern.cluster.ClusterError: the multiworker cluster is missing or malformed.
   """
   engine = engines.make(config, plan)
-  with training.StopRequest() as stop:
-    # Until the first step nothing is written: a stop ends the run at once.
-    with stop.raising():
-      # Deviation from upstream: the epoch size is what is on disk, not 50000.
-      examples_per_epoch = fmt.num_examples(fmt.train_files(config.data_dir))
-      # All replicas of all workers count, as upstream's num_gpus counted its towers.
-      decay_steps = training.checked_decay_steps(
-          examples_per_epoch, config.batch_size, config.num_gpus * engine.num_workers)
-    try:
-      # Deviation from upstream: train_dir is never deleted; training resumes.
-      # One run at a time: a second one would write the same steps and
-      # overwrite the first's checkpoints. The lock creates the dir if missing.
-      with lock.exclusive(engine.write_dir, what=engine.lock_what):
-        engine.prepare()
-        with stop.raising():
-          if config.seed is not None:
-            tf.random.set_seed(config.seed)
-          engine.start(decay_steps)
-          if config.log_device_placement:
-            tf.debugging.set_log_device_placement(True)
-          state = engine.trainer.state
-          checkpoint = ckpt_lib.checkpoint_object(state)
-          # Only the chief restores; the others take its state (engine.broadcast).
-          resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint,
-                                                 config.optimizer)
-                         if engine.is_chief else None)
-          manager = tf.train.CheckpointManager(  # after restore_latest: see there
-              checkpoint, engine.write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
-              checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-        save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
-        with engine.watching(stop, save):
-          return _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
-                             examples_per_epoch // engine.num_workers)
-    finally:
-      engine.close()
+  try:
+    with training.starting(config, config.num_gpus * engine.num_workers, engine.write_dir,
+                           engine.lock_what) as (stop, examples_per_epoch, decay_steps):
+      engine.prepare()
+      with stop.raising():
+        if config.seed is not None:
+          tf.random.set_seed(config.seed)
+        engine.start(decay_steps)
+        if config.log_device_placement:
+          tf.debugging.set_log_device_placement(True)
+        state = engine.trainer.state
+        checkpoint = ckpt_lib.checkpoint_object(state)
+        # Only the chief restores; the others take its state (engine.broadcast).
+        resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint,
+                                               config.optimizer)
+                       if engine.is_chief else None)
+        manager = tf.train.CheckpointManager(  # after restore_latest: see there
+            checkpoint, engine.write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
+            checkpoint_name=config_lib.CHECKPOINT_BASENAME)
+      save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
+      with engine.watching(stop, save):
+        return _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
+                           examples_per_epoch // engine.num_workers)
+  finally:
+    engine.close()
 
 
 def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,

@@ -14,6 +14,7 @@ from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 from cifar10_towers.common import prog
 from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import progress
 
 logger = logging.getLogger(__name__)
@@ -393,6 +394,34 @@ def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
   return decay_steps
 
 
+@contextlib.contextmanager
+def starting(config, num_replicas, write_dir, what):
+  """Both trainers' start: a StopRequest, the epoch size and decay_steps, write_dir locked.
+
+  Args:
+    config: runtime.config.TrainConfig.
+    num_replicas: int, towers over all workers.
+    write_dir: str, the directory this process writes; `what` names the run in its lock.
+
+  Yields:
+    (stop, examples_per_epoch, decay_steps): the entered StopRequest, the
+    training records present, `checked_decay_steps`.
+  """
+  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=import-outside-toplevel
+  with StopRequest() as stop:
+    # Until the first step nothing is written: a stop ends the run at once.
+    with stop.raising():
+      # Deviation from upstream: the epoch size is what is on disk, not 50000.
+      examples_per_epoch = fmt.num_examples(fmt.train_files(config.data_dir))
+      # All replicas of all workers count, as upstream's num_gpus counted its towers.
+      decay_steps = checked_decay_steps(examples_per_epoch, config.batch_size, num_replicas)
+    # Deviation from upstream: train_dir is never deleted; training resumes.
+    # One run at a time: a second one would write the same steps and
+    # overwrite the first's checkpoints. The lock creates the dir if missing.
+    with lock.exclusive(write_dir, what=what):
+      yield stop, examples_per_epoch, decay_steps
+
+
 def stopped_line(signal_name, step, path):
   """The ending line of a run a stop request ended after saving `path`."""
   return ('Stopped by %s at global step %d; saved %s. The same command resumes '
@@ -416,12 +445,8 @@ class Stopped(BaseException):
   """
 
   def __init__(self, signal_name):
-    super().__init__(signal_name)
+    super().__init__('Stopped by %s before the first step; nothing was saved.' % signal_name)
     self.signal_name = signal_name
-
-  def __str__(self):
-    return ('Stopped by %s before the first step; nothing was saved.'
-            % self.signal_name)
 
 
 # The signals that ask a run to stop (docs/ending.md): Ctrl-C and Ctrl-\ at a
@@ -466,9 +491,6 @@ class StopRequest:
   thread it installs nothing.
   """
 
-  # The signal that stopped the last loop in this process ('SIGINT',
-  # 'SIGUSR1', ...), or None; the CLI turns it into the exit status 128 + number.
-  last_signal = None
   _active = None  # the outermost entered StopRequest, or None
 
   def __init__(self):
@@ -485,7 +507,6 @@ class StopRequest:
   def __enter__(self):
     if StopRequest._active is not None:
       return StopRequest._active  # nested: share the outer request
-    StopRequest.last_signal = None
     if threading.current_thread() is threading.main_thread():
       self._install()
     StopRequest._active = self
@@ -577,7 +598,6 @@ class StopRequest:
 
   def _stop(self, signum):
     name = signal.Signals(signum).name
-    StopRequest.last_signal = StopRequest.last_signal or name
     with self.lock:
       self.signal_name = self.signal_name or name
       self.event.set()
