@@ -52,12 +52,9 @@ Evaluation = collections.namedtuple('Evaluation', [
 
 
 class EvalError(errors.Failure):
-  """Evaluation cannot run (no checkpoint, one without moving averages, the
-  other trainer's); the message says why and what to do. Both evaluators."""
-
-
-class EvalDirError(errors.Failure):
-  """The precision cannot be written to eval_dir; the message names --eval_dir."""
+  """Evaluation cannot run (a checkpoint without moving averages, the other
+  trainer's; eval_dir cannot be written, the message naming --eval_dir); the
+  message says why and what to do. Both evaluators."""
 
 
 class PrecisionWriter:
@@ -69,7 +66,7 @@ class PrecisionWriter:
   point and flushed after each, so TensorBoard shows a point as soon as its
   evaluation ends. Event files already in eval_dir are kept: a new writer
   adds its own file beside them, and TensorBoard shows the points of all of
-  them as one series. Every failure to write is an EvalDirError; nothing
+  them as one series. Every failure to write is an EvalError; nothing
   outside eval_dir is touched. With eval_dir None it writes nothing.
   """
   # Deviation from upstream: eval_dir is never deleted; new points are added.
@@ -98,7 +95,7 @@ class PrecisionWriter:
     return self
 
   def write(self, precision, global_step):
-    """Adds one point, flushed to disk; EvalDirError if it cannot (e.g. disk full)."""
+    """Adds one point, flushed to disk; EvalError if it cannot (e.g. disk full)."""
     if self.eval_dir is None:
       return
     try:
@@ -129,10 +126,10 @@ class PrecisionWriter:
           raise self._error(e) from None
 
   def _error(self, cause, advice=None):
-    """EvalDirError of `cause` (a line, or the exception saying it)."""
+    """EvalError of `cause` (a line, or the exception saying it)."""
     if isinstance(cause, Exception):
       cause = checkpoints.reason(cause).rsplit('; ', 1)[-1]
-    return EvalDirError(
+    return EvalError(
         'could not write %s to --eval_dir %s (%s). %s, or pass another '
         '--eval_dir; the checkpoints are untouched.'
         % (PRECISION_TAG, self.eval_dir, cause, advice or checkpoints.advice(cause)))
@@ -244,7 +241,7 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
   Raises:
     runtime.checkpoints.CheckpointError: evaluating once, and there is no
       intact checkpoint; the message says why and what to do.
-    EvalDirError: eval_dir cannot be written.
+    EvalError: eval_dir cannot be written.
   """
   if stop is None:
     with training.StopRequest() as stop:
