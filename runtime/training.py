@@ -99,6 +99,8 @@ class Run:
       checkpoint's path. Its `last_saved`: the global step of the newest
       checkpoint written or resumed from, or None.
     held(): the global step the variables hold now.
+    lost_peers(error, step, first_step, save, stop), with `peer_errors`: a
+      wait for the peers failed: the step reached, or raises.
 
   Attributes:
     images: int, the images of one step over all replicas.
@@ -120,10 +122,6 @@ class Run:
 
   def close(self):
     """After the loop, however it ended; may raise what ended it (an input thread's error)."""
-
-  def lost_peers(self, error, step, first_step, save, stop):
-    """A wait for the peers failed (`peer_errors`): the step reached, or raises."""
-    raise error
 
   def report_stop(self, signal_name, step, path):
     """Says how the run ended after a stop request (on stderr)."""
