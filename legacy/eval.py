@@ -15,47 +15,30 @@ from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import evaluation
 
 
-EvalError = evaluation.EvalError  # one class, common to both evaluators
+def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
+                      num_examples=None, should_stop=None, progress=None):
+  """Counts the correct top-1 predictions of a checkpoint's averaged model.
 
-
-def eval_once(checkpoint_path, data_dir, batch_size=hparams.BATCH_SIZE,
-              num_examples=None):
-  """Counts the correct top-1 predictions of one checkpoint's averaged model.
+  What `runtime.evaluation.run` calls for a legacy checkpoint (modern/eval.py
+  has the same function).
 
   Args:
-    checkpoint_path: str, a checkpoint prefix such as `.../model.ckpt-1000`.
+    contents: runtime.checkpoints.Contents of a legacy checkpoint, read
+      (`runtime.checkpoints.read`) and checked before any graph is built.
     data_dir: str, directory holding `cifar-10-batches-bin/test_batch.bin`.
     batch_size: int, images per evaluation batch.
     num_examples: optional int >= 1, evaluate the first this many test
       records (in file order); None or more than the file holds means all.
-
-  Returns:
-    runtime.evaluation.EvalCounts.
-
-  Raises:
-    common.cifar10_format.DataError: the test file is missing or malformed.
-    EvalError: the checkpoint cannot be read, is a modern one, or does not
-      hold this model's moving averages.
-  """
-  return evaluate_contents(evaluation.read(checkpoint_path), data_dir, batch_size,
-                           num_examples)
-
-
-def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
-                      num_examples=None, should_stop=None, progress=None):
-  """`eval_once` of a checkpoint already read (`runtime.checkpoints.read`).
-
-  Args:
-    contents: runtime.checkpoints.Contents of a legacy checkpoint.
-    data_dir, batch_size, num_examples: as `eval_once`.
     should_stop: optional callable() -> bool, asked between batches.
     progress: optional callable(records_done), called after each batch.
 
   Returns:
-    EvalCounts, or None when should_stop() turned true first.
+    runtime.evaluation.EvalCounts, or None when should_stop() turned true first.
 
   Raises:
-    As `eval_once`.
+    common.cifar10_format.DataError: the test file is missing or malformed.
+    runtime.evaluation.EvalError: the checkpoint is a modern one, or does not
+      hold this model's moving averages.
   """
   with tf.Graph().as_default() as graph:
     # One epoch in file order (one reader thread), the last batch smaller.
@@ -101,48 +84,3 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       finally:
         inputs.stop_queue_threads(sess, coord, threads, close_queues)
 
-
-def evaluate(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
-             num_examples=None, eval_dir=None):
-  """Evaluates the newest intact checkpoint of checkpoint_dir once.
-
-  Args:
-    checkpoint_dir: str, the train_dir of `legacy.train.train`.
-    data_dir, batch_size, num_examples: as `eval_once`.
-    eval_dir: optional str; when set, a 'Precision @ 1' summary is written
-      there for TensorBoard (`runtime.evaluation.PrecisionWriter`).
-
-  Returns:
-    (precision, global_step): float in [0, 1], int.
-
-  Raises:
-    EvalError: checkpoint_dir has no intact checkpoint, or it does not fit.
-    common.cifar10_format.DataError: the test file is missing or malformed.
-    runtime.evaluation.EvalDirError: eval_dir cannot be written.
-  """
-  return evaluation.evaluate_newest(
-      checkpoint_dir,
-      lambda contents: evaluate_contents(contents, data_dir, batch_size, num_examples),
-      'legacy', eval_dir)
-
-
-def evaluate_loop(checkpoint_dir, data_dir, batch_size=hparams.BATCH_SIZE,
-                  num_examples=None, eval_dir=None, interval_secs=300, max_evals=None):
-  """Evaluates each new checkpoint of checkpoint_dir once, as it appears.
-
-  Looks every `interval_secs` seconds until a stop signal (or until
-  `max_evals` checkpoints were evaluated); see `runtime.evaluation.run`.
-
-  Args:
-    checkpoint_dir, data_dir, batch_size, num_examples, eval_dir: as for `evaluate`.
-    interval_secs: float, seconds between looks at checkpoint_dir.
-    max_evals: optional int, stop after this many evaluations.
-
-  Returns:
-    list of (precision, global_step), one per checkpoint evaluated.
-  """
-  return evaluation.evaluate_each(
-      checkpoint_dir,
-      lambda contents, should_stop: evaluate_contents(
-          contents, data_dir, batch_size, num_examples, should_stop),
-      interval_secs, max_evals, eval_dir)

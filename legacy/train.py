@@ -12,12 +12,10 @@ from the queues and runs the loop (logging, summaries, checkpoints, resume).
 import collections
 import contextlib
 import logging
-import time
 
 import tensorflow.compat.v1 as tf
 from tf_slim.data import prefetch_queue
 
-from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn as lrn_lib
@@ -26,7 +24,6 @@ from cifar10_towers.common import prog
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
 from cifar10_towers.runtime import checkpoints
-from cifar10_towers.runtime import ending
 from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import training
 
@@ -310,19 +307,8 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
   if plan.num_towers != config.num_gpus:
     raise ValueError('the device plan has %d towers, the config asks for %d'
                      % (plan.num_towers, config.num_gpus))
-  # Deviation from upstream: train_dir is never deleted; training resumes.
-  # The lock creates it if missing. One run at a
-  # time: a second one would write the same steps and overwrite the first's
-  # checkpoints.
-  with training.StopRequest() as stop, lock.exclusive(config.train_dir,
-                                                      what='legacy training'):
-    # Until the first step nothing is written: a stop ends the run at once.
-    with stop.raising():
-      examples_per_epoch = cifar10_format.num_examples(
-          cifar10_format.train_files(config.data_dir))
-      decay_steps = training.checked_decay_steps(
-          examples_per_epoch, config.batch_size, config.num_gpus)
-
+  with training.starting(config, config.num_gpus, config.train_dir, 'legacy training') as (
+      stop, examples_per_epoch, decay_steps):
     with tf.Graph().as_default() as graph:
       with stop.raising():
         graph_parts = build_train_graph(config, plan, decay_steps, num_threads)
@@ -474,34 +460,17 @@ def _save(saver, sess, config, step):
 
 
 def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
-  """Runs the steps with the queue threads, and always stops them.
+  """`runtime.training.train_loop` fed by the queue threads, which it always stops.
 
-  A stop request (`stop`, a runtime.training.StopRequest) ends the loop at the
-  next step boundary, with a checkpoint of that step. A step waiting for its
-  batch (the first one waits while the shuffle queue fills: tens of seconds
-  with CIFAR-10) is ended at once by closing the input queues under it.
-
-  Returns:
-    int, the final global step.
-
-  Raises:
-    runtime.training.Stopped: the stop came before this run's first step.
+  A step waiting for its batch (the first one waits while the shuffle queue
+  fills: tens of seconds with CIFAR-10) is ended at once by a stop closing the
+  input queues under it.
   """
   towers = graph_parts.towers
   # Input threads end with CancelledError when a stop closes the queues
   # under them: that is a clean stop, not an error to re-raise.
   coord = tf.train.Coordinator((tf.errors.OutOfRangeError, tf.errors.CancelledError))
   threads = tf.train.start_queue_runners(sess, coord)
-  summary_writer = None  # opened after the first step: a stop before it writes nothing
-  first_step = last_saved = step
-  error = None
-  log = training.StepLog(config, config.batch_size * config.num_gpus, on_step)
-
-  def save():
-    nonlocal last_saved
-    path = _save(graph_parts.saver, sess, config, step)
-    last_saved = step
-    return path
 
   def first_step_progress(seconds):
     """The heartbeat line of the first step: the queue's filling, then the step."""
@@ -510,75 +479,49 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
       return 'Filling the queue: %d of %d examples... %d s' % (held, fill, seconds)
     return 'Running the first step... %d s' % seconds
 
-  try:
-    # On the stop request's own thread, while this one may wait in sess.run
-    # for a batch: the dequeue then fails with OutOfRangeError. The towers'
-    # queue first: a shuffle queue still filling hands out what it holds
-    # once closed, and no such batch must reach a tower. (Not
-    # coord.request_stop() first: the input threads would close the shuffle
-    # queue themselves as they stop.)
-    with stop.while_blocked(lambda _: inputs.close_queues(sess, graph_parts.close_queues[::-1])):
-      while (step < config.max_steps and not stop.requested
-             and not coord.should_stop()):
-        write_summary = (step + 1) % config.summary_every == 0
-        # Deviation from upstream: the summaries are fetched with the step;
-        # upstream ran them separately, dequeuing batches it never trained on.
-        start_time = time.time()
-        # The first step waits for the shuffle queue to fill: tens of seconds,
-        # said on stdout past training.HEARTBEAT_AFTER.
-        try:
-          with (training.Heartbeat(first_step_progress) if step == first_step
-                else contextlib.nullcontext()):
-            _, mean_loss, tower_losses, summary = sess.run([
-                towers.train_op, towers.mean_loss, towers.tower_losses,
-                towers.summary_op if write_summary else []])
-        except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
-          if not stop.requested:
-            raise
-          break  # the stop closed the queues under this step: it did not run
-        duration = time.time() - start_time
-        # Before `step` counts it: a diverged step is never saved.
-        training.check_divergence(step + 1, tower_losses)
-        # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
-        step += 1  # this process is the only one moving global_step
-        if summary_writer is None:
-          summary_writer = tf.summary.FileWriter(config.train_dir, sess.graph)
-        # Deviation from upstream: examples/sec and sec/batch are means over the
-        # steps since the last line, not divided by the towers. Steps writing
-        # summaries or checkpoints count only their step (training.LogWindow).
-        log.add(step, mean_loss, duration, write_summary or step == first_step + 1)
-        if write_summary:
-          try:
-            summary_writer.add_summary(summary, step)
-          except (RuntimeError, OSError) as e:  # the writer thread failed
-            raise checkpoints.write_failed(
-                config.train_dir, 'TensorBoard summaries', e) from e
-        if step % config.save_every == 0 or step == config.max_steps:
-          save()
-      if stop.requested and last_saved != step:
-        save()
-  except Exception as e:  # pylint: disable=broad-except
-    coord.request_stop(e)
-    error = e
-  try:
-    # The first recorded error wins: if an input thread failed first (and so
-    # closed the queues under this loop), join re-raises the thread's error.
-    inputs.stop_queue_threads(sess, coord, threads, graph_parts.close_queues)
-  except Exception as e:  # pylint: disable=broad-except
-    error = e
-  finally:
+  def run_step(step, first, write_summary):  # pylint: disable=unused-argument
+    if coord.should_stop():  # an input thread failed: its error ends the run
+      coord.raise_requested_exception()
+      return None
+    # Deviation from upstream: the summaries are fetched with the step;
+    # upstream ran them separately, dequeuing batches it never trained on.
+    # The first step waits for the shuffle queue to fill: tens of seconds,
+    # said on stdout past training.HEARTBEAT_AFTER.
     try:
-      if summary_writer is not None:
-        summary_writer.close()
-    except (RuntimeError, OSError) as e:
-      training.summaries_lost(config.train_dir, e)
-  if error is not None:
-    # The one ending path of a failure, whatever it was: keep the last
-    # completed step if the variables still hold it, and say so in one line.
-    raise ending.failed(error, first_step, step, lambda: int(sess.run(towers.global_step)),
-                        last_saved, save, config.train_dir) from error
-  if stop.requested and step == first_step:
-    raise training.Stopped(stop.signal_name)
-  training.report_end(stop.signal_name, step,
-                      '%s-%d' % (config.checkpoint_prefix(), step), config)
-  return step
+      with training.Heartbeat(first_step_progress) if first else contextlib.nullcontext():
+        _, tower_losses, summary = sess.run([
+            towers.train_op, towers.tower_losses, towers.summary_op if write_summary else []])
+    except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
+      if not stop.requested:
+        raise
+      return None  # the stop closed the queues under this step: it did not run
+    return tower_losses, summary, False, None
+
+  def held():
+    return int(sess.run(towers.global_step))
+
+  def save():
+    step = held()
+    if step != save.last_saved:
+      _save(graph_parts.saver, sess, config, step)
+      save.last_saved = step
+    return '%s-%d' % (config.checkpoint_prefix(), step)
+
+  save.last_saved = step
+
+  run = training.Run(
+      images=config.batch_size * config.num_gpus, write_dir=config.train_dir,
+      step=run_step, held=held, save=save,
+      open_summaries=lambda: tf.summary.FileWriter(config.train_dir, sess.graph),
+      write_summaries=lambda writer, step, summary: writer.add_summary(summary, step),
+      # The first recorded error wins: if an input thread failed first (and so
+      # closed the queues under this loop), join re-raises the thread's error.
+      close=lambda: inputs.stop_queue_threads(sess, coord, threads, graph_parts.close_queues))
+  # On the stop request's own thread, while this one may wait in sess.run
+  # for a batch: the dequeue then fails with OutOfRangeError. The towers'
+  # queue first: a shuffle queue still filling hands out what it holds
+  # once closed, and no such batch must reach a tower. (Not
+  # coord.request_stop() first: the input threads would close the shuffle
+  # queue themselves as they stop.)
+  with stop.while_blocked(lambda _: inputs.close_queues(sess, graph_parts.close_queues[::-1])):
+    return training.train_loop(config, stop, run, step, on_step)

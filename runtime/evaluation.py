@@ -52,12 +52,9 @@ Evaluation = collections.namedtuple('Evaluation', [
 
 
 class EvalError(errors.Failure):
-  """Evaluation cannot run (no checkpoint, one without moving averages, the
-  other trainer's); the message says why and what to do. Both evaluators."""
-
-
-class EvalDirError(errors.Failure):
-  """The precision cannot be written to eval_dir; the message names --eval_dir."""
+  """Evaluation cannot run (a checkpoint without moving averages, the other
+  trainer's; eval_dir cannot be written, the message naming --eval_dir); the
+  message says why and what to do. Both evaluators."""
 
 
 class PrecisionWriter:
@@ -69,7 +66,7 @@ class PrecisionWriter:
   point and flushed after each, so TensorBoard shows a point as soon as its
   evaluation ends. Event files already in eval_dir are kept: a new writer
   adds its own file beside them, and TensorBoard shows the points of all of
-  them as one series. Every failure to write is an EvalDirError; nothing
+  them as one series. Every failure to write is an EvalError; nothing
   outside eval_dir is touched. With eval_dir None it writes nothing.
   """
   # Deviation from upstream: eval_dir is never deleted; new points are added.
@@ -98,7 +95,7 @@ class PrecisionWriter:
     return self
 
   def write(self, precision, global_step):
-    """Adds one point, flushed to disk; EvalDirError if it cannot (e.g. disk full)."""
+    """Adds one point, flushed to disk; EvalError if it cannot (e.g. disk full)."""
     if self.eval_dir is None:
       return
     try:
@@ -129,21 +126,13 @@ class PrecisionWriter:
           raise self._error(e) from None
 
   def _error(self, cause, advice=None):
-    """EvalDirError of `cause` (a line, or the exception saying it)."""
+    """EvalError of `cause` (a line, or the exception saying it)."""
     if isinstance(cause, Exception):
       cause = checkpoints.reason(cause).rsplit('; ', 1)[-1]
-    return EvalDirError(
+    return EvalError(
         'could not write %s to --eval_dir %s (%s). %s, or pass another '
         '--eval_dir; the checkpoints are untouched.'
         % (PRECISION_TAG, self.eval_dir, cause, advice or checkpoints.advice(cause)))
-
-
-def read(path):
-  """runtime.checkpoints.read(path) for an evaluator: EvalError if it cannot be read."""
-  try:
-    return checkpoints.read(path)
-  except checkpoints.CheckpointError as e:
-    raise EvalError('cannot read checkpoint %s: %s' % (path, e)) from e
 
 
 def moving_averages(contents, kind, shapes):
@@ -214,62 +203,6 @@ def count_correct(batches, data_dir, num_examples, global_step, should_stop=None
   return EvalCounts(true_count, total, global_step)
 
 
-def evaluate_newest(checkpoint_dir, evaluate, trainer, eval_dir=None):
-  """Evaluates the newest intact checkpoint of checkpoint_dir once.
-
-  What `legacy.eval.evaluate` and `modern.eval.evaluate` do, each with its own
-  evaluator.
-
-  Args:
-    checkpoint_dir: str, a train_dir.
-    evaluate: callable(contents) -> EvalCounts, the trainer's evaluator.
-    trainer: 'legacy' or 'modern', named when checkpoint_dir has no intact
-      checkpoint.
-    eval_dir: optional str; when set, a 'Precision @ 1' point is written
-      there for TensorBoard (`PrecisionWriter`).
-
-  Returns:
-    (precision, global_step): float in [0, 1], int.
-
-  Raises:
-    EvalError: no intact checkpoint; whatever `evaluate` raises; EvalDirError.
-  """
-  found = checkpoints.newest_intact(checkpoint_dir)
-  if found.contents is None:
-    raise EvalError('No checkpoint found in %s. Train first (`%s`) or pass the train_dir '
-                    'as --checkpoint_dir.'
-                    % (checkpoint_dir, prog.command('%s --train_dir %s'
-                                                    % (trainer, checkpoint_dir))))
-  with PrecisionWriter(eval_dir) as writer:
-    counts = evaluate(found.contents)
-    precision = log_precision(counts)
-    writer.write(precision, counts.global_step)
-  return precision, counts.global_step
-
-
-def log_precision(counts):
-  """Logs upstream's line of EvalCounts, '<time>: precision @ 1 = 0.812'; the precision."""
-  precision = counts.true_count / counts.total_count
-  logger.info('%s: precision @ 1 = %.3f', datetime.datetime.now(), precision)
-  return precision
-
-
-def evaluate_each(checkpoint_dir, evaluate, interval_secs, max_evals=None, eval_dir=None):
-  """`run` under a StopRequest: each new checkpoint once, until a signal.
-
-  Args:
-    checkpoint_dir, interval_secs, max_evals, eval_dir: as `run`.
-    evaluate: callable(contents, should_stop), as `run`.
-
-  Returns:
-    list of (precision, global_step), one per checkpoint evaluated.
-  """
-  with training.StopRequest() as stop:
-    results = run(checkpoint_dir, evaluate, stop, interval_secs=interval_secs,
-                  max_evals=max_evals, eval_dir=eval_dir)
-  return [(r.precision, r.global_step) for r in results]
-
-
 def _identity(contents):
   """What tells a new checkpoint from one already evaluated: name and time."""
   try:
@@ -279,16 +212,21 @@ def _identity(contents):
   return contents.path, mtime
 
 
-def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval_dir=None):
+def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
+        eval_dir=None):
   """Evaluates the newest intact checkpoint once, or each new one as it comes.
+
+  The one way to evaluate, for the CLI and library callers alike.
 
   Args:
     checkpoint_dir: str, a train_dir of either trainer.
-    evaluate: callable(contents, should_stop) -> EvalCounts, or None when
+    evaluate: callable(contents, should_stop=...) -> EvalCounts, or None when
       should_stop() turned true before the evaluation finished; it raises
-      for a checkpoint it cannot evaluate (e.g. of another model).
-    stop: an entered runtime.training.StopRequest; a signal ends the run with
-      a line saying what was evaluated.
+      for a checkpoint it cannot evaluate (e.g. of another model). A
+      trainer's `evaluate_contents` (legacy/eval.py, modern/eval.py), its
+      data_dir, batch_size and num_examples bound.
+    stop: an entered runtime.training.StopRequest (default: one of its own);
+      a signal ends the run with a line saying what was evaluated.
     interval_secs: None to evaluate once; else seconds between looks for a
       new checkpoint.
     max_evals: optional int, stop after this many evaluations.
@@ -303,8 +241,11 @@ def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval
   Raises:
     runtime.checkpoints.CheckpointError: evaluating once, and there is no
       intact checkpoint; the message says why and what to do.
-    EvalDirError: eval_dir cannot be written.
+    EvalError: eval_dir cannot be written.
   """
+  if stop is None:
+    with training.StopRequest() as stop:
+      return run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, eval_dir)
   once = interval_secs is None
   results, seen, said = [], set(), set()
   waiting = False
@@ -336,7 +277,7 @@ def run(checkpoint_dir, evaluate, stop, interval_secs=None, max_evals=None, eval
         continue
       waiting = False
       current = contents.path
-      counts = evaluate(contents, lambda: stop.requested)
+      counts = evaluate(contents, should_stop=lambda: stop.requested)
       if counts is None:  # a signal cut it short
         break
       current = None

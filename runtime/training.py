@@ -14,6 +14,7 @@ from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
 from cifar10_towers.common import prog
 from cifar10_towers.runtime import ending
+from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import progress
 
 logger = logging.getLogger(__name__)
@@ -81,37 +82,139 @@ class LogWindow:
     return log_line(step, loss, examples_per_sec, sec_per_batch, max_steps)
 
 
-class StepLog:
-  """What both training loops do after each step: upstream's log line every
-  `log_every` steps (LogWindow's means) and the `on_step` hook.
+class Run:
+  """A trainer's side of `train_loop`: the hooks given, the defaults below.
 
-  Args:
-    config: runtime.config.TrainConfig (log_every, max_steps).
+  The hooks each trainer gives (legacy.train._train_loop, modern.train._train_loop):
+    step(step, first, write_summary): runs one step from global step `step`:
+      (tower losses, summary, voted, step seconds or None), or None when a
+      stop cut it short before it ran. `summary` is what `write_summaries`
+      takes (with `write_summary`); `voted`, that a worker's stop request
+      rode on the step; step seconds, if not None, what `on_step` gets
+      instead of the whole call's seconds.
+    open_summaries(): the summary writer (with a close()), opened after the
+      first step: a stop before it writes nothing.
+    write_summaries(writer, step, summary): writes `step`'s summaries.
+    save(): saves the current global step unless it is saved already; the
+      checkpoint's path. Its `last_saved`: the global step of the newest
+      checkpoint written or resumed from, or None.
+    held(): the global step the variables hold now.
+    lost_peers(error, step, first_step, save, stop), with `peer_errors`: a
+      wait for the peers failed: the step reached, or raises.
+
+  Attributes:
     images: int, the images of one step over all replicas.
-    on_step: optional callable(step, seconds, images) after every step (bench
-      paces itself with it).
-    speaks: bool, this process logs the lines (with peers, the chief alone).
+    write_dir: str, where this process writes checkpoints and summaries.
+    chief: bool, this process logs and reports (with peers, the chief alone).
+    alone: bool, no peers: a stop ends the run at the next step boundary;
+      with peers it rides on a step's vote, so that all stop after one step.
+    peer_errors: exceptions of a wait for peers, handled by `lost_peers`.
   """
 
-  def __init__(self, config, images, on_step=None, speaks=True):
-    self.window = LogWindow()
-    self._config, self._images, self._on_step, self._speaks = config, images, on_step, speaks
+  chief = alone = True
+  peer_errors = ()
 
-  def add(self, step, loss, seconds, extra, step_seconds=None):
-    """Step `step` done: its loss, its seconds for the line (`extra`: see
-    LogWindow) and, if other, for `on_step`."""
-    self.window.add(seconds, self._images, extra)
-    if step % self._config.log_every == 0 and self._speaks:
-      logger.info(self.window.line(step, loss, self._config.max_steps),
-                  extra=progress.IN_PLACE)
-    if self._on_step is not None:
-      self._on_step(step, seconds if step_seconds is None else step_seconds, self._images)
+  def __init__(self, **hooks):
+    self.__dict__.update(hooks)
+
+  def finish(self, step):
+    """After the final save (with peers: the final barrier)."""
+
+  def close(self):
+    """After the loop, however it ended; may raise what ended it (an input thread's error)."""
+
+  def report_stop(self, signal_name, step, path):
+    """Says how the run ended after a stop request (on stderr)."""
+    ending.say(stopped_line(signal_name, step, path))
 
 
-def summaries_lost(write_dir, error):
-  """Warns that the last TensorBoard summaries are lost (e.g. disk full; checkpoints decide)."""
-  logger.warning('could not write the last TensorBoard summaries to %s (%s).',
-                 write_dir, str(error).strip().splitlines()[0])
+def train_loop(config, stop, run, step, on_step=None):
+  """Both trainers' steps, from global step `step` until max_steps or a stop.
+
+  Logs upstream's line every log_every steps (LogWindow's means), writes
+  summaries every summary_every steps and a checkpoint every save_every, and
+  at the end. It is the one ending path of a training run (docs/ending.md):
+  a stop request (`stop`, an entered StopRequest) ends the loop at the next
+  step boundary with a checkpoint of that step; whatever fails goes through
+  `ending.failed`, which keeps the last completed step where it can.
+
+  Args:
+    config: runtime.config.TrainConfig.
+    stop: StopRequest.
+    run: Run, the trainer's side.
+    step: int, the global step the run starts from (< config.max_steps).
+    on_step: optional callable(step, seconds, images) after every step (bench
+      paces itself with it).
+
+  Returns:
+    int, the global step reached.
+
+  Raises:
+    Stopped: the stop came before this run's first step.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
+  first_step, window, writer, voted = step, LogWindow(), None, False
+  try:
+    try:
+      while step < config.max_steps and not voted and not (run.alone and stop.requested):
+        first = step == first_step
+        write_summary = (step + 1) % config.summary_every == 0
+        start = time.time()
+        done = run.step(step, first, write_summary)
+        if done is None:  # the stop closed the input under this step: it did not run
+          break
+        tower_losses, summary, voted, step_seconds = done
+        seconds = time.time() - start
+        # Before `step` counts it: a diverged step is never saved.
+        check_divergence(step + 1, tower_losses)
+        # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
+        step += 1  # each step moves global_step by one
+        if writer is None:  # not before: a stop before the first step writes nothing
+          writer = run.open_summaries()
+        # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
+        # Deviation from upstream: examples/sec and sec/batch are means over the
+        # steps since the last line, not divided by the towers (LogWindow).
+        window.add(seconds, run.images, first or write_summary)
+        if step % config.log_every == 0 and run.chief:
+          logger.info(window.line(step, sum(tower_losses) / len(tower_losses), config.max_steps),
+                      extra=progress.IN_PLACE)
+        if on_step is not None:
+          on_step(step, seconds if step_seconds is None else step_seconds, run.images)
+        if write_summary:
+          try:
+            run.write_summaries(writer, step, summary)
+          except (RuntimeError, OSError, tf.errors.OpError) as e:  # e.g. disk full
+            raise checkpoints.write_failed(run.write_dir, 'TensorBoard summaries', e) from e
+        if step % config.save_every == 0:
+          run.save()
+      if step == first_step:
+        raise Stopped(stop.signal_name)
+      path = run.save()  # with peers every worker saves: the chief's copy is kept
+      run.finish(step)
+    finally:
+      try:
+        run.close()
+      finally:
+        try:
+          if writer is not None:
+            writer.close()
+        except (RuntimeError, OSError, tf.errors.OpError) as e:
+          logger.warning('could not write the last TensorBoard summaries to %s (%s).',
+                         run.write_dir, str(e).strip().splitlines()[0])
+  except run.peer_errors as e:
+    return run.lost_peers(e, step, first_step, run.save, stop)
+  except Exception as e:  # pylint: disable=broad-except
+    # The one ending path of a failure, whatever it was: keep the last
+    # completed step if the variables still hold it, and say so in one line.
+    raise ending.failed(e, first_step, step, run.held, run.save.last_saved, run.save,
+                        config.train_dir) from e
+  if voted or (run.alone and stop.requested):  # a stop during the last save too
+    run.report_stop(stop.signal_name, step, path)
+  elif run.chief:
+    logger.info('Done: the newest checkpoint is %s. Evaluate it: %s', path, prog.command(
+        'eval --run_once --checkpoint_dir %s --data_dir %s' % (config.train_dir, config.data_dir)))
+  return step
 
 
 # Long waits (the first step: the shuffle queue or buffer filling, the step
@@ -198,11 +301,6 @@ def average_tag(variable_name):
   return '%s/%s' % (variable_name, model_spec.EMA_SUFFIX)
 
 
-def image_tags():
-  """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
-  return ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)]
-
-
 def summary_tags(num_towers, activations=True):
   """{'scalars', 'histograms', 'images'} -> sorted tags both trainers write.
 
@@ -220,7 +318,7 @@ def summary_tags(num_towers, activations=True):
       scalars += [tower_tag(i, term) for term in loss_terms()]
       scalars += [sparsity_tag(prefix, layer) for layer in layers]
       histograms += [activations_tag(prefix, layer) for layer in layers]
-  images = image_tags() if activations else []
+  images = ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)] if activations else []
   if activations:
     histograms += [gradients_tag(v) for v in names]
   return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
@@ -294,20 +392,38 @@ def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
   return decay_steps
 
 
+@contextlib.contextmanager
+def starting(config, num_replicas, write_dir, what):
+  """Both trainers' start: a StopRequest, the epoch size and decay_steps, write_dir locked.
+
+  Args:
+    config: runtime.config.TrainConfig.
+    num_replicas: int, towers over all workers.
+    write_dir: str, the directory this process writes; `what` names the run in its lock.
+
+  Yields:
+    (stop, examples_per_epoch, decay_steps): the entered StopRequest, the
+    training records present, `checked_decay_steps`.
+  """
+  from cifar10_towers.common import cifar10_format as fmt  # pylint: disable=import-outside-toplevel
+  with StopRequest() as stop:
+    # Until the first step nothing is written: a stop ends the run at once.
+    with stop.raising():
+      # Deviation from upstream: the epoch size is what is on disk, not 50000.
+      examples_per_epoch = fmt.num_examples(fmt.train_files(config.data_dir))
+      # All replicas of all workers count, as upstream's num_gpus counted its towers.
+      decay_steps = checked_decay_steps(examples_per_epoch, config.batch_size, num_replicas)
+    # Deviation from upstream: train_dir is never deleted; training resumes.
+    # One run at a time: a second one would write the same steps and
+    # overwrite the first's checkpoints. The lock creates the dir if missing.
+    with lock.exclusive(write_dir, what=what):
+      yield stop, examples_per_epoch, decay_steps
+
+
 def stopped_line(signal_name, step, path):
   """The ending line of a run a stop request ended after saving `path`."""
   return ('Stopped by %s at global step %d; saved %s. The same command resumes '
           'from it.' % (signal_name, step, path))
-
-
-def report_end(signal_name, step, path, config):
-  """The last line of a run at `step`, `path` saved: stopped by `signal_name`
-  (the ending line, on stderr), or done (None): its checkpoint, and how to evaluate it."""
-  if signal_name:
-    ending.say(stopped_line(signal_name, step, path))
-  else:
-    logger.info('Done: the newest checkpoint is %s. Evaluate it: %s', path, prog.command(
-        'eval --run_once --checkpoint_dir %s --data_dir %s' % (config.train_dir, config.data_dir)))
 
 
 def nothing_to_train(step, max_steps, train_dir):
@@ -327,12 +443,8 @@ class Stopped(BaseException):
   """
 
   def __init__(self, signal_name):
-    super().__init__(signal_name)
+    super().__init__('Stopped by %s before the first step; nothing was saved.' % signal_name)
     self.signal_name = signal_name
-
-  def __str__(self):
-    return ('Stopped by %s before the first step; nothing was saved.'
-            % self.signal_name)
 
 
 # The signals that ask a run to stop (docs/ending.md): Ctrl-C and Ctrl-\ at a
@@ -377,9 +489,6 @@ class StopRequest:
   thread it installs nothing.
   """
 
-  # The signal that stopped the last loop in this process ('SIGINT',
-  # 'SIGUSR1', ...), or None; the CLI turns it into the exit status 128 + number.
-  last_signal = None
   _active = None  # the outermost entered StopRequest, or None
 
   def __init__(self):
@@ -396,7 +505,6 @@ class StopRequest:
   def __enter__(self):
     if StopRequest._active is not None:
       return StopRequest._active  # nested: share the outer request
-    StopRequest.last_signal = None
     if threading.current_thread() is threading.main_thread():
       self._install()
     StopRequest._active = self
@@ -488,7 +596,6 @@ class StopRequest:
 
   def _stop(self, signum):
     name = signal.Signals(signum).name
-    StopRequest.last_signal = StopRequest.last_signal or name
     with self.lock:
       self.signal_name = self.signal_name or name
       self.event.set()

@@ -4,6 +4,7 @@ Tolerance: the converted checkpoint's logits equal the original's to 1e-6
 (absolute, logits are O(1)); the variables themselves must be bit-identical.
 """
 
+import functools
 import os
 import shutil
 
@@ -21,6 +22,7 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import preprocess
 from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import evaluation
 
 import faults_support as fs
 
@@ -68,7 +70,7 @@ def _legacy_logits(path, images):
 def _modern_logits(path, images):
   """Logits of the moving-average weights, restored the way modern eval does."""
   from cifar10_towers.modern import eval as modern_eval
-  model, _ = modern_eval._restore_moving_averages(path)  # pylint: disable=protected-access
+  model = modern_eval.moving_average_model(checkpoints.read(path))
   return model.inference(tf.constant(images)).numpy()
 
 
@@ -103,12 +105,12 @@ def test_converted_checkpoint_evaluates_the_same(legacy_dir, synth_data_dir, tmp
   legacy_logits = _legacy_logits(tf.train.latest_checkpoint(legacy_dir), images)
   modern_logits = _modern_logits(modern_path, images)
   np.testing.assert_allclose(modern_logits, legacy_logits, rtol=0, atol=1e-6)
-  legacy_precision, legacy_step = legacy_eval.evaluate(
-      legacy_dir, synth_data_dir, batch_size=64)
-  modern_precision, modern_step = modern_eval.evaluate(
-      modern_dir, synth_data_dir, batch_size=64)
-  assert legacy_step == modern_step == 6
-  assert modern_precision == legacy_precision
+  (legacy,) = evaluation.run(legacy_dir, functools.partial(
+      legacy_eval.evaluate_contents, data_dir=synth_data_dir, batch_size=64))
+  (modern,) = evaluation.run(modern_dir, functools.partial(
+      modern_eval.evaluate_contents, data_dir=synth_data_dir, batch_size=64))
+  assert legacy.global_step == modern.global_step == 6
+  assert modern.precision == legacy.precision
 
 
 def test_training_continues_from_converted(legacy_dir, synth_data_dir, tmp_path,

@@ -25,6 +25,7 @@ from cifar10_towers.modern import eval as eval_lib
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import step as modern_step
 from cifar10_towers.modern import train
+from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import config as config_lib
 import faults_support as fs
 
@@ -134,8 +135,8 @@ def test_mirrored_checkpoints_have_the_towers_layout(initial_values, tmp_path,
   _assert_close({k: v.numpy() for k, v in towers.state.shadow_variables().items()},
                 {k: v.numpy() for k, v in mirrored.state.shadow_variables().items()},
                 0.0, 'restored average')
-  _, step, count = eval_lib.evaluate_checkpoint(path, synth_data_dir)
-  assert (step, count) == (1, 300)
+  counts = eval_lib.evaluate_contents(checkpoints.read(path), synth_data_dir)
+  assert (counts.global_step, counts.total_count) == (1, 300)
 
 
 def test_batches_must_be_one_per_replica():

@@ -8,6 +8,7 @@ stock strategy's CPU layout). Run as a script, this file is the worker of the
 equivalence test (see `_worker_main`).
 """
 
+import functools
 import json
 import os
 import queue
@@ -252,6 +253,7 @@ def test_three_workers_train_together_and_the_chief_keeps_the_checkpoints(
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import checkpoints as modern_checkpoints  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import eval as eval_lib  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.runtime import evaluation  # pylint: disable=g-import-not-at-top
   path = tf.train.latest_checkpoint(str(train_dir))
   assert path == str(train_dir / 'model.ckpt-20')
   assert (train_dir / 'model.ckpt-10.index').exists()
@@ -260,8 +262,9 @@ def test_three_workers_train_together_and_the_chief_keeps_the_checkpoints(
   # The non-chief's temporary dir is gone; only the chief's files remain.
   assert not any(name.startswith('workertemp_') for name in os.listdir(train_dir))
   # eval reads the chief's dir.
-  precision, step = eval_lib.evaluate(str(train_dir), synth_data_dir)
-  assert step == 20 and 0.0 <= precision <= 1.0
+  (result,) = evaluation.run(str(train_dir), functools.partial(
+      eval_lib.evaluate_contents, data_dir=synth_data_dir))
+  assert result.global_step == 20 and 0.0 <= result.precision <= 1.0
 
 
 @pytest.mark.slow

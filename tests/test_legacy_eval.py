@@ -1,5 +1,6 @@
 """Legacy evaluation: every test record once, moving averages restored."""
 
+import functools
 import os
 
 import numpy as np
@@ -11,6 +12,8 @@ from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import hparams
 from cifar10_towers.legacy import eval as legacy_eval
 from cifar10_towers.legacy import model
+from cifar10_towers.runtime import checkpoints
+from cifar10_towers.runtime import evaluation
 
 NUM_TEST = 300  # not a multiple of the batch size 128
 PREDICTED = 3  # the class the crafted averaged model always predicts
@@ -22,6 +25,12 @@ def _labels():
   labels[0:256:8] = PREDICTED
   labels[256:] = PREDICTED
   return labels
+
+
+def _evaluate(checkpoint_dir, data_dir, batch_size=128, **run_args):
+  """runtime.evaluation.run with the legacy evaluator: its Evaluations."""
+  return evaluation.run(checkpoint_dir, functools.partial(
+      legacy_eval.evaluate_contents, data_dir=data_dir, batch_size=batch_size), **run_args)
 
 
 @pytest.fixture(scope='module')
@@ -65,47 +74,47 @@ def crafted(tmp_path_factory):
 def test_evaluate_counts_every_record_once(crafted):
   data_dir, checkpoint_dir = crafted
   with fs.Logged() as logged:
-    precision, step = legacy_eval.evaluate(checkpoint_dir, data_dir, batch_size=128)
+    (result,) = _evaluate(checkpoint_dir, data_dir)
   lines = logged.out
   # 76 of the 300 labels are 3. Upstream's wrap-around would have counted
   # 384 records, 87 of them 3s.
-  assert precision == 76 / 300
-  assert step == 7
-  assert len(lines) == 1 and lines[0].endswith('precision @ 1 = 0.253')
+  assert result.precision == 76 / 300
+  assert result.global_step == 7
+  assert len(lines) == 1 and lines[0].endswith(
+      'precision @ 1 = 0.253 (global step 7, model.ckpt-7)')
 
 
-def test_eval_once_counts(crafted):
+def test_evaluate_contents_counts(crafted):
   data_dir, checkpoint_dir = crafted
-  path = os.path.join(checkpoint_dir, 'model.ckpt-7')
-  assert legacy_eval.eval_once(path, data_dir, batch_size=128) == (76, 300, 7)
+  contents = checkpoints.read(os.path.join(checkpoint_dir, 'model.ckpt-7'))
+  assert legacy_eval.evaluate_contents(contents, data_dir, batch_size=128) == (76, 300, 7)
   # The first 100 records: 3s at 0, 8, ..., 96.
-  assert legacy_eval.eval_once(path, data_dir, batch_size=128,
-                               num_examples=100) == (13, 100, 7)
+  assert legacy_eval.evaluate_contents(contents, data_dir, batch_size=128,
+                                       num_examples=100) == (13, 100, 7)
   # More than the file holds means all of it.
-  assert legacy_eval.eval_once(path, data_dir, batch_size=7,
-                               num_examples=10000) == (76, 300, 7)
+  assert legacy_eval.evaluate_contents(contents, data_dir, batch_size=7,
+                                       num_examples=10000) == (76, 300, 7)
 
 
 def test_evaluate_writes_precision_summary(crafted, tmp_path):
   data_dir, checkpoint_dir = crafted
   eval_dir = str(tmp_path / 'eval')
-  legacy_eval.evaluate(checkpoint_dir, data_dir, eval_dir=eval_dir)
+  _evaluate(checkpoint_dir, data_dir, eval_dir=eval_dir)
   assert fs.precision_points(eval_dir) == [(7, pytest.approx(76 / 300))]
 
 
 def test_evaluate_loop_evaluates_a_checkpoint_once(crafted):
   data_dir, checkpoint_dir = crafted
   with fs.Logged() as logged:
-    results = legacy_eval.evaluate_loop(checkpoint_dir, data_dir, interval_secs=0.01,
-                                        max_evals=1)
-  assert results == [(76 / 300, 7)]
+    results = _evaluate(checkpoint_dir, data_dir, interval_secs=0.01, max_evals=1)
+  assert [(r.precision, r.global_step) for r in results] == [(76 / 300, 7)]
   assert 'global step 7' in logged.out[0]
 
 
-def test_no_checkpoint_is_an_eval_error(crafted, tmp_path):
+def test_no_checkpoint_says_to_train_first(crafted, tmp_path):
   data_dir, _ = crafted
-  with pytest.raises(legacy_eval.EvalError, match='No checkpoint found in'):
-    legacy_eval.evaluate(str(tmp_path), data_dir)
+  with pytest.raises(checkpoints.CheckpointError, match='no checkpoint in .*Train first'):
+    _evaluate(str(tmp_path), data_dir)
 
 
 def test_checkpoint_without_averages_is_an_eval_error(crafted, tmp_path):
@@ -115,12 +124,12 @@ def test_checkpoint_without_averages_is_an_eval_error(crafted, tmp_path):
     with tf.Session() as sess:
       sess.run(tf.global_variables_initializer())
       tf.train.Saver().save(sess, str(tmp_path / 'model.ckpt'), global_step=1)
-  with pytest.raises(legacy_eval.EvalError, match='moving averages'):
-    legacy_eval.evaluate(str(tmp_path), data_dir)
+  with pytest.raises(evaluation.EvalError, match='moving averages'):
+    _evaluate(str(tmp_path), data_dir)
 
 
 def test_modern_checkpoint_is_an_eval_error(crafted, tmp_path):
   data_dir, _ = crafted
   tf.train.Checkpoint(v=tf.Variable(1.0)).save(str(tmp_path / 'model.ckpt'))
-  with pytest.raises(legacy_eval.EvalError, match='modern evaluator'):
-    legacy_eval.evaluate(str(tmp_path), data_dir)
+  with pytest.raises(evaluation.EvalError, match='modern evaluator'):
+    _evaluate(str(tmp_path), data_dir)

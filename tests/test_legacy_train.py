@@ -1,5 +1,6 @@
 """End-to-end runs of the legacy trainer on generated data."""
 
+import functools
 import os
 import re
 import signal
@@ -12,7 +13,9 @@ from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import devices
 from cifar10_towers.legacy import eval as legacy_eval
 from cifar10_towers.legacy import train
+from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import evaluation
 from cifar10_towers.runtime import training
 import faults_support as fs
 
@@ -26,6 +29,12 @@ def _plan(num_towers):
 def _steps_logged(lines):
   return [int(m.group(1)) for m in
           (re.search(r': step (\d+), loss = ', line) for line in lines) if m]
+
+
+def _evaluate(checkpoint_dir, data_dir, batch_size=128, **run_args):
+  """runtime.evaluation.run with the legacy evaluator: its Evaluations."""
+  return evaluation.run(str(checkpoint_dir), functools.partial(
+      legacy_eval.evaluate_contents, data_dir=data_dir, batch_size=batch_size), **run_args)
 
 
 def _new_threads(before):
@@ -70,15 +79,15 @@ def test_train_resume_and_evaluate(synth_data_dir, tmp_path):
   assert _new_threads(before) == []
 
   with fs.Logged() as logged:
-    precision, step = legacy_eval.evaluate(train_dir, synth_data_dir, batch_size=128)
+    (result,) = _evaluate(train_dir, synth_data_dir)
   lines = logged.out
-  assert 0.0 <= precision <= 1.0
-  assert step == 30
-  assert re.search(r'precision @ 1 = \d\.\d{3}$', lines[0])
-  counts = legacy_eval.eval_once(os.path.join(train_dir, 'model.ckpt-30'),
-                                 synth_data_dir, batch_size=128)
+  assert 0.0 <= result.precision <= 1.0
+  assert result.global_step == 30
+  assert re.search(r'precision @ 1 = \d\.\d{3} \(global step 30, model.ckpt-30\)$', lines[0])
+  counts = legacy_eval.evaluate_contents(
+      checkpoints.read(os.path.join(train_dir, 'model.ckpt-30')), synth_data_dir, 128)
   assert counts.total_count == 300  # the whole test file, each record once
-  assert counts.true_count / counts.total_count == precision
+  assert counts.true_count / counts.total_count == result.precision
   assert _new_threads(before) == []
 
 
@@ -120,7 +129,7 @@ def test_learns_synthetic_data(synth_data_dir, tmp_path):
       data_dir=synth_data_dir, train_dir=train_dir, num_gpus=2, batch_size=64,
       max_steps=150, save_every=150, log_every=50, seed=0)
   train.train(config, _plan(2), num_threads=NUM_THREADS)
-  precision, step = legacy_eval.evaluate(train_dir, synth_data_dir)
+  ((_, precision, step),) = _evaluate(train_dir, synth_data_dir)
   assert step == 150
   # Chance is 0.1; a third of the generated images are faint, guessed this
   # early (datasets/synth.py): measured 0.62 and 0.65 in two runs.

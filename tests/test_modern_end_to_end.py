@@ -1,5 +1,6 @@
 """modern.train.train and modern.eval on generated data, end to end."""
 
+import functools
 import os
 import re
 import signal
@@ -13,7 +14,9 @@ from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.modern import eval as eval_lib
 from cifar10_towers.modern import step as modern_step
 from cifar10_towers.modern import train
+from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import evaluation
 from cifar10_towers.runtime import training
 import faults_support as fs
 
@@ -39,6 +42,12 @@ def _summary_tags(train_dir):
         event = event_pb2.Event.FromString(record.numpy())
         tags.update((v.tag, event.step) for v in event.summary.value)
   return tags
+
+
+def _evaluate(checkpoint_dir, data_dir, batch_size=128, **run_args):
+  """runtime.evaluation.run with the modern evaluator: its Evaluations."""
+  return evaluation.run(str(checkpoint_dir), functools.partial(
+      eval_lib.evaluate_contents, data_dir=data_dir, batch_size=batch_size), **run_args)
 
 
 def _steps_logged(lines):
@@ -86,15 +95,18 @@ def test_train_saves_resumes_and_evaluates(synth_data_dir, tmp_path, monkeypatch
   assert any('nothing to train' in w for w in logged.err)
 
   with fs.Logged() as logged:
-    precision, step, count = eval_lib.evaluate_checkpoint(path, synth_data_dir, batch_size=128)
+    (result,) = _evaluate(train_dir, synth_data_dir)
   lines = logged.out
-  assert (step, count) == (30, 300)  # every test record exactly once
-  assert 0.0 <= precision <= 1.0
-  assert re.fullmatch(r'.*: precision @ 1 = \d\.\d{3}', lines[0])
-  assert eval_lib.evaluate(str(train_dir), synth_data_dir) == (precision, 30)
-  assert eval_lib.evaluate_checkpoint(path, synth_data_dir, 64, num_examples=100)[2] == 100
-  assert eval_lib.evaluate_loop(str(train_dir), synth_data_dir, interval_secs=0,
-                                max_evals=1) == [(precision, 30)]
+  assert result == (path, result.precision, 30)
+  assert 0.0 <= result.precision <= 1.0
+  assert re.fullmatch(r'.*: precision @ 1 = \d\.\d{3} \(global step 30, model.ckpt-30\)',
+                      lines[0])
+  counts = eval_lib.evaluate_contents(checkpoints.read(path), synth_data_dir, 128)
+  assert (counts.global_step, counts.total_count) == (30, 300)  # every record exactly once
+  assert counts.true_count / counts.total_count == result.precision
+  assert eval_lib.evaluate_contents(checkpoints.read(path), synth_data_dir, 64,
+                                    num_examples=100).total_count == 100
+  assert _evaluate(train_dir, synth_data_dir, interval_secs=0, max_evals=1) == [result]
 
 
 @pytest.mark.slow
@@ -132,8 +144,8 @@ def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir,
 
 
 def test_evaluate_without_a_checkpoint_says_to_train_first(synth_data_dir, tmp_path):
-  with pytest.raises(eval_lib.EvalError, match='No checkpoint found in .*Train first'):
-    eval_lib.evaluate(str(tmp_path), synth_data_dir)
+  with pytest.raises(checkpoints.CheckpointError, match='no checkpoint in .*Train first'):
+    _evaluate(tmp_path, synth_data_dir)
 
 
 def test_evaluate_refuses_a_legacy_checkpoint(synth_data_dir, tmp_path):
@@ -143,5 +155,5 @@ def test_evaluate_refuses_a_legacy_checkpoint(synth_data_dir, tmp_path):
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       saver.save(sess, str(tmp_path / 'model.ckpt'), global_step=5)
-  with pytest.raises(eval_lib.EvalError, match='legacy'):
-    eval_lib.evaluate(str(tmp_path), synth_data_dir)
+  with pytest.raises(evaluation.EvalError, match='legacy'):
+    _evaluate(tmp_path, synth_data_dir)

@@ -32,7 +32,7 @@ def test_a_signal_is_a_request_and_the_handlers_come_back(sig):
     assert stop.wait(PROMPT_SECS)  # wakes early, well before the timeout
     assert stop.requested and stop.signal_name == sig.name
   assert signal.getsignal(sig) is before
-  assert training.exit_status(training.StopRequest.last_signal) == 128 + sig
+  assert training.exit_status(stop.signal_name) == 128 + sig
 
 
 def test_nested_requests_share_one_state():
