@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 
+import numpy as np
 import tensorflow as tf
 
 from cifar10_towers.common import hparams
@@ -23,18 +24,26 @@ from cifar10_towers.runtime import training
 logger = logging.getLogger(__name__)
 
 
-# TF1's image summary as legacy's graph runs it: eagerly it cannot take its bad_color attr.
-_image_summary = tf.function(autograph=False)(lambda images: tf.raw_ops.ImageSummary(
-    tag='images', tensor=images, max_images=training.NUM_SUMMARY_IMAGES))
+def _displayable(image):
+  """A float image scaled into [0, 1] as TF1's image summary scales it.
+
+  Non-negative images: the largest value becomes 1. Otherwise 0 goes to
+  127/255 and the image is scaled so that its smallest value is 0 or its
+  largest 1 (tf.summary.image clips what lies outside [0, 1]).
+  """
+  image = np.asarray(image, np.float32)
+  low, high = float(image.min()), float(image.max())
+  if low >= 0:
+    return image / high if high > 0 else image
+  scale = 127.0 / -low
+  if high > 0:
+    scale = min(scale, 128.0 / high)
+  return (image * scale + 127.0) / 255.0
 
 
 # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
 def _write_summaries(state, step, tower_losses, lr, summaries):
-  """The tags of runtime.training.summary_tags, at `step`, as legacy writes them.
-
-  TF1's summary ops (tf.raw_ops), run eagerly and written whole
-  (`write_raw_pb`): the same records as legacy's summary op, its image
-  scaling too.
+  """The tags of runtime.training.summary_tags with tf.summary, at `step`.
 
   Args:
     state: modern.step.TrainState after the step.
@@ -51,12 +60,14 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
   histograms = {**summaries.get('histograms', {}), **state.variables()}
   histograms.update((training.average_tag(name), var)
                     for name, var in state.shadow_variables().items())
-  protos = [tf.raw_ops.ScalarSummary(tags=tag, values=value) for tag, value in scalars.items()]
-  protos += [tf.raw_ops.HistogramSummary(tag=tag, values=value)
-             for tag, value in histograms.items()]
-  if 'images' in summaries:  # 'images/image/0', ...
-    protos.append(_image_summary(summaries['images']))
-  tf.summary.experimental.write_raw_pb(tf.raw_ops.MergeSummary(inputs=protos), step=step)
+  for tag, value in scalars.items():
+    tf.summary.scalar(tag, value, step=step)
+  for tag, value in histograms.items():
+    tf.summary.histogram(tag, tf.convert_to_tensor(value), step=step)
+  images = summaries.get('images')
+  if images is not None:
+    for tag, image in zip(training.image_tags(), images):
+      tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
 
 
 def _first_step_progress(first, what):

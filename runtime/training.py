@@ -301,6 +301,11 @@ def average_tag(variable_name):
   return '%s/%s' % (variable_name, model_spec.EMA_SUFFIX)
 
 
+def image_tags():
+  """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
+  return ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)]
+
+
 def summary_tags(num_towers, activations=True):
   """{'scalars', 'histograms', 'images'} -> sorted tags both trainers write.
 
@@ -318,7 +323,7 @@ def summary_tags(num_towers, activations=True):
       scalars += [tower_tag(i, term) for term in loss_terms()]
       scalars += [sparsity_tag(prefix, layer) for layer in layers]
       histograms += [activations_tag(prefix, layer) for layer in layers]
-  images = ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)] if activations else []
+  images = image_tags() if activations else []
   if activations:
     histograms += [gradients_tag(v) for v in names]
   return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
