@@ -212,9 +212,8 @@ def _unresolvable(index):
     name = 'nosuchworker.invalid'
     hosts = _loopback(ports)
     hosts[index] = '%s:%d' % (name, ports[index])
-    whose = 'this worker' if index == 0 else 'worker %d' % index
     return [Outcome(*_in_process(hosts, 0, train_dir, data_dir), [
-        "cannot resolve '%s', the host of %s (%s)" % (name, whose, hosts[index]),
+        "cannot resolve '%s', the host of %s (worker %d)" % (name, hosts[index], index),
         '--worker_hosts'], None)]
   return run
 
@@ -234,10 +233,11 @@ def _different_clusters(train_dir, data_dir):
   workers = [_Worker([a, b], 0, train_dir, data_dir, '--startup_timeout', '60'),
              _Worker([a, b, c], 1, train_dir, data_dir, '--startup_timeout', '60')]
   since = [w.wait_for(WAITING) for w in workers]
-  facts = ['was started with another cluster', 'it lists', '%s,%s,%s' % (a, b, c),
-           '--worker_hosts']
-  return [_outcome(w, max(s for s in since if s), train_dir, facts, None)
-          for w in workers]
+  # Each names the other's address, index and list.
+  facts = ['the worker at %s was started as worker 1 of %s,%s,%s' % (b, a, b, c),
+           'the worker at %s was started as worker 0 of %s,%s' % (a, a, b)]
+  return [_outcome(w, max(s for s in since if s), train_dir, [fact, '--worker_hosts'], None)
+          for w, fact in zip(workers, facts)]
 
 
 def _sigterm_while_peer_hangs(train_dir, data_dir):
@@ -473,8 +473,8 @@ def test_a_worker_listed_at_the_wrong_index_is_named():
   for thread in threads:
     thread.join(30)
   assert len(errors) == 2, errors
-  assert any('the worker at %s says it is worker 0, but --worker_hosts lists it '
-             'as worker 1' % hosts[1] in e for e in errors), errors
+  assert any('the worker at %s was started as worker 0 of %s' % (hosts[1], ','.join(hosts))
+             in e for e in errors), errors
 
 
 # --- modern.engines._bounded: the backstop on TensorFlow's start-up -------------
