@@ -466,9 +466,10 @@ class MultiWorker(Mirrored):
       self._watchdog.stop()
 
   def waiting(self, what, step, first=False):
-    if first and self.config.startup_timeout > self.config.peer_timeout:
-      return self._watchdog.guard(self.config.startup_timeout, what, step, '--startup_timeout')
-    return self._watchdog.guard(self.config.peer_timeout, what, step, '--peer_timeout')
+    config = self.config
+    flag = ('startup_timeout' if first and config.startup_timeout > config.peer_timeout
+            else 'peer_timeout')
+    return self._watchdog.guard(getattr(config, flag), what, step, '--' + flag)
 
   def broadcast(self):
     self.trainer.broadcast_from_chief()
@@ -491,13 +492,13 @@ class MultiWorker(Mirrored):
     if stop.requested:
       # (Not lower(): that would change the path's case.)
       logger.warning('%s: stopped by %s at global step %d while waiting for the other '
-                     'workers. %s', self.cluster.name(), stop.signal_name, step, _saved(saved))
+                     'workers; %s', self.cluster.name(), stop.signal_name, step, _saved(saved))
       return step
     # The line that names the cause, and the unhealthy tasks after a ':'.
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or ['']
     i = next((i for i, line in enumerate(lines) if any(
         word in line for word in ('aborted by', 'unhealthy', 'Deadline', 'onnect'))), 0)
-    raise training.TrainingError('%s lost its peers at global step %d (%s: %s). %s %s' % (
+    raise training.TrainingError('%s lost its peers at global step %d (%s: %s); %s %s' % (
         self.cluster.name(), step, type(error).__name__, ' '.join(lines[i:i + 2])
         if lines[i].endswith(':') else lines[i], _saved(saved), _RESTART)) from error
 
@@ -518,7 +519,7 @@ class MultiWorker(Mirrored):
 
 
 def _saved(saved):
-  return ('Saved %s.' % saved) if saved else 'This worker saved no checkpoint.'
+  return ('saved %s.' % saved) if saved else 'this worker saved no checkpoint.'
 
 
 class PeerWatchdog:
@@ -600,19 +601,13 @@ class PeerWatchdog:
           saved = self._save_completed(step, self._first_step)
         except Exception:  # pylint: disable=broad-except
           saved = None
-        if stopped:
-          logger.warning(
-              '%s: stopped by %s at global step %d, ending %s after %d s of waiting for '
-              'the other workers; %s %s' % (
-                  self._cluster.name(), signal_name, step, what, now - max(start, since),
-                  ('saved %s.' % saved) if saved else 'this worker saved no '
-                  'checkpoint: the newest in --train_dir is kept.', _RESTART))
-        else:
-          logger.warning(
-              'Error: %s lost its peers in %s after global step %d: no answer within %d s '
-              '(%s); a worker stopped, hung or is unreachable. %s %s'
-              % (self._cluster.name(), what, step, round(deadline - start), flag,
-                 _saved(saved), _RESTART))
+        name = self._cluster.name()
+        logger.warning('%s; %s %s' % (
+            '%s: stopped by %s at global step %d, ending %s after %d s of waiting for the '
+            'other workers' % (name, signal_name, step, what, now - max(start, since))
+            if stopped else 'Error: %s lost its peers in %s after global step %d: no answer '
+            'within %d s (%s), a worker stopped, hung or is unreachable'
+            % (name, what, step, round(deadline - start), flag), _saved(saved), _RESTART))
         self._cleanup()
       finally:
         self._exit(training.exit_status(signal_name) if stopped else 1)

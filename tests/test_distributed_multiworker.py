@@ -313,7 +313,7 @@ def test_a_worker_that_loses_its_peer_stops_with_a_clear_error(
   assert 'Traceback' not in err
   # The chief saved the last step both had finished (a frozen peer's wait is
   # ended by the watchdog, which saves it from its own thread before the exit).
-  saved = re.search(r'Saved (\S+-(\d+))\.', message)
+  saved = re.search(r'saved (\S+-(\d+))\.', message)
   assert saved, message
   step = int(saved.group(2))
   assert step >= 2
