@@ -277,9 +277,8 @@ def _signal_to_a_training_non_chief(sig):
           'worker 1 of 2 (%s): stopped by %s at global step' % (hosts[1], sig.name),
           'the chief saved %s' % saved], None)
       chief = _outcome(workers[0], since, train_dir, [
-          'worker 0 of 2 (%s) stopped at global step' % hosts[0],
-          'because another worker was stopped', 'it saved %s' % saved,
-          'Restart every worker'], None)
+          'worker 0 of 2 (%s): stopped by a stop request of another worker at global step'
+          % hosts[0], 'it saved %s' % saved, 'Restart every worker'], None)
     finally:
       for worker in workers:
         worker.kill()
