@@ -167,19 +167,18 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
   try:
     tf_config = json.loads(text)
     cluster, task = dict(tf_config['cluster']), tf_config['task']
-    task_type, task_id = task['type'], task.get('index', 0)
+    if set(cluster) - {'chief', 'worker'} or len(cluster.get('chief', ())) > 1:
+      raise ValueError('its jobs are "worker" and one "chief" at most')
     # Every host:port of every job checked, none twice.
     parse_worker_hosts(','.join(sum(cluster.values(), [])), TF_CONFIG)
+    jobs = {job: tuple(h.strip() for h in hosts if h.strip()) for job, hosts in cluster.items()}
+    task_type, task_id = task['type'], task.get('index', 0)
+    if not isinstance(task_id, int) or task_id not in range(len(jobs.get(task_type, ()))):
+      raise ValueError('its task is not in its cluster')
   except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSON errors are ValueErrors
-    raise ClusterError('TF_CONFIG is not valid JSON of a "cluster" of lists and a "task" '
-                       '(%s: %s): %r. E.g. %s' % (type(e).__name__, e, text, _EXAMPLE)) from None
-  if set(cluster) - {'chief', 'worker'} or len(cluster.get('chief', ())) > 1:
-    raise ClusterError('TF_CONFIG cluster %r must list "host:port" of a "chief" (one at most) '
-                       'and "worker"s, the tasks MultiWorkerMirroredStrategy trains with.'
-                       % cluster)
-  jobs = {job: tuple(h.strip() for h in hosts if h.strip()) for job, hosts in cluster.items()}
-  if not isinstance(task_id, int) or task_id not in range(len(jobs.get(task_type, ()))):
-    raise ClusterError('TF_CONFIG task %r is not in its cluster %r.' % (task, cluster))
+    raise ClusterError('TF_CONFIG is not valid JSON of a "cluster" (lists of host:port) and a '
+                       '"task" in it (%s: %s): %r. E.g. %s' % (type(e).__name__, e, text,
+                                                              _EXAMPLE)) from None
   return Cluster(jobs, task_type, task_id, source=TF_CONFIG)
 
 
