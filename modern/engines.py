@@ -491,11 +491,10 @@ class MultiWorker(Mirrored):
     step = step if step is not None else int(self.trainer.state.global_step.numpy())
     if stop.requested:
       # (Not lower(): that would change the path's case.)
-      logger.warning('%s: stopped by %s at global step %d while waiting for the other '
-                     'workers; %s', self.cluster.name(), stop.signal_name, step, _saved(saved))
+      logger.warning(_line(self.cluster, step, saved, 'while waiting for the other workers',
+                           stop.signal_name))
       return step
-    raise training.TrainingError('%s lost its peers at global step %d (%s); %s %s' % (
-        self.cluster.name(), step, _quote(error), _saved(saved), _RESTART)) from error
+    raise training.TrainingError(_line(self.cluster, step, saved, _quote(error))) from error
 
   def report_stop(self, stopped_by, step, path):
     # A non-chief's own copy is removed at the end: the chief's is the one kept.
@@ -522,8 +521,11 @@ def _quote(error):
                      ' '.join((cause or re.match('.*', text)).group().split()))
 
 
-def _saved(saved):
-  return ('saved %s.' % saved) if saved else 'this worker saved no checkpoint.'
+def _line(cluster, step, saved, why, stopped_by=None):
+  """A worker's line when it lost its peers, or was stopped (by `stopped_by`) waiting for them."""
+  return '%s: %s at global step %d (%s); %s %s' % (
+      cluster.name(), 'stopped by %s' % stopped_by if stopped_by else 'lost its peers', step,
+      why, 'saved %s.' % saved if saved else 'this worker saved no checkpoint.', _RESTART)
 
 
 class PeerWatchdog:
@@ -605,13 +607,11 @@ class PeerWatchdog:
           saved = self._save_completed(step, self._first_step)
         except Exception:  # pylint: disable=broad-except
           saved = None
-        name = self._cluster.name()
-        logger.warning('%s; %s %s' % (
-            '%s: stopped by %s at global step %d, ending %s after %d s of waiting for the '
-            'other workers' % (name, signal_name, step, what, now - max(start, since))
-            if stopped else 'Error: %s lost its peers in %s after global step %d: no answer '
-            'within %d s (%s), a worker stopped, hung or is unreachable'
-            % (name, what, step, round(deadline - start), flag), _saved(saved), _RESTART))
+        logger.warning(_line(
+            self._cluster, step, saved, 'ending %s after %d s of waiting for the other workers'
+            % (what, now - max(start, since)), signal_name) if stopped else 'Error: ' + _line(
+                self._cluster, step, saved, 'no answer in %s within %d s (%s): a worker '
+                'stopped, hung or is unreachable' % (what, round(deadline - start), flag)))
         self._cleanup()
       finally:
         self._exit(training.exit_status(signal_name) if stopped else 1)

@@ -647,13 +647,13 @@ def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved, monk
   assert '\n' not in message
   name = 'worker 0 of 2 (127.0.0.1:1)'
   if stop:
-    assert message.startswith('%s: stopped by SIGTERM at global step 7, ending the '
+    assert message.startswith('%s: stopped by SIGTERM at global step 7 (ending the '
                               'step after ' % name), message
-    assert ' s of waiting for the other workers; ' in message
+    assert ' s of waiting for the other workers); ' in message
     assert ending.calls[-1] == ('exit', 143)
   else:
-    assert message.startswith('Error: %s lost its peers in the step after global '
-                              'step 7: no answer within 1 s (--peer_timeout)' % name)
+    assert message.startswith('Error: %s: lost its peers at global step 7 (no answer in the '
+                              'step within 1 s (--peer_timeout)' % name), message
     assert ending.calls[-1] == ('exit', 1)
   assert ('; saved %s.' % SAVED if saved == SAVED else
           '; this worker saved no checkpoint.') in message
