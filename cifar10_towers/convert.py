@@ -75,7 +75,7 @@ def state_of(contents):
                                                               list(shape)), _PASS_A_TRAIN_DIR))
   names = model_spec.VARIABLE_NAMES
   return (kind, {name: found[name] for name in names},
-          {name: found['%s/%s' % (name, model_spec.EMA_SUFFIX)] for name in names},
+          {name: found[model_spec.average_name(name)] for name in names},
           checkpoints.global_step(contents), optimizer,
           {name: found[name] for name in slot_names})
 

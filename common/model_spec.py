@@ -34,6 +34,11 @@ NUM_PARAMETERS = 1068298
 EMA_SUFFIX = 'ExponentialMovingAverage'  # a shadow variable's name: '<variable>/' + this
 
 
+def average_name(variable_name):
+  """A variable's moving average (shadow): 'conv1/weights/ExponentialMovingAverage'."""
+  return '%s/%s' % (variable_name, EMA_SUFFIX)
+
+
 def variable_shape(name):
   """Shape of a variable named like 'local3/weights'."""
   layer_name, kind = name.split('/')

@@ -150,7 +150,7 @@ def legacy_shapes(optimizer=optimizer_lib.SGD):
   """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
   shapes = {'global_step': ()}
   for name in model_spec.VARIABLE_NAMES:
-    shapes[name] = shapes[training.average_tag(name)] = model_spec.variable_shape(name)
+    shapes[name] = shapes[model_spec.average_name(name)] = model_spec.variable_shape(name)
   shapes.update((name, optimizer_lib.slot_shape(name))
                 for name in optimizer_lib.slot_names(optimizer))
   return shapes
@@ -171,13 +171,9 @@ def checkpoint_key(legacy_name):
   Raises:
     KeyError: the name is none of these.
   """
-  layer, _, last = legacy_name.rpartition('/')
-  if legacy_name == 'global_step':
-    return 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
-  if legacy_name in model_spec.VARIABLE_NAMES:
-    return 'model/%s/.ATTRIBUTES/VARIABLE_VALUE' % legacy_name
-  if last == model_spec.EMA_SUFFIX and layer in model_spec.VARIABLE_NAMES:
-    return 'ema/%s/.ATTRIBUTES/VARIABLE_VALUE' % layer
-  if any(legacy_name in optimizer_lib.slot_names(o) for o in optimizer_lib.NAMES):
-    return 'optimizer/%s/.ATTRIBUTES/VARIABLE_VALUE' % legacy_name
-  raise KeyError('no modern checkpoint key for legacy name %r' % legacy_name)
+  keys = {'global_step': 'global_step'}
+  for name in model_spec.VARIABLE_NAMES:
+    keys[name], keys[model_spec.average_name(name)] = 'model/' + name, 'ema/' + name
+  keys.update((slot, 'optimizer/' + slot) for o in optimizer_lib.NAMES
+              for slot in optimizer_lib.slot_names(o))
+  return keys[legacy_name] + '/.ATTRIBUTES/VARIABLE_VALUE'

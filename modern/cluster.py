@@ -47,6 +47,8 @@ TF_CONFIG = 'TF_CONFIG'  # the environment variable naming the cluster
 HELLO = 'cifar10-towers multiworker hello'  # first word of the start-up handshake
 CONNECT_SECS = 1.0  # one attempt to reach a peer's port
 RETRY_SECS = 0.5  # between attempts to reach a peer
+_EXAMPLE = ('{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
+            '"task": {"type": "worker", "index": 0}}')
 
 
 class ClusterError(errors.Failure):
@@ -160,30 +162,23 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
                          '(0..%d).' % (task_index, len(worker_hosts), len(worker_hosts) - 1))
     return Cluster({'worker': tuple(worker_hosts)}, 'worker', task_index)
   if not text:
-    raise ClusterError(
-        '--strategy multiworker needs the cluster: set TF_CONFIG (e.g. '
-        '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": '
-        '{"type": "worker", "index": 0}}) or pass --worker_hosts and --task_index.')
+    raise ClusterError('--strategy multiworker needs the cluster: set TF_CONFIG (e.g. %s) or '
+                       'pass --worker_hosts and --task_index.' % _EXAMPLE)
   try:
     tf_config = json.loads(text)
-  except ValueError as e:
-    raise ClusterError('TF_CONFIG is not valid JSON (%s): %r' % (e, text)) from None
-  cluster, task = (tf_config.get(key) if isinstance(tf_config, dict) else None
-                   for key in ('cluster', 'task'))
-  if not isinstance(cluster, dict) or not isinstance(task, dict):
-    raise ClusterError('TF_CONFIG needs "cluster" and "task" objects, got %r.' % text)
-  for job, hosts in cluster.items():
-    if (job not in ('chief', 'worker') or not isinstance(hosts, list)
-        or not all(isinstance(h, str) for h in hosts) or job == 'chief' and len(hosts) > 1):
-      raise ClusterError('TF_CONFIG cluster.%s must be a list of "host:port" of a "chief" '
-                         '(one at most) or "worker" job, the tasks MultiWorkerMirroredStrategy '
-                         'trains with; got %r.' % (job, hosts))
-  # Every host:port of every job checked, none twice.
-  parse_worker_hosts(','.join(sum(cluster.values(), [])), TF_CONFIG)
-  jobs = {job: tuple(h.strip() for h in hosts if h.strip()) for job, hosts in cluster.items()}
-  task_type, task_id = task.get('type'), task.get('index', 0)
-  if not isinstance(task_id, int) or task_id not in range(len(jobs.get(task_type, ()))):
-    raise ClusterError('TF_CONFIG task %r is not in its cluster %r.' % (task, cluster))
+    cluster, task = dict(tf_config['cluster']), tf_config['task']
+    if set(cluster) - {'chief', 'worker'} or len(cluster.get('chief', ())) > 1:
+      raise ValueError('its jobs are "worker" and one "chief" at most')
+    # Every host:port of every job checked, none twice.
+    parse_worker_hosts(','.join(sum(cluster.values(), [])), TF_CONFIG)
+    jobs = {job: tuple(h.strip() for h in hosts if h.strip()) for job, hosts in cluster.items()}
+    task_type, task_id = task['type'], task.get('index', 0)
+    if not isinstance(task_id, int) or task_id not in range(len(jobs.get(task_type, ()))):
+      raise ValueError('its task is not in its cluster')
+  except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSON errors are ValueErrors
+    raise ClusterError('TF_CONFIG is not valid JSON of a "cluster" (lists of host:port) and a '
+                       '"task" in it (%s: %s): %r. E.g. %s' % (type(e).__name__, e, text,
+                                                              _EXAMPLE)) from None
   return Cluster(jobs, task_type, task_id, source=TF_CONFIG)
 
 
@@ -206,12 +201,10 @@ def check_hosts(cluster):
     try:
       socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-      raise StartupError(
-          '%s: cannot resolve %r, the host of %s (%s): %s. Fix the name in %s '
-          '(the same list on every worker), or use an IP address.'
-          % (cluster.name(), host, 'this worker' if index == cluster.worker_index
-             else 'worker %d' % index, address,
-             getattr(e, 'strerror', None) or e, cluster.source)) from None
+      raise StartupError('%s: cannot resolve %r, the host of %s: %s. Fix the name in %s (the '
+                         'same list on every worker), or use an IP address.' % (
+                             cluster.name(), host, _names(cluster, [index]), e,
+                             cluster.source)) from None
 
 
 def listen(cluster):
@@ -235,13 +228,10 @@ def listen(cluster):
                                 family=socket.AF_INET6 if dual else socket.AF_INET,
                                 dualstack_ipv6=dual)
   except OSError as e:
-    raise StartupError(
-        '%s: port %d is not free on this machine (%s): another process '
-        'listens on it, or an earlier run of this worker still does. Stop '
-        'that process, or give this worker another port in %s (the same '
-        'list on every worker).'
-        % (cluster.name(), port, os.strerror(e.errno) if e.errno else e,
-           cluster.source)) from None
+    raise StartupError('%s: port %d is not free on this machine (%s). Stop the process that '
+                       'listens on it, or give this worker another port in %s (the same '
+                       'list on every worker).' % (cluster.name(), port, e.strerror or e,
+                                                   cluster.source)) from None
 
 
 def _exchange(cluster, sock, expected=None):
@@ -269,19 +259,12 @@ def _exchange(cluster, sock, expected=None):
     return None
   where = cluster.hosts[expected] if expected is not None else (
       hosts[index] if 0 <= index < len(hosts) else sock.getpeername()[0])
-  if hosts != list(cluster.hosts):
-    raise StartupError(
-        '%s: the worker at %s was started with another cluster: it lists %s, this '
-        'worker %s. Start every worker with the same %s list, each with its own '
-        'index.' % (cluster.name(), where, ','.join(map(str, hosts)),
-                    ','.join(cluster.hosts), cluster.source))
-  if expected not in (None, index) or index == cluster.worker_index:
-    raise StartupError(
-        '%s: the worker at %s says it is worker %d%s. Give each worker the index '
-        'of its own host:port in %s.'
-        % (cluster.name(), where, index,
-           ', but %s lists it as worker %d' % (cluster.source, expected)
-           if expected not in (None, index) else ' too', cluster.source))
+  if hosts != list(cluster.hosts) or expected not in (None, index) or (
+      index == cluster.worker_index):
+    raise StartupError('%s: the worker at %s was started as worker %d of %s. Start every worker '
+                       'with the same %s list, each with the index of its own host:port.' % (
+                           cluster.name(), where, index, ','.join(map(str, hosts)),
+                           cluster.source))
   return index
 
 

@@ -28,6 +28,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -424,10 +425,9 @@ class MultiWorker(Mirrored):
       # e.g. 'Could not start gRPC server': another process took the port
       # after the rendezvous found it free.
       raise cluster_lib.StartupError(
-          "%s: TensorFlow's start-up failed (%s: %s). Start every worker again with the "
-          "same flags, or, if this worker's port was taken meanwhile, another in %s." % (
-              cluster.name(), type(e).__name__, (str(e).strip() + '\n').splitlines()[0],
-              cluster.source)) from None
+          "%s: TensorFlow's start-up failed (%s). Start every worker again with the same "
+          "flags, or, if this worker's port was taken meanwhile, another in %s." % (
+              cluster.name(), _quote(e), cluster.source)) from None
     finally:
       if sigterm is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
@@ -466,9 +466,10 @@ class MultiWorker(Mirrored):
       self._watchdog.stop()
 
   def waiting(self, what, step, first=False):
-    if first and self.config.startup_timeout > self.config.peer_timeout:
-      return self._watchdog.guard(self.config.startup_timeout, what, step, '--startup_timeout')
-    return self._watchdog.guard(self.config.peer_timeout, what, step, '--peer_timeout')
+    config = self.config
+    flag = ('startup_timeout' if first and config.startup_timeout > config.peer_timeout
+            else 'peer_timeout')
+    return self._watchdog.guard(getattr(config, flag), what, step, '--' + flag)
 
   def broadcast(self):
     self.trainer.broadcast_from_chief()
@@ -490,35 +491,41 @@ class MultiWorker(Mirrored):
     step = step if step is not None else int(self.trainer.state.global_step.numpy())
     if stop.requested:
       # (Not lower(): that would change the path's case.)
-      logger.warning('%s: stopped by %s at global step %d while waiting for the other '
-                     'workers. %s', self.cluster.name(), stop.signal_name, step, _saved(saved))
+      logger.warning(_line(self.cluster, step, saved, 'while waiting for the other workers',
+                           stop.signal_name))
       return step
-    # The line that names the cause, and the unhealthy tasks after a ':'.
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or ['']
-    i = next((i for i, line in enumerate(lines) if any(
-        word in line for word in ('aborted by', 'unhealthy', 'Deadline', 'onnect'))), 0)
-    raise training.TrainingError('%s lost its peers at global step %d (%s: %s). %s %s' % (
-        self.cluster.name(), step, type(error).__name__, ' '.join(lines[i:i + 2])
-        if lines[i].endswith(':') else lines[i], _saved(saved), _RESTART)) from error
+    raise training.TrainingError(_line(self.cluster, step, saved, _quote(error))) from error
 
   def report_stop(self, stopped_by, step, path):
-    name, whose = self.cluster.name(), 'it' if self.is_chief else 'the chief'
     # A non-chief's own copy is removed at the end: the chief's is the one kept.
     path = os.path.join(self.config.train_dir, os.path.basename(path))
+    line = '%s: stopped by %s at global step %d; %s saved %s.' % (
+        self.cluster.name(), stopped_by, step, 'it' if self.is_chief else 'the chief', path)
     if stopped_by == ANOTHER_WORKER:
       # Not a signal of this process, so not its exit status: the run did not
       # end, and every worker must be started again.
-      raise training.TrainingError(
-          '%s stopped at global step %d because another worker was stopped '
-          '(by a stop signal); %s saved %s. %s' % (name, step, whose, path, _RESTART))
+      raise training.TrainingError('%s %s' % (line, _RESTART))
     # The run's one ending line, on stderr (runtime.ending).
-    ending.say(training.stopped_line(stopped_by, step, path) if self.is_chief else
-               '%s: stopped by %s at global step %d; the chief saved %s.'
-               % (name, stopped_by, step, path))
+    ending.say(training.stopped_line(stopped_by, step, path) if self.is_chief else line)
 
 
-def _saved(saved):
-  return ('Saved %s.' % saved) if saved else 'This worker saved no checkpoint.'
+def _quote(error):
+  """'UnavailableError: <the line of `error` naming the cause>', for messages.
+
+  The first line that names it, with the next (the unhealthy tasks) after a
+  ':'; else the first line.
+  """
+  text = str(error).strip()
+  cause = re.search(r'.*(aborted by|unhealthy|Deadline|onnect)(.*:\s*\n.*|.*)', text)
+  return '%s: %s' % (type(error).__name__,
+                     ' '.join((cause or re.match('.*', text)).group().split()))
+
+
+def _line(cluster, step, saved, why, stopped_by=None):
+  """A worker's line when it lost its peers, or was stopped (by `stopped_by`) waiting for them."""
+  return '%s: %s at global step %d (%s); %s %s' % (
+      cluster.name(), 'stopped by %s' % stopped_by if stopped_by else 'lost its peers', step,
+      why, 'saved %s.' % saved if saved else 'this worker saved no checkpoint.', _RESTART)
 
 
 class PeerWatchdog:
@@ -600,19 +607,11 @@ class PeerWatchdog:
           saved = self._save_completed(step, self._first_step)
         except Exception:  # pylint: disable=broad-except
           saved = None
-        if stopped:
-          logger.warning(
-              '%s: stopped by %s at global step %d, ending %s after %d s of waiting for '
-              'the other workers; %s %s' % (
-                  self._cluster.name(), signal_name, step, what, now - max(start, since),
-                  ('saved %s.' % saved) if saved else 'this worker saved no '
-                  'checkpoint: the newest in --train_dir is kept.', _RESTART))
-        else:
-          logger.warning(
-              'Error: %s lost its peers in %s after global step %d: no answer within %d s '
-              '(%s); a worker stopped, hung or is unreachable. %s %s'
-              % (self._cluster.name(), what, step, round(deadline - start), flag,
-                 _saved(saved), _RESTART))
+        logger.warning(_line(
+            self._cluster, step, saved, 'ending %s after %d s of waiting for the other workers'
+            % (what, now - max(start, since)), signal_name) if stopped else 'Error: ' + _line(
+                self._cluster, step, saved, 'no answer in %s within %d s (%s): a worker '
+                'stopped, hung or is unreachable' % (what, round(deadline - start), flag)))
         self._cleanup()
       finally:
         self._exit(training.exit_status(signal_name) if stopped else 1)

@@ -145,5 +145,5 @@ class MovingAverages(_Layers):
     shadow with the variable's initial value.
     """
     super().__init__('moving_averages', lambda layer, kind: _variable_on_cpu(
-        '%s/%s/%s' % (layer.name, kind, model_spec.EMA_SUFFIX),
+        model_spec.average_name('%s/%s' % (layer.name, kind)),
         getattr(getattr(model, layer.name), kind).read_value(), trainable=False))

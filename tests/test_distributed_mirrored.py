@@ -225,13 +225,13 @@ def test_cluster_from_tf_config():
     ('', 'set TF_CONFIG'),
     ('{"cluster": ', 'not valid JSON'),
     ('{"cluster": {"ps": ["p:1"], "worker": ["w:1"]}, "task": {"type": "worker"}}',
-     'cluster.ps must be a list of "host:port" of a "chief"'),
+     'its jobs are "worker" and one "chief" at most'),
     ('{"cluster": {"worker": ["w:1"]}, "task": {"type": "worker", "index": 1}}',
      'not in its cluster'),
     ('{"cluster": {"worker": ["w"]}, "task": {"type": "worker", "index": 0}}',
      'host:port'),
     ('{"cluster": {"worker": "w:1"}, "task": {"type": "worker", "index": 0}}',
-     'must be a list'),
+     'lists of host:port'),
 ])
 def test_bad_tf_config_is_named(tf_config, match):
   with pytest.raises(cluster_lib.ClusterError, match=match):

@@ -310,13 +310,13 @@ def test_a_worker_that_loses_its_peer_stops_with_a_clear_error(
   # Within the peer timeout, plus the watchdog's poll and the exit.
   assert elapsed <= peer_timeout + 5, elapsed
   message = fs.ours(err)[-1]
-  assert message.startswith('Error: worker 0 of 2 (%s) lost its peers ' % hosts[0]), (
+  assert message.startswith('Error: worker 0 of 2 (%s): lost its peers ' % hosts[0]), (
       message)
   assert 'Restart every worker with the same flags' in message
   assert 'Traceback' not in err
   # The chief saved the last step both had finished (a frozen peer's wait is
   # ended by the watchdog, which saves it from its own thread before the exit).
-  saved = re.search(r'Saved (\S+-(\d+))\.', message)
+  saved = re.search(r'saved (\S+-(\d+))\.', message)
   assert saved, message
   step = int(saved.group(2))
   assert step >= 2

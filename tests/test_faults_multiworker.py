@@ -212,9 +212,8 @@ def _unresolvable(index):
     name = 'nosuchworker.invalid'
     hosts = _loopback(ports)
     hosts[index] = '%s:%d' % (name, ports[index])
-    whose = 'this worker' if index == 0 else 'worker %d' % index
     return [Outcome(*_in_process(hosts, 0, train_dir, data_dir), [
-        "cannot resolve '%s', the host of %s (%s)" % (name, whose, hosts[index]),
+        "cannot resolve '%s', the host of %s (worker %d)" % (name, hosts[index], index),
         '--worker_hosts'], None)]
   return run
 
@@ -234,10 +233,11 @@ def _different_clusters(train_dir, data_dir):
   workers = [_Worker([a, b], 0, train_dir, data_dir, '--startup_timeout', '60'),
              _Worker([a, b, c], 1, train_dir, data_dir, '--startup_timeout', '60')]
   since = [w.wait_for(WAITING) for w in workers]
-  facts = ['was started with another cluster', 'it lists', '%s,%s,%s' % (a, b, c),
-           '--worker_hosts']
-  return [_outcome(w, max(s for s in since if s), train_dir, facts, None)
-          for w in workers]
+  # Each names the other's address, index and list.
+  facts = ['the worker at %s was started as worker 1 of %s,%s,%s' % (b, a, b, c),
+           'the worker at %s was started as worker 0 of %s,%s' % (a, a, b)]
+  return [_outcome(w, max(s for s in since if s), train_dir, [fact, '--worker_hosts'], None)
+          for w, fact in zip(workers, facts)]
 
 
 def _sigterm_while_peer_hangs(train_dir, data_dir):
@@ -277,9 +277,8 @@ def _signal_to_a_training_non_chief(sig):
           'worker 1 of 2 (%s): stopped by %s at global step' % (hosts[1], sig.name),
           'the chief saved %s' % saved], None)
       chief = _outcome(workers[0], since, train_dir, [
-          'worker 0 of 2 (%s) stopped at global step' % hosts[0],
-          'because another worker was stopped', 'it saved %s' % saved,
-          'Restart every worker'], None)
+          'worker 0 of 2 (%s): stopped by a stop request of another worker at global step'
+          % hosts[0], 'it saved %s' % saved, 'Restart every worker'], None)
     finally:
       for worker in workers:
         worker.kill()
@@ -473,8 +472,8 @@ def test_a_worker_listed_at_the_wrong_index_is_named():
   for thread in threads:
     thread.join(30)
   assert len(errors) == 2, errors
-  assert any('the worker at %s says it is worker 0, but --worker_hosts lists it '
-             'as worker 1' % hosts[1] in e for e in errors), errors
+  assert any('the worker at %s was started as worker 0 of %s' % (hosts[1], ','.join(hosts))
+             in e for e in errors), errors
 
 
 # --- modern.engines._bounded: the backstop on TensorFlow's start-up -------------
@@ -648,18 +647,16 @@ def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved, monk
   assert '\n' not in message
   name = 'worker 0 of 2 (127.0.0.1:1)'
   if stop:
-    assert message.startswith('%s: stopped by SIGTERM at global step 7, ending the '
+    assert message.startswith('%s: stopped by SIGTERM at global step 7 (ending the '
                               'step after ' % name), message
-    assert ' s of waiting for the other workers; ' in message
-    assert ('saved %s.' % SAVED if saved == SAVED else
-            'this worker saved no checkpoint') in message
+    assert ' s of waiting for the other workers); ' in message
     assert ending.calls[-1] == ('exit', 143)
   else:
-    assert message.startswith('Error: %s lost its peers in the step after global '
-                              'step 7: no answer within 1 s (--peer_timeout)' % name)
-    assert ('Saved %s.' % SAVED if saved == SAVED else
-            'This worker saved no checkpoint.') in message
+    assert message.startswith('Error: %s: lost its peers at global step 7 (no answer in the '
+                              'step within 1 s (--peer_timeout)' % name), message
     assert ending.calls[-1] == ('exit', 1)
+  assert ('; saved %s.' % SAVED if saved == SAVED else
+          '; this worker saved no checkpoint.') in message
   assert 'Restart every worker with the same flags' in message
 
 
