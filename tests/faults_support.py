@@ -129,11 +129,13 @@ class _ForkServer:
       return self.pids.get(timeout=60)
 
   def close(self):
-    self.sock.close()
+    self.sock.shutdown(socket.SHUT_RDWR)  # the server's end of the session
     try:
       self.proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
       self.proc.kill()
+      self.proc.wait()
+    self.sock.close()
 
 
 _FORK_SERVER = []
