@@ -7,6 +7,7 @@ signal's number within 10 s - is tests/test_faults_runs.py's phase table.)
   checkpoint, losing only the steps since the last completed save, and the
   last run finishes at max_steps. FAULTS_KILLS / FAULTS_KILL_STEPS /
   FAULTS_SEED scale it up (the issue's full version: 10 kills, 200 steps).
+The processes are forked from tests/fork_server.py (no TensorFlow import each).
 """
 
 import os
@@ -78,7 +79,7 @@ def kill_and_resume(impl, data_dir, train_dir, max_steps, save_every, kills, rng
         target, aim_at_save = max_steps - 1, False
     if target >= max_steps:
       break
-    run = fs.Running(args)
+    run = fs.Running(args, forked=True)
     line = run.wait_for(lambda l, t=target: (_step(l) or 0) >= t)
     if aim_at_save:
       deadline = time.time() + 1.0
@@ -111,7 +112,7 @@ def kill_and_resume(impl, data_dir, train_dir, max_steps, save_every, kills, rng
         mid_save=bool(leftovers or newer) or (
             named is not None and checkpoints.step_of(named) != resumed)))
     start = resumed
-  run = fs.Running(args)
+  run = fs.Running(args, forked=True)
   code, out, err = run.finish(timeout=300)
   if start:
     # The next run says where it resumes from.
@@ -170,7 +171,8 @@ def second_sigint_runs(synth_data_dir, tmp_path_factory):
         [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
          '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS),
         env=fs.hooks_env(str(base / 'hooks'),
-                         [fs.hook(save[impl], say='HOOK save', dwell=30)])))
+                         [fs.hook(save[impl], say='HOOK save', dwell=30)]),
+        forked=True))
   results = {}
   try:
     for impl, (train_dir, run) in runs.items():

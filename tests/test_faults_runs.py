@@ -16,6 +16,8 @@ Real `python cli.py` processes where a signal or a second run is the point:
 
 The marker lines come from test hooks (`faults_support.hooks_env`), which
 wrap a function of the run as its module loads; the code under test has none.
+The processes are forked from tests/fork_server.py, which imported TensorFlow
+once for all of them, but for the phase that is that import itself.
 """
 
 import collections
