@@ -151,11 +151,16 @@ class Spawned:
   """`python ARGV` forked by the fork server: a subprocess.Popen's face
   (pid, stdout, stderr, returncode, poll, wait, send_signal, kill, communicate)."""
 
-  def __init__(self, argv, env, cwd=ROOT, new_session=False):
+  def __init__(self, argv, env, cwd=ROOT, new_session=False, stdout=None):
+    """stdout: a file descriptor for the process's stdout (as a shell's `| head`);
+    None: a pipe read as self.stdout."""
     if not _FORK_SERVER:
       _FORK_SERVER.append(_ForkServer())
     self._server = _FORK_SERVER[0]
     pipes = [os.pipe() for _ in range(3)]
+    if stdout is not None:
+      os.close(pipes[1][1])
+      pipes[1] = (None, os.dup(stdout))
     child_fds = [pipes[0][0], pipes[1][1], pipes[2][1]]
     try:
       self.pid = self._server.spawn([str(a) for a in argv], env, cwd, new_session,
@@ -164,7 +169,8 @@ class Spawned:
       for fd in child_fds:
         os.close(fd)
     os.close(pipes[0][1])  # stdin: at its end, as for a background process
-    self.stdout = open(pipes[1][0], encoding='utf-8', errors='replace')
+    self.stdout = (None if stdout is not None else
+                   open(pipes[1][0], encoding='utf-8', errors='replace'))
     self.stderr = open(pipes[2][0], encoding='utf-8', errors='replace')
     self.returncode = None
 
@@ -192,7 +198,7 @@ class Spawned:
     """(stdout, stderr) once both streams have ended and the process has exited."""
     texts = {}
     readers = [threading.Thread(target=lambda s=s: texts.setdefault(s, s.read()),
-                                daemon=True) for s in (self.stdout, self.stderr)]
+                                daemon=True) for s in (self.stdout, self.stderr) if s]
     for reader in readers:
       reader.start()
     self.wait(timeout)
@@ -201,10 +207,10 @@ class Spawned:
     return texts.get(self.stdout, ''), texts.get(self.stderr, '')
 
 
-def spawn_cli(args, env=None, cwd=ROOT):
+def spawn_cli(args, env=None, stdout=None):
   """`python cli.py ARGS` as a user runs it, forked by the fork server (no
   TensorFlow import of its own): a Spawned."""
-  return Spawned([CLI] + [str(a) for a in args], cli_env(env), cwd)
+  return Spawned([CLI] + [str(a) for a in args], cli_env(env), stdout=stdout)
 
 
 def invoke_cli(args, env=None):
