@@ -37,7 +37,9 @@ import pytest
 
 import faults_support as fs
 
-STARTUP_TIMEOUT = 15  # --startup_timeout of the lone workers
+# --startup_timeout of the lone workers (in this process: no TensorFlow
+# import to wait for; each case runs this long, one after the other).
+STARTUP_TIMEOUT = 5
 PEER_TIMEOUT = 10  # --peer_timeout of every worker here
 SIGNAL_EXIT_SECS = 10  # a signal ends a worker within this (measured: 0.3-3 s)
 # A start-up failure ends a worker within this after its cause (the timeout,
