@@ -613,8 +613,11 @@ class _Ending:
 
 
 def _watchdog(ending, monkeypatch):
+  """A PeerWatchdog whose stop grace and limit are half the product's (half the wait)."""
   from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(engines.logger, 'warning', ending.warn)  # the line it says
+  for name in ('STOP_GRACE_SECS', 'STOP_LIMIT_SECS'):
+    monkeypatch.setattr(engines.PeerWatchdog, name, getattr(engines.PeerWatchdog, name) / 2)
   return engines.PeerWatchdog(
       _cluster(_loopback([1, 2]), 0), ending.save_completed, ending.cleanup, exit=ending.exit)
 
@@ -667,11 +670,11 @@ def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved, monk
 
 def test_the_watchdog_leaves_a_stop_alone_when_the_waits_end_in_time(monkeypatch):
   """A stop rides on the next step's vote: waits that end within the grace are left alone."""
-  ending = _Ending(SAVED)
-  watchdog = _watchdog(ending, monkeypatch)
   from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
   # The 4 steps end before STOP_LIMIT_SECS (see the next test).
   assert 4 * engines.PeerWatchdog.STOP_GRACE_SECS / 2 < engines.PeerWatchdog.STOP_LIMIT_SECS
+  ending = _Ending(SAVED)
+  watchdog = _watchdog(ending, monkeypatch)
   try:
     watchdog.stop_requested('SIGINT')
     for step in range(4):  # steps of half the grace each: the stop rides on them
