@@ -8,6 +8,7 @@ reuses the test session's 4 logical CPU devices.
 
 import atexit
 import hashlib
+import json
 import logging
 import os
 import re
@@ -86,6 +87,132 @@ def run_cli(args, env=None, timeout=180):
                         text=True, timeout=timeout, check=False)
 
 
+# --- processes forked from one that imported TensorFlow (tests/fork_server.py) --
+
+
+class _ForkServer:
+  """tests/fork_server.py, started at the first spawn, ended with the session."""
+
+  def __init__(self):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    self.proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, 'tests', 'fork_server.py'),
+         str(theirs.fileno())], cwd=ROOT, env=cli_env(), pass_fds=[theirs.fileno()],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    theirs.close()
+    self.sock = ours
+    assert self.sock.recv(64) == b'ready', 'the fork server did not start'
+    self.lock = threading.Lock()  # one request at a time
+    self.pids = queue.Queue()
+    self.statuses = {}  # pid -> waitpid status
+    self.ended = threading.Condition()
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    while True:
+      message = self.sock.recv(1 << 16)
+      if not message:
+        return
+      reply = json.loads(message)
+      if 'pid' in reply:
+        self.pids.put(reply['pid'])
+      else:
+        with self.ended:
+          self.statuses[reply['exit']] = reply['status']
+          self.ended.notify_all()
+
+  def spawn(self, argv, env, cwd, new_session, fds):
+    request = json.dumps({'argv': argv, 'env': env, 'cwd': cwd,
+                          'new_session': new_session}).encode()
+    with self.lock:
+      socket.send_fds(self.sock, [request], fds)
+      return self.pids.get(timeout=60)
+
+  def close(self):
+    self.sock.shutdown(socket.SHUT_RDWR)  # the server's end of the session
+    try:
+      self.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
+    self.sock.close()
+
+
+_FORK_SERVER = []
+
+
+@atexit.register
+def _close_fork_server():
+  for server in _FORK_SERVER:
+    server.close()
+
+
+class Spawned:
+  """`python ARGV` forked by the fork server: a subprocess.Popen's face
+  (pid, stdout, stderr, returncode, poll, wait, send_signal, kill, communicate)."""
+
+  def __init__(self, argv, env, cwd=ROOT, new_session=False, stdout=None):
+    """stdout: a file descriptor for the process's stdout (as a shell's `| head`);
+    None: a pipe read as self.stdout."""
+    if not _FORK_SERVER:
+      _FORK_SERVER.append(_ForkServer())
+    self._server = _FORK_SERVER[0]
+    pipes = [os.pipe() for _ in range(3)]
+    if stdout is not None:
+      os.close(pipes[1][1])
+      pipes[1] = (None, os.dup(stdout))
+    child_fds = [pipes[0][0], pipes[1][1], pipes[2][1]]
+    try:
+      self.pid = self._server.spawn([str(a) for a in argv], env, cwd, new_session,
+                                    child_fds)
+    finally:
+      for fd in child_fds:
+        os.close(fd)
+    os.close(pipes[0][1])  # stdin: at its end, as for a background process
+    self.stdout = (None if stdout is not None else
+                   open(pipes[1][0], encoding='utf-8', errors='replace'))
+    self.stderr = open(pipes[2][0], encoding='utf-8', errors='replace')
+    self.returncode = None
+
+  def poll(self):
+    if self.returncode is None:
+      status = self._server.statuses.get(self.pid)
+      if status is not None:
+        self.returncode = os.waitstatus_to_exitcode(status)
+    return self.returncode
+
+  def wait(self, timeout=None):
+    with self._server.ended:
+      if not self._server.ended.wait_for(lambda: self.poll() is not None, timeout):
+        raise subprocess.TimeoutExpired('fork of %s' % self.pid, timeout)
+    return self.returncode
+
+  def send_signal(self, sig):
+    if self.poll() is None:
+      os.kill(self.pid, sig)
+
+  def kill(self):
+    self.send_signal(signal.SIGKILL)
+
+  def communicate(self, timeout=None):
+    """(stdout, stderr) once both streams have ended and the process has exited."""
+    texts = {}
+    readers = [threading.Thread(target=lambda s=s: texts.setdefault(s, s.read()),
+                                daemon=True) for s in (self.stdout, self.stderr) if s]
+    for reader in readers:
+      reader.start()
+    self.wait(timeout)
+    for reader in readers:
+      reader.join(timeout)
+    return texts.get(self.stdout, ''), texts.get(self.stderr, '')
+
+
+def spawn_cli(args, env=None, stdout=None):
+  """`python cli.py ARGS` as a user runs it, forked by the fork server (no
+  TensorFlow import of its own): a Spawned."""
+  return Spawned([CLI] + [str(a) for a in args], cli_env(env), stdout=stdout)
+
+
 def invoke_cli(args, env=None):
   """The CLI in this process (click's CliRunner).
 
@@ -103,13 +230,20 @@ def invoke_cli(args, env=None):
 
 
 class Running:
-  """A `python cli.py ...` subprocess whose stdout lines are read as they come."""
+  """A `python cli.py ...` subprocess whose stdout lines are read as they come.
 
-  def __init__(self, args, env=None):
-    self.proc = subprocess.Popen(
-        [sys.executable, CLI] + [str(a) for a in args], cwd=ROOT,
-        env=cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+  forked: forked by the fork server (spawn_cli), which spares the process
+  its TensorFlow import; for tests where that import is not the point.
+  """
+
+  def __init__(self, args, env=None, forked=False):
+    if forked:
+      self.proc = spawn_cli(args, env)
+    else:
+      self.proc = subprocess.Popen(
+          [sys.executable, CLI] + [str(a) for a in args], cwd=ROOT,
+          env=cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text=True)
     self.lines = queue.Queue()
     self.stdout, self.stderr = [], []
     self.stdout_times = []  # when each stdout line arrived
@@ -395,6 +529,8 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 if _HOOKS:
   sys.meta_path.insert(0, _Finder())
+  for _name in _MODULES & set(sys.modules):  # loaded already (a fork server's child)
+    _apply(sys.modules[_name])
 '''
 
 
@@ -428,7 +564,6 @@ def hooks_env(directory, hooks, extra=None):
   so a test sees a line when a phase begins (and freezes or signals the run
   right there) without any hook in the code under test.
   """
-  import json  # pylint: disable=import-outside-toplevel
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, 'sitecustomize.py'), 'w', encoding='utf-8') as f:
     f.write(_HOOKS_MODULE)

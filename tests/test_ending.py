@@ -16,7 +16,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 
@@ -307,21 +306,26 @@ def test_stdout_closed_by_head_under_a_modern_run(synth_data_dir, tmp_path):
   train_dir = str(tmp_path / 'train')
   args = ['modern', '--data_dir', synth_data_dir, '--train_dir', train_dir,
           '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS)
-  command = '%s %s %s | head -%d; exit ${PIPESTATUS[0]}' % (
-      sys.executable, fs.CLI, ' '.join(str(a) for a in args), lines)
-  result = subprocess.run(['bash', '-c', command], cwd=fs.ROOT, env=fs.cli_env(),
-                          capture_output=True, text=True, timeout=180, check=False)
-  assert result.returncode == 1, result.stderr[-2000:]
-  kept = result.stdout.splitlines()
+  # `python cli.py ARGS | head -N`, the run forked by the fork server.
+  head = subprocess.Popen(['head', '-%d' % lines], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    run = fs.spawn_cli(args, stdout=head.stdin.fileno())
+  finally:
+    head.stdin.close()
+  kept = head.stdout.read().splitlines()
+  head.wait(timeout=60)
+  _, stderr = run.communicate(timeout=180)
+  assert run.returncode == 1, stderr[-2000:]
   assert len(kept) == lines
   match = re.fullmatch(
       r'Error: the output stream closed under the run \(Broken pipe: a pipe\'s reader '
       r'ended or the terminal is gone\)\. Saved global step (\d+) to %s/model\.ckpt-(\d+); '
-      r'the same command resumes from it\.' % re.escape(train_dir), fs.ours(result.stderr)[-1])
-  assert match and match.group(1) == match.group(2), result.stderr[-2000:]
+      r'the same command resumes from it\.' % re.escape(train_dir), fs.ours(stderr)[-1])
+  assert match and match.group(1) == match.group(2), stderr[-2000:]
   saved = int(match.group(1))
   assert checkpoints.resume_point(train_dir) == os.path.join(train_dir, 'model.ckpt-%d' % saved)
-  assert 'Traceback' not in result.stderr and 'Exception ignored' not in result.stderr
+  assert 'Traceback' not in stderr and 'Exception ignored' not in stderr
   args[args.index('--max_steps') + 1] = saved + 1
   code, out, err, exception = fs.invoke_cli(args)
   assert (code, exception) == (0, None), err

@@ -7,12 +7,14 @@ signal's number within 10 s - is tests/test_faults_runs.py's phase table.)
   checkpoint, losing only the steps since the last completed save, and the
   last run finishes at max_steps. FAULTS_KILLS / FAULTS_KILL_STEPS /
   FAULTS_SEED scale it up (the issue's full version: 10 kills, 200 steps).
+The processes are forked from tests/fork_server.py (no TensorFlow import each).
 """
 
 import os
 import random
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -78,7 +80,7 @@ def kill_and_resume(impl, data_dir, train_dir, max_steps, save_every, kills, rng
         target, aim_at_save = max_steps - 1, False
     if target >= max_steps:
       break
-    run = fs.Running(args)
+    run = fs.Running(args, forked=True)
     line = run.wait_for(lambda l, t=target: (_step(l) or 0) >= t)
     if aim_at_save:
       deadline = time.time() + 1.0
@@ -111,7 +113,7 @@ def kill_and_resume(impl, data_dir, train_dir, max_steps, save_every, kills, rng
         mid_save=bool(leftovers or newer) or (
             named is not None and checkpoints.step_of(named) != resumed)))
     start = resumed
-  run = fs.Running(args)
+  run = fs.Running(args, forked=True)
   code, out, err = run.finish(timeout=300)
   if start:
     # The next run says where it resumes from.
@@ -120,17 +122,43 @@ def kill_and_resume(impl, data_dir, train_dir, max_steps, save_every, kills, rng
   return records, (code, out, err)
 
 
+KILLS = int(os.environ.get('FAULTS_KILLS', 3))
+KILL_STEPS = int(os.environ.get('FAULTS_KILL_STEPS', 60))
+KILL_SAVE_EVERY = 10
+
+
+@pytest.fixture(scope='module')
+def kill_runs(synth_data_dir, tmp_path_factory):
+  """Both trainers' kill_and_resume at once (each in a thread of its own):
+  impl -> (train_dir, its result or the exception it raised)."""
+  seed = int(os.environ.get('FAULTS_SEED', 4))
+  results = {}
+
+  def run(impl):
+    train_dir = str(tmp_path_factory.mktemp('%s_kills' % impl) / 'train')
+    try:
+      results[impl] = train_dir, kill_and_resume(
+          impl, synth_data_dir, train_dir, KILL_STEPS, KILL_SAVE_EVERY, KILLS,
+          random.Random('%s-%d' % (impl, seed)))
+    except BaseException as e:  # pylint: disable=broad-except
+      results[impl] = train_dir, e
+
+  threads = [threading.Thread(target=run, args=(impl,)) for impl in fs.TRAINERS]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  return results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
-def test_kill_9_at_random_moments_then_resume_finishes(synth_data_dir, tmp_path, impl):
-  kills = int(os.environ.get('FAULTS_KILLS', 3))
-  max_steps = int(os.environ.get('FAULTS_KILL_STEPS', 60))
-  seed = int(os.environ.get('FAULTS_SEED', 4))
-  save_every = 10
-  train_dir = str(tmp_path / 'train')
-  records, (code, out, err) = kill_and_resume(
-      impl, synth_data_dir, train_dir, max_steps, save_every, kills,
-      random.Random('%s-%d' % (impl, seed)))
+def test_kill_9_at_random_moments_then_resume_finishes(kill_runs, impl):
+  kills, max_steps, save_every = KILLS, KILL_STEPS, KILL_SAVE_EVERY
+  train_dir, result = kill_runs[impl]
+  if isinstance(result, BaseException):
+    raise result
+  records, (code, out, err) = result
   print('\n%s: %d kills during a %d-step run (save_every %d):' % (
       impl, len(records), max_steps, save_every))
   for r in records:
@@ -170,7 +198,8 @@ def second_sigint_runs(synth_data_dir, tmp_path_factory):
         [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
          '--max_steps', 100000, '--save_every', 100000] + list(fs.FAST_FLAGS),
         env=fs.hooks_env(str(base / 'hooks'),
-                         [fs.hook(save[impl], say='HOOK save', dwell=30)])))
+                         [fs.hook(save[impl], say='HOOK save', dwell=30)]),
+        forked=True))
   results = {}
   try:
     for impl, (train_dir, run) in runs.items():

@@ -1,7 +1,8 @@
 """Multiworker faults: start-up failures and stops end promptly, with one line.
 
 Real `python cli.py modern --strategy multiworker` workers on loopback ports
-with short timeouts where a signal or a second worker is the point; a lone
+with short timeouts where a signal or a second worker is the point (forked
+from tests/fork_server.py, which spares each its TensorFlow import); a lone
 worker that fails at its start-up (no peer, a taken port, a name that does not
 resolve, TF_CONFIG beside --worker_hosts) runs in this process (click's
 CliRunner). A module fixture runs every case at once: the processes' cases in
@@ -17,7 +18,7 @@ one, and --num_gpus 2 is a usage error.
 
 The tests below them cover modern.cluster's rendezvous and
 modern.engines.PeerWatchdog in-process, and modern.engines._bounded (the
-backstop on TensorFlow's start-up) in a small subprocess.
+backstop on TensorFlow's start-up) in a small forked script.
 """
 
 import collections
@@ -36,7 +37,9 @@ import pytest
 
 import faults_support as fs
 
-STARTUP_TIMEOUT = 15  # --startup_timeout of the lone workers
+# --startup_timeout of the lone workers (in this process: no TensorFlow
+# import to wait for; each case runs this long, one after the other).
+STARTUP_TIMEOUT = 5
 PEER_TIMEOUT = 10  # --peer_timeout of every worker here
 SIGNAL_EXIT_SECS = 10  # a signal ends a worker within this (measured: 0.3-3 s)
 # A start-up failure ends a worker within this after its cause (the timeout,
@@ -57,16 +60,15 @@ class _Worker:
   """One `python cli.py modern --strategy multiworker` process, lines read as they come."""
 
   def __init__(self, hosts, index, train_dir, data_dir, *flags, env=None):
-    args = [sys.executable, fs.CLI, 'modern', '--strategy', 'multiworker',
+    args = [fs.CLI, 'modern', '--strategy', 'multiworker',
             '--data_dir', data_dir, '--train_dir', str(train_dir)] + list(FLAGS)
     if hosts is not None:
       args += ['--worker_hosts', ','.join(hosts), '--task_index', str(index)]
     environ = fs.cli_env(env)
     if not env or 'TF_CONFIG' not in env:
       environ.pop('TF_CONFIG', None)
-    self.proc = subprocess.Popen(args + list(flags), cwd=fs.ROOT, env=environ,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True)
+    # Forked by the fork server: no TensorFlow import of its own.
+    self.proc = fs.Spawned(args + list(flags), environ)
     self.started = time.monotonic()
     self.lines = queue.Queue()  # (stream, line) as they come
     self.out, self.err = [], []
@@ -480,7 +482,7 @@ def test_a_worker_listed_at_the_wrong_index_is_named():
 
 BOUNDED_MESSAGE = ('Error: worker 0 of 2 (127.0.0.1:1): TensorFlow\'s start-up did '
                    'not finish within 1 s (--startup_timeout).')
-# Run as `python -c`: enters `_bounded(BOUND, MESSAGE)` around a sleep of BLOCK
+# Run as `python SCRIPT`: enters `_bounded(BOUND, MESSAGE)` around a sleep of BLOCK
 # seconds (time.sleep stands in for TensorFlow's start-up), after saying so on
 # stdout; a KeyboardInterrupt in the block ends it with status 130, quietly.
 _BOUNDED_SCRIPT = '''
@@ -500,13 +502,11 @@ print('left', flush=True)
 BOUNDED_EXIT_SECS = 10  # the 1 s bound, the exit and the message's child: ~1.1 s idle
 
 
-def _bounded_run(bound, block, interrupt_after=None):
-  """(exit status, stdout, stderr, seconds from 'entering' to the exit)."""
-  proc = subprocess.Popen(
-      [sys.executable, '-c', _BOUNDED_SCRIPT, str(bound), str(block),
-       BOUNDED_MESSAGE, fs.ROOT], cwd=fs.ROOT, env=fs.cli_env(),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      start_new_session=True)  # a process group of its own, for the Ctrl-C
+def _bounded_run(script, bound, block, interrupt_after=None):
+  """(exit status, stdout, stderr, seconds from 'entering' to the exit) of
+  `python script` (_BOUNDED_SCRIPT), forked by the fork server."""
+  proc = fs.Spawned([script, bound, block, BOUNDED_MESSAGE, fs.ROOT], fs.cli_env(),
+                    new_session=True)  # a process group of its own, for the Ctrl-C
   try:
     first = proc.stdout.readline()  # after the TensorFlow import
     entered = time.monotonic()
@@ -528,13 +528,15 @@ BOUNDED_RUNS = {'past': (1, 30, None), 'within': (5, 0.5, None), 'ctrl-c': (20, 
 
 
 @pytest.fixture(scope='module')
-def bounded_runs():
-  """The BOUNDED_RUNS at once (each a TensorFlow import): name -> _bounded_run's result."""
+def bounded_runs(tmp_path_factory):
+  """The BOUNDED_RUNS at once: name -> _bounded_run's result."""
+  script = tmp_path_factory.mktemp('bounded') / 'bounded.py'
+  script.write_text(_BOUNDED_SCRIPT, encoding='utf-8')
   results = {}
 
   def run(name):
     try:
-      results[name] = _bounded_run(*BOUNDED_RUNS[name])
+      results[name] = _bounded_run(str(script), *BOUNDED_RUNS[name])
     except BaseException as e:  # pylint: disable=broad-except
       results[name] = e
 
@@ -610,8 +612,11 @@ class _Ending:
 
 
 def _watchdog(ending, monkeypatch):
+  """A PeerWatchdog whose stop grace and limit are half the product's (half the wait)."""
   from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(engines.logger, 'warning', ending.warn)  # the line it says
+  for name in ('STOP_GRACE_SECS', 'STOP_LIMIT_SECS'):
+    monkeypatch.setattr(engines.PeerWatchdog, name, getattr(engines.PeerWatchdog, name) / 2)
   return engines.PeerWatchdog(
       _cluster(_loopback([1, 2]), 0), ending.save_completed, ending.cleanup, exit=ending.exit)
 
@@ -662,11 +667,11 @@ def test_the_watchdog_saves_says_and_exits_when_a_wait_goes_on(stop, saved, monk
 
 def test_the_watchdog_leaves_a_stop_alone_when_the_waits_end_in_time(monkeypatch):
   """A stop rides on the next step's vote: waits that end within the grace are left alone."""
-  ending = _Ending(SAVED)
-  watchdog = _watchdog(ending, monkeypatch)
   from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
   # The 4 steps end before STOP_LIMIT_SECS (see the next test).
   assert 4 * engines.PeerWatchdog.STOP_GRACE_SECS / 2 < engines.PeerWatchdog.STOP_LIMIT_SECS
+  ending = _Ending(SAVED)
+  watchdog = _watchdog(ending, monkeypatch)
   try:
     watchdog.stop_requested('SIGINT')
     for step in range(4):  # steps of half the grace each: the stop rides on them

@@ -16,6 +16,8 @@ Real `python cli.py` processes where a signal or a second run is the point:
 
 The marker lines come from test hooks (`faults_support.hooks_env`), which
 wrap a function of the run as its module loads; the code under test has none.
+The processes are forked from tests/fork_server.py, which imported TensorFlow
+once for all of them, but for the phase that is that import itself.
 """
 
 import collections
@@ -101,7 +103,8 @@ def two_runs(synth_data_dir, tmp_path_factory):
   for first_impl in sorted({first for first, _ in PAIRS}):
     train_dir = str(tmp_path_factory.mktemp('%s_first' % first_impl) / 'train')
     first = fs.Running(_train_args(first_impl, synth_data_dir, train_dir,
-                                   '--max_steps', PAIR_STEPS, '--save_every', 5))
+                                   '--max_steps', PAIR_STEPS, '--save_every', 5),
+                       forked=True)
     firsts[first_impl] = (train_dir, first, fs.Frozen(first, _reached(3)))
   for pair in PAIRS:
     base = tmp_path_factory.mktemp('%s_then_%s' % pair)
@@ -110,7 +113,7 @@ def two_runs(synth_data_dir, tmp_path_factory):
                     '--max_steps', PAIR_STEPS, '--save_every', 5),
         env=fs.hooks_env(str(base / 'hooks'),
                          [fs.hook('runtime.lock:exclusive', say='HOOK lock',
-                                  dwell=5)]))
+                                  dwell=5)]), forked=True)
     seconds[pair] = (second, fs.Frozen(second, lambda line: line == 'HOOK lock'))
   runs = [run for _, run, _ in firsts.values()] + [run for run, _ in seconds.values()]
   try:
@@ -261,7 +264,9 @@ def _signal_in_phases(impl, synth_data_dir, tmp_path_factory):
     run = fs.Running(
         _train_args(impl, synth_data_dir, train_dir, '--max_steps', 1000,
                     *phase.args),
-        env=fs.hooks_env(str(base / 'hooks'), phase.hooks))
+        env=fs.hooks_env(str(base / 'hooks'), phase.hooks),
+        # A fresh process where its TensorFlow import is the phase.
+        forked=phase.name != 'tensorflow_import')
     marker = phase.marker
     runs[phase.name] = (phase, train_dir, before, run,
                         fs.Frozen(run, lambda line, m=marker: line.startswith(m)))
@@ -370,7 +375,7 @@ def test_a_signal_during_the_download_stops_at_once_and_leaves_no_part_file(
   data_dir, train_dir = str(tmp_path / 'data'), str(tmp_path / 'train')
   os.makedirs(data_dir)
   run = fs.Running(['legacy', '--data_dir', data_dir, '--train_dir', train_dir],
-                   env={'CIFAR10_DATA_URL': server.url})
+                   env={'CIFAR10_DATA_URL': server.url}, forked=True)
   try:
     deadline = time.time() + 60
     # The archive streams into a hidden staging directory in data_dir
