@@ -31,12 +31,11 @@ LAYERS_BY_NAME = {layer.name: layer for layer in LAYERS}
 VARIABLE_NAMES = tuple('%s/%s' % (layer.name, kind)
                        for layer in LAYERS for kind in ('weights', 'biases'))
 NUM_PARAMETERS = 1068298
-EMA_SUFFIX = 'ExponentialMovingAverage'  # a shadow variable's name: '<variable>/' + this
 
 
 def average_name(variable_name):
   """A variable's moving average (shadow): 'conv1/weights/ExponentialMovingAverage'."""
-  return '%s/%s' % (variable_name, EMA_SUFFIX)
+  return variable_name + '/ExponentialMovingAverage'
 
 
 def variable_shape(name):

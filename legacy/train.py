@@ -19,6 +19,7 @@ from tf_slim.data import prefetch_queue
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn as lrn_lib
+from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
 from cifar10_towers.legacy import inputs
@@ -253,7 +254,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       with tf.control_dependencies([train_op]):
         for var in tf.trainable_variables():
           model.histogram_summary(var.op.name, var.read_value())
-          model.histogram_summary(training.average_tag(var.op.name),
+          model.histogram_summary(model_spec.average_name(var.op.name),
                                   ema.average(var).read_value())
       # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
       # The towers' summaries only: not the input pipeline's queue-fill

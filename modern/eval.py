@@ -21,7 +21,7 @@ def moving_average_model(contents):
   model = model_lib.Cifar10Model()
   # The shadow (moving-average) value of each variable goes into the variable,
   # as upstream eval's `variables_to_restore()`; the raw weights are not used.
-  variables = {ckpt_lib.checkpoint_key('%s/%s' % (name, model_spec.EMA_SUFFIX)): variable
+  variables = {ckpt_lib.checkpoint_key(model_spec.average_name(name)): variable
                for name, variable in model.variables_by_name().items()}
   values = evaluation.moving_averages(
       contents, checkpoints.MODERN, {key: v.shape.as_list() for key, v in variables.items()})

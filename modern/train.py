@@ -58,7 +58,7 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
   scalars.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
   scalars.update(summaries.get('scalars', {}))
   histograms = {**summaries.get('histograms', {}), **state.variables()}
-  histograms.update((training.average_tag(name), var)
+  histograms.update((model_spec.average_name(name), var)
                     for name, var in state.shadow_variables().items())
   for tag, value in scalars.items():
     tf.summary.scalar(tag, value, step=step)

@@ -295,12 +295,6 @@ def gradients_tag(variable_name):
   return variable_name + '/gradients'
 
 
-def average_tag(variable_name):
-  """A variable's moving average: 'conv1/weights/ExponentialMovingAverage'."""
-  from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  return '%s/%s' % (variable_name, model_spec.EMA_SUFFIX)
-
-
 def image_tags():
   """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
   return ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)]
@@ -315,7 +309,7 @@ def summary_tags(num_towers, activations=True):
   from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
   layers, names = [layer.name for layer in model_spec.LAYERS], model_spec.VARIABLE_NAMES
   scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
-  histograms = list(names) + [average_tag(v) for v in names]
+  histograms = list(names) + [model_spec.average_name(v) for v in names]
   for i in range(num_towers):
     scalars.append(tower_tag(i, 'total_loss'))
     if activations:
