@@ -4,9 +4,10 @@ Every test starts real worker processes (TF_CONFIG or --worker_hosts, free
 loopback ports): a process hosts one worker, and MultiWorkerMirroredStrategy
 must be created before anything else in it, so none of this can run inside the
 pytest process. The workers are forked by tests/fork_server.py (TensorFlow
-imported, nothing created yet), which spares each its TensorFlow import. On this CPU-only machine every worker runs one replica (the
-stock strategy's CPU layout). Run as a script, this file is the worker of the
-equivalence test (see `_worker_main`).
+imported, nothing created yet), which spares each its TensorFlow import. On
+this CPU-only machine every worker runs one replica (the stock strategy's CPU
+layout). Run as a script, this file is the worker of the equivalence test (see
+`_worker_main`).
 """
 
 import functools
