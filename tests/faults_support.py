@@ -76,12 +76,16 @@ def ours(text):
   return [line for line in text.splitlines() if not TF_LOG_LINE.match(line)]
 
 
-def run_cli(args, env=None, timeout=180):
-  """`python cli.py ARGS` as a user runs it.
+def run_cli(args, env=None, timeout=180, forked=False):
+  """`python cli.py ARGS` as a user runs it; forked: by the fork server (spawn_cli).
 
   Returns:
     subprocess.CompletedProcess with text stdout and stderr.
   """
+  if forked:
+    proc = spawn_cli(args, env)
+    out, err = proc.communicate(timeout)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
   return subprocess.run([sys.executable, CLI] + [str(a) for a in args],
                         cwd=ROOT, env=cli_env(env), capture_output=True,
                         text=True, timeout=timeout, check=False)

@@ -3,9 +3,11 @@
 Every test starts real worker processes (TF_CONFIG or --worker_hosts, free
 loopback ports): a process hosts one worker, and MultiWorkerMirroredStrategy
 must be created before anything else in it, so none of this can run inside the
-pytest process. On this CPU-only machine every worker runs one replica (the
-stock strategy's CPU layout). Run as a script, this file is the worker of the
-equivalence test (see `_worker_main`).
+pytest process. The workers are forked by tests/fork_server.py (TensorFlow
+imported, nothing created yet), which spares each its TensorFlow import. On
+this CPU-only machine every worker runs one replica (the stock strategy's CPU
+layout). Run as a script, this file is the worker of the equivalence test (see
+`_worker_main`).
 """
 
 import functools
@@ -34,8 +36,8 @@ FINAL_REL_TOL = 1e-4  # variables and moving averages after K steps
 K_STEPS = 3
 DECAY_STEPS = 2  # the learning rate decays within the K steps
 BATCH = 4
-# Seconds a run of 2 or 3 workers may take, start-up included (each imports
-# TensorFlow on the same 2 cores).
+# Seconds a run of 2 or 3 workers may take, start-up included (each builds its
+# strategy on the same 2 cores).
 STARTUP_SLACK = 180
 COLLECTIVE_TIMEOUT = 120  # seconds a collective of the engine-level workers waits
 
@@ -129,11 +131,9 @@ def _start_workers(tmp_path, in_path, num_workers, local_batches=False):
   hosts = ['localhost:%d' % port for port in fs.free_ports(num_workers)]
   procs = []
   for index in range(num_workers):
-    procs.append(subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), in_path,
-         str(tmp_path / ('worker%d.npz' % index)), str(int(local_batches))],
-        env=_env({'TF_CONFIG': _tf_config(hosts, index)}), cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs.append(fs.Spawned(
+        [os.path.abspath(__file__), in_path, tmp_path / ('worker%d.npz' % index),
+         int(local_batches)], _env({'TF_CONFIG': _tf_config(hosts, index)})))
   return procs
 
 
@@ -211,13 +211,11 @@ def test_workers_compute_the_towers_averaged_gradient(tmp_path, num_workers,
 def _cli_workers(args, hosts, train_dir, data_dir, peer_timeout=60):
   procs = []
   for index in range(len(hosts)):
-    procs.append(subprocess.Popen(
-        [sys.executable, CLI, 'modern', '--strategy', 'multiworker',
+    procs.append(fs.Spawned(
+        [CLI, 'modern', '--strategy', 'multiworker',
          '--worker_hosts', ','.join(hosts), '--task_index', str(index),
          '--data_dir', data_dir, '--train_dir', str(train_dir),
-         '--peer_timeout', str(peer_timeout)] + list(args),
-        env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True))
+         '--peer_timeout', peer_timeout] + list(args), _env()))
   return procs
 
 

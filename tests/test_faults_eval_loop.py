@@ -36,7 +36,7 @@ def _results(lines):
 def _eval_loop(synth_data_dir, train_dir, *extra):
   return fs.Running(['eval', '--data_dir', synth_data_dir, '--checkpoint_dir',
                      train_dir, '--eval_interval_secs', 1, '--num_examples',
-                     NUM_EXAMPLES] + list(extra))
+                     NUM_EXAMPLES] + list(extra), forked=True)
 
 
 def _clean(code, out, err):

@@ -241,10 +241,10 @@ def test_refusal_in_process(impl, tmp_path, synth_data_dir, monkeypatch):
 
 
 def test_refusal_as_a_user_sees_it(tmp_path, synth_data_dir):
-  """A real process, the real /proc/meminfo: batch 10^7 fits no machine."""
+  """A real process (forked), the real /proc/meminfo: batch 10^7 fits no machine."""
   train_dir = str(tmp_path / 'train')
   result = fs.run_cli(['legacy', '--data_dir', synth_data_dir, '--train_dir',
-                       train_dir, '--batch_size', 10**7], timeout=120)
+                       train_dir, '--batch_size', 10**7], timeout=120, forked=True)
   assert result.returncode == 1
   assert result.stdout == ''
   assert len(fs.ours(result.stderr)) == 1, result.stderr

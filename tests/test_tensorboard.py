@@ -226,12 +226,14 @@ def test_heartbeat_is_silent_when_fast_and_beats_when_slow():
 
 
 def test_heartbeat_during_a_slow_first_step(tmp_path, synth_data_dir, monkeypatch):
-  """`modern` whose first step is slowed by 6 s prints a line at 5 s."""
+  """`modern` whose first step is slowed by 2 s prints a line at 1 s (the heartbeat's
+  5 s, shortened here)."""
   from cifar10_towers.modern import step  # pylint: disable=import-outside-toplevel
 
   def slow():
     print('HOOK first step', flush=True)
-    time.sleep(6)
+    time.sleep(2)
+  monkeypatch.setattr(training, 'HEARTBEAT_AFTER', 1.0)
   monkeypatch.setattr(step.Trainer, 'step', fs.at_call(1, slow, step.Trainer.step))
   code, out, err, exception = fs.invoke_cli(
       ['modern', '--data_dir', synth_data_dir, '--train_dir', tmp_path / 'train',
@@ -259,15 +261,10 @@ def test_the_log_line_says_how_far_the_run_is_and_the_time_left():
 def test_on_a_terminal_the_log_line_updates_in_place(synth_data_dir, tmp_path):
   """Through a pty: one line rewritten per log step, then the last line on a fresh line."""
   import pty  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   train_dir = str(tmp_path / 'train')
   leader, follower = pty.openpty()
-  proc = subprocess.Popen(
-      [sys.executable, fs.CLI, 'legacy', '--data_dir', synth_data_dir, '--train_dir',
-       train_dir, '--max_steps', '4'] + list(fs.FAST_FLAGS),
-      cwd=fs.ROOT, env=fs.cli_env(), stdin=subprocess.DEVNULL, stdout=follower,
-      stderr=subprocess.PIPE)
+  proc = fs.spawn_cli(['legacy', '--data_dir', synth_data_dir, '--train_dir', train_dir,
+                       '--max_steps', 4] + list(fs.FAST_FLAGS), stdout=follower)
   os.close(follower)
   screen = b''
   while True:
@@ -278,7 +275,7 @@ def test_on_a_terminal_the_log_line_updates_in_place(synth_data_dir, tmp_path):
     if not chunk:
       break
     screen += chunk
-  err = proc.stderr.read().decode()
+  err = proc.stderr.read()
   assert proc.wait(timeout=60) == 0, err
   os.close(leader)
   text = screen.decode().replace('\r\n', '\n')  # the pty's own newline translation
