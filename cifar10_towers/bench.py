@@ -354,8 +354,8 @@ class Contender:
       problem = 'failed (exit %s): %s' % (self._proc.exitcode, (
           self._stderr.read().strip().splitlines() or ['no output'])[-1])
     self.kill()
-    raise BenchError('%s %s. Run the measurement again; if it keeps failing, train once with '
-                     'the same flags to see the error.' % (describe(self.spec), problem.rstrip('.')))
+    raise BenchError('%s %s. Run the measurement again; if it keeps failing, train once with the '
+                     'same flags to see the error.' % (describe(self.spec), problem.rstrip('.')))
 
   def window(self):
     """Runs one more window (after the last: the contender ends); returns `read()`."""

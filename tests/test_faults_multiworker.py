@@ -29,7 +29,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
