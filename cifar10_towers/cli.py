@@ -271,11 +271,16 @@ class _Group(click.Group):
         line += '. Check the path and its permissions.'
       raise (click.UsageError if getattr(e, 'exit_code', 1) == 2 else click.ClickException)(
           line) from None
-    except training.Stopped as stopped:
-      command = ctx.meta.get(_COMMAND)
-      ending.say(str(stopped) if command in _IMPLS
+    except (training.Stopped, Exception) as e:  # pylint: disable=broad-except
+      # Once a stop was requested, any other error is that stop: Python can
+      # replace the Stopped a signal raised with another exception (inside
+      # `from m import name`, CPython's "TypeError: expected a message argument").
+      if not (isinstance(e, training.Stopped) or stop.requested):
+        raise
+      name, command = getattr(e, 'signal_name', stop.signal_name), ctx.meta.get(_COMMAND)
+      ending.say(str(training.Stopped(name)) if command in _IMPLS
                  else 'Stopped by %s; `%s` did not finish, and left nothing '
-                 'half-written.' % (stopped.signal_name, command))
+                 'half-written.' % (name, command))
     if not stop.requested:
       return
     # Set when a signal stopped the command. By then the checkpoint is

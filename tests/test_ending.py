@@ -342,3 +342,29 @@ def test_a_failure_shows_its_traceback_only_when_asked(debug, synth_data_dir, tm
   assert (code, exception) == (1, None), err
   assert fs.ours(err)[-1].startswith('Error: no checkpoint in %s.' % missing), err
   assert ('Traceback (most recent call last):' in err) == (debug == '1'), err
+
+
+@pytest.mark.parametrize('stopped', [True, False], ids=['after a stop', 'no stop'])
+def test_an_error_that_replaces_a_stop_is_that_stop(stopped, synth_data_dir, tmp_path,
+                                                     monkeypatch):
+  # A signal's Stopped raised inside `from m import name` reaches us as CPython's
+  # "TypeError: expected a message argument" (seen in the tensorflow_import phase
+  # of test_faults_runs). With a stop requested it is the stop: its line and
+  # 128 + the signal's number; without one it stays the bug it is.
+  import click  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import devices  # pylint: disable=import-outside-toplevel
+
+  def plan_devices(num_gpus):
+    if stopped:
+      click.get_current_context().obj._stop(signal.SIGTERM)  # the handler's first act
+    raise TypeError('expected a message argument')
+
+  monkeypatch.setattr(devices, 'plan_devices', plan_devices)
+  code, out, err, exception = fs.invoke_cli(
+      ['legacy', '--data_dir', synth_data_dir, '--train_dir', tmp_path / 'train'])
+  if stopped:
+    assert (code, exception) == (128 + signal.SIGTERM, None), err
+    assert fs.ours(err) == ['Stopped by SIGTERM before the first step; nothing was saved.'], err
+  else:
+    assert isinstance(exception, TypeError), (code, err)
+  assert not os.path.exists(tmp_path / 'train' / 'checkpoint')
