@@ -132,10 +132,10 @@ def test_a_file_in_the_way(synth_data_dir, tmp_path):
 @pytest.fixture()
 def small_disk(tmp_path):
   if os.geteuid() != 0:
-    pytest.skip('mounting a tmpfs needs root')
+    pytest.skip('mounting a tmpfs needs root; test_read_only_and_full_simulated runs instead')
   path = str(tmp_path / 'disk')
   if not fs.mount_tmpfs(path, '64k'):
-    pytest.skip('mounting a tmpfs is not permitted here')
+    pytest.skip('mounting a tmpfs is not permitted here; the simulated test runs instead')
   yield path
   fs.umount(path)
 
@@ -159,6 +159,33 @@ def test_read_only_and_full(small_disk, synth_data_dir, tmp_path):
   out = _refused(synth_data_dir, train_dir, eval_dir, 'Read-only file system',
                  'Make it writable', [small_disk])
   assert _printed(out) == []
+
+
+def test_read_only_and_full_simulated(synth_data_dir, tmp_path, monkeypatch):
+  """test_read_only_and_full without a tmpfs (it needs root): the same two refusals on any
+  machine, each fault raised where the real one comes (the probe file, the event writer)."""
+  import errno  # pylint: disable=import-outside-toplevel
+  train_dir = fs.copy_trained('modern', synth_data_dir, str(tmp_path / 'train'))
+  eval_dir = str(tmp_path / 'eval')
+  os.makedirs(eval_dir)
+
+  def fails(code, text):
+    def raise_it(*args, **kwargs):
+      raise OSError(code, text)
+    return raise_it
+
+  def disk_full(*args, **kwargs):  # as TensorFlow's event writer reports it
+    raise evaluation.tf.errors.ResourceExhaustedError(None, None, 'No space left on device')
+
+  monkeypatch.setattr(evaluation.tf.summary, 'create_file_writer', disk_full)
+  out = _refused(synth_data_dir, train_dir, eval_dir, 'No space left on device',
+                 'Free space on that disk', [eval_dir])
+  assert [step for step, _ in _printed(out)] == [2]  # said, then not written
+  monkeypatch.setattr(evaluation.tempfile, 'TemporaryFile',
+                      fails(errno.EROFS, 'Read-only file system'))
+  out = _refused(synth_data_dir, train_dir, eval_dir, 'Read-only file system',
+                 'Make it writable', [eval_dir])
+  assert _printed(out) == []  # refused before evaluating
 
 
 def test_by_default_precision_goes_under_the_train_dir(synth_data_dir, tmp_path,
