@@ -317,6 +317,8 @@ def contend(spec, conn, stderr_path):
   for fd, path in ((1, os.devnull), (2, stderr_path)):
     os.dup2(os.open(path, os.O_WRONLY), fd)
   stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
+  # Contenders share the GPUs: each takes the memory it uses, not all of it.
+  os.environ.setdefault('TF_FORCE_GPU_ALLOW_GROWTH', 'true')
   result = CONTENDERS[spec['kind']](spec, Pacer(conn)) or {}
   with open('/proc/self/status', encoding='ascii') as f:
     result['peak_rss_bytes'] = int(re.search(r'VmHWM:\s*(\d+)', f.read())[1]) * 1024

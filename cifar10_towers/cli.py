@@ -153,7 +153,8 @@ _TRAIN_OPTIONS = _options(
     _option('--seed', int, None,
             'Random seed for initialization and input; unset means nondeterministic.'),
     _option('--crosscheck run_crosscheck', bool, False, 'Before training, prove on batches '
-            'of --data_dir that legacy and modern compute the same averaged gradients.'),
+            'of --data_dir (16 images per tower) that legacy and modern compute the same '
+            'averaged gradients.'),
 )
 
 # The update rule, shared by `legacy`, `modern` and `crosscheck` (common.optimizer);
@@ -219,8 +220,11 @@ def _train(impl, run_crosscheck, **options):
     from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
     memory.check_training(impl, plan, config.batch_size, config.data_dir)
     if run_crosscheck:
-      _crosscheck(plan, optimizer, config.strategy, batch_size=config.batch_size,
-                  seed=config.seed or 0, data_dir=config.data_dir)
+      # At crosscheck's own batch (16), not --batch_size: cheaper, and on an
+      # H100 cuDNN's conv2 filter gradient at batch 128 is 1e-2 from float64's
+      # (docs/equivalence.md §3), which the N-tower identity cannot survive.
+      _crosscheck(plan, optimizer, config.strategy, seed=config.seed or 0,
+                  data_dir=config.data_dir)
     trainer = importlib.import_module('cifar10_towers.%s.train' % impl)
   try:
     trainer.train(config, plan)
@@ -472,10 +476,16 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
     path = crosscheck_lib.write_evidence(dump, images, labels, init, reports[engines[0]])
     click.echo('Evidence written to %s.' % path)
   failed = [engine for engine, report in reports.items() if not report.passed]
-  if failed:
-    raise click.ClickException('cross-check failed for legacy vs %s (rows marked FAIL above): '
-                               'legacy and modern do not compute the same thing.'
-                               % ' and '.join(failed))
+  if not failed:
+    return
+  rows = [row[0] for engine in failed for row in reports[engine].failures()]
+  raise click.ClickException(
+      'cross-check failed for legacy vs %s (rows marked FAIL above): %s' % (
+          ' and '.join(failed),
+          'legacy and modern agree, but in both N towers differ from 1 tower on their images; '
+          'on a GPU, cuDNN\'s arithmetic changes with the batch (docs/equivalence.md §3): '
+          'try another --batch_size.' if all(' identity ' in row for row in rows)
+          else 'legacy and modern do not compute the same thing.'))
 
 
 # `crosscheck` and `profile`: N towers, two by default.

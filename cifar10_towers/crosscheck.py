@@ -323,6 +323,13 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     (dict engine -> Report, images [N,B,24,24,3], labels [N,B], initial
      variables dict).
   """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  # On GPUs (docs/equivalence.md §3): no TF32 (10-bit) matmuls and
+  # convolutions, and cuDNN's default algorithms, not autotuned ones, which
+  # differed between the two trainers' runs on an H100. Read at the
+  # process's first convolution: a --crosscheck run trains with it too.
+  tf.config.experimental.enable_tensor_float_32_execution(False)
+  os.environ['TF_CUDNN_USE_AUTOTUNE'] = '0'
   images, labels = draw_batches(plan.num_towers, batch_size, seed, data_dir)
   init = initial_values(seed)
   args = (plan, images, labels, steps, init, decay_steps, optimizer)

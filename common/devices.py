@@ -1,8 +1,10 @@
 """Where the towers run (docs/equivalence.md §3).
 
 `--num_gpus N` means N towers. With at least N GPUs the towers go on the
-first N GPUs. With fewer, the tool says so on stderr and splits the CPU into N
-logical devices, so every multi-tower code path runs on any machine. Devices
+first N GPUs. With fewer, the tool says so on stderr and splits the GPUs into
+logical GPUs of GPU_SPLIT_MB each (2 towers on 1 GPU: two logical GPUs of it),
+or, with no GPU, the CPU into N logical devices, so every multi-tower code path
+runs on any machine. Devices
 are decided here once and passed to the trainers; nothing else names a device
 except the variables' host, `/cpu:0`.
 """
@@ -14,6 +16,7 @@ from cifar10_towers.common import errors
 
 VARIABLE_DEVICE = '/cpu:0'  # upstream keeps all variables on the CPU
 MAX_TOWERS = 64  # more logical devices than this is a typo, not a plan
+GPU_SPLIT_MB = 4096  # memory of each logical GPU when the towers outnumber the GPUs
 
 logger = logging.getLogger(__name__)
 
@@ -58,23 +61,33 @@ def plan_devices(num_gpus):
                       % (MAX_TOWERS, num_gpus))
   gpus = tf.config.list_physical_devices('GPU')
   if len(gpus) >= num_gpus:
-    return DevicePlan(tuple('/device:GPU:%d' % i for i in range(num_gpus)),
-                      'gpu', 1)
-  if num_gpus > 1 or gpus:
-    logger.warning('%d tower(s) asked for, %d GPU(s) found: running the towers on %d '
-                   'logical CPU devices.', num_gpus, len(gpus), num_gpus)
-  cpu = tf.config.list_physical_devices('CPU')[0]
-  configured = tf.config.get_logical_device_configuration(cpu)
+    return DevicePlan(tuple('/device:GPU:%d' % i for i in range(num_gpus)), 'gpu', 1)
+  if gpus:  # towers on logical GPUs, the first GPU's before the next one's
+    per_gpu = -(-num_gpus // len(gpus))
+    logger.warning('%d tower(s) asked for, %d GPU(s) found: running the towers on logical '
+                   'GPUs of %d MiB, %d per GPU.', num_gpus, len(gpus), GPU_SPLIT_MB, per_gpu)
+    for gpu in gpus:
+      _split(gpu, per_gpu, tf.config.LogicalDeviceConfiguration(memory_limit=GPU_SPLIT_MB))
+    return DevicePlan(tuple('/device:GPU:%d' % i for i in range(num_gpus)), 'gpu', 1)
+  if num_gpus > 1:
+    logger.warning('%d tower(s) asked for, no GPU found: running the towers on %d logical CPU '
+                   'devices.', num_gpus, num_gpus)
+  have = _split(tf.config.list_physical_devices('CPU')[0], num_gpus,
+                tf.config.LogicalDeviceConfiguration())
+  return DevicePlan(tuple('/device:CPU:%d' % i for i in range(num_gpus)), 'cpu', have)
+
+
+def _split(device, count, logical):
+  """Splits a physical device into `count` logical ones unless it has as many; returns how many."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  configured = tf.config.get_logical_device_configuration(device)
   have = len(configured) if configured else 1
-  if have < num_gpus:
+  if have < count:
     try:
-      tf.config.set_logical_device_configuration(
-          cpu, [tf.config.LogicalDeviceConfiguration()] * num_gpus)
+      tf.config.set_logical_device_configuration(device, [logical] * count)
     except RuntimeError as e:
       raise DeviceError(
-          'cannot split the CPU into %d devices: TensorFlow already started '
-          'with %d in this process (%s). Start a new process.'
-          % (num_gpus, have, e)) from e
-    have = num_gpus
-  return DevicePlan(tuple('/device:CPU:%d' % i for i in range(num_gpus)),
-                    'cpu', have)
+          'cannot split %s into %d devices: TensorFlow already started with %d in this '
+          'process (%s). Start a new process.' % (device.name, count, have, e)) from e
+    have = count
+  return have

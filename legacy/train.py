@@ -273,10 +273,17 @@ def session_config(plan, log_device_placement=False):
     plan: common.devices.DevicePlan whose devices the Session must create.
     log_device_placement: bool, log where each op runs.
   """
-  # A tf.compat.v1 Session creates only the CPU devices counted here, so
-  # the logical CPU towers of a CPU plan need this.
-  return tf.ConfigProto(allow_soft_placement=True, log_device_placement=log_device_placement,
-                        device_count={'CPU': plan.num_cpu_devices})
+  # A tf.compat.v1 Session creates only the devices its ConfigProto names: the
+  # logical CPU towers of a CPU plan, and the logical GPUs devices.plan_devices
+  # made (the same split as TensorFlow's eager context, which TF requires).
+  config = tf.ConfigProto(allow_soft_placement=True, log_device_placement=log_device_placement,
+                          device_count={'CPU': plan.num_cpu_devices})
+  limits = [[logical.memory_limit for logical in tf.config.get_logical_device_configuration(gpu)
+             or ()] for gpu in tf.config.list_physical_devices('GPU')]
+  if any(limits):
+    config.gpu_options.experimental.virtual_devices.extend(
+        config.gpu_options.Experimental.VirtualDevices(memory_limit_mb=mb) for mb in limits)
+  return config
 
 
 def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None):

@@ -233,3 +233,33 @@ def test_batches_from_a_data_dir_read_only_the_files_they_need(tmp_path, monkeyp
   assert set(labels.ravel().tolist()) <= {0, 1} and labels.size == 8
   with pytest.raises(fmt.DataError, match='holds 30 training records; the cross-check needs 32'):
     crosscheck.draw_batches(4, 8, seed=0, data_dir=data_dir)
+
+
+def test_training_with_crosscheck_proves_then_trains(synth_data_dir, tmp_path):
+  """`legacy --crosscheck`: the cross-check at its own batch of 16 (not --batch_size), then
+  the run."""
+  result = CliRunner().invoke(cli.cli, [
+      'legacy', '--crosscheck', '--num_gpus', '2', '--batch_size', '8', '--max_steps', '1',
+      '--data_dir', synth_data_dir, '--train_dir', str(tmp_path)])
+  assert result.exit_code == 0, result.output
+  assert 'legacy: 2 tower(s) x 16 images' in result.output
+  assert 'PASS: all' in result.output
+  assert os.path.exists(tmp_path / 'model.ckpt-1.index')
+
+
+@pytest.mark.parametrize('failing,says', [
+    ('4 identity (modern): N towers vs 1 on concat', 'legacy and modern agree, but in both N '
+     'towers differ from 1 tower'),
+    ('1 averaged gradient', 'legacy and modern do not compute the same thing.')])
+def test_a_failure_says_whether_legacy_and_modern_disagree(monkeypatch, failing, says):
+  """Only identity rows failing (cuDNN's arithmetic by batch, docs/equivalence.md §3) is not
+  a legacy/modern difference, and the line says so."""
+  rows = [('1 averaged gradient', 'conv1/biases', 0.0, 1e-5),
+          (failing, 'conv1/weights', 1e-3, 1e-5)]
+  monkeypatch.setattr(crosscheck, 'run', lambda *args, **kwargs: (
+      {'towers': crosscheck.Report(rows, None, None, None)}, None, None, None))
+  monkeypatch.setattr(crosscheck, 'format_report', lambda report: 'the table')
+  result = CliRunner().invoke(cli.cli, ['crosscheck', '--num_gpus', '2'])
+  assert result.exit_code == 1
+  assert 'cross-check failed for legacy vs towers' in result.output
+  assert says in result.output

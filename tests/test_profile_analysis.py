@@ -156,3 +156,28 @@ def test_analyze_flags_a_tower_on_another_device():
 def test_modern_categories(name, op_type, category):
   # Modern's adapter: what no rule knows (on the variable device) is the update.
   assert analysis.categorize(name, op_type, analysis.UPDATE) == category
+
+
+def test_a_gpu_plane_shared_by_logical_gpus_names_the_traced_device():
+  """xplane has one plane per physical GPU: on logical GPUs of one GPU (2 towers on one H100
+  put tower 1 "on GPU:0", a false MISPLACED), each kernel's logical GPU is the traced one's."""
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+  from cifar10_towers.towerprofile import modern_trace  # pylint: disable=g-import-not-at-top
+  space = xplane_pb2.XSpace()
+  host = space.planes.add(name='/host:CPU')
+  host.event_metadata[1].name = modern_trace.STEP_EVENT
+  host.lines.add().events.add(metadata_id=1, offset_ps=0, duration_ps=10**9)
+  gpu = space.planes.add(name='/device:GPU:0')
+  gpu.stat_metadata[1].name = 'tf_op'
+  gpu.event_metadata[2].name = 'a kernel'
+  kernels = gpu.lines.add()
+  for k in (0, 1):
+    kernel = kernels.events.add(metadata_id=2, offset_ps=(k + 1) * 10**6, duration_ps=10**6)
+    kernel.stats.add(metadata_id=1, str_value='tower_%d/conv1/Conv2D:Conv2D' % k)
+  device_of = {'tower_%d/conv1/Conv2D' % k: '/device:GPU:%d' % k for k in (0, 1)}
+  for logical_gpus, expected in ((False, ['/device:GPU:0', '/device:GPU:0']),
+                                 (True, ['/device:GPU:0', '/device:GPU:1'])):
+    events, windows, _ = modern_trace.events_from_xspace(space, device_of, logical_gpus)
+    assert windows == [(0.0, 1000.0)]
+    assert [(event.name, event.device) for event in events] == [
+        ('tower_0/conv1/Conv2D', expected[0]), ('tower_1/conv1/Conv2D', expected[1])]

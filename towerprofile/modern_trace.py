@@ -8,7 +8,9 @@ What the trace holds (tensorflow-cpu 2.21, docs/profile-design.md): the
 lines are threads, not devices; op events are named '<op name>:<op type>'
 ('tower_1/conv1:_FusedConv2D'). Logical CPU devices share one inter-op
 thread pool, so the thread says nothing about the device. The device of an
-op comes from, in order: a '/device:GPU:i' plane (kernels of a real GPU);
+op comes from, in order: a '/device:GPU:i' plane (kernels of a real GPU; one
+plane per physical GPU, so on logical GPUs of one GPU the traced function's
+device says which);
 the source device in the rendezvous key of a '_Send' from that op (where the
 op really ran); the device the traced function asks for (on logical CPU
 devices every op has a kernel, so the placer keeps it).
@@ -50,12 +52,14 @@ def _stats(plane, holder):
           for stat in holder.stats}
 
 
-def events_from_xspace(space, device_of):
+def events_from_xspace(space, device_of, logical_gpus=False):
   """Normalized events and step windows of an XSpace.
 
   Args:
     space: xplane_pb2.XSpace.
     device_of: dict op name -> canonical device (see `graph_facts`).
+    logical_gpus: whether a GPU is split into logical GPUs (devices.plan_devices):
+      its plane then holds the kernels of all of them.
 
   Returns:
     (events, windows, sources): list of analysis.Event; per step (start_us,
@@ -75,6 +79,8 @@ def events_from_xspace(space, device_of):
           continue
         if gpu:
           device = analysis.canonical_device(plane.name)
+          if logical_gpus and device_of.get(op_name, '').startswith('/device:GPU:'):
+            device = device_of[op_name]
           actual[op_name] = (device, 'gpu_plane')
         elif name == 'IteratorGetNextOp::DoCompute':  # the step waits for input
           op_name = op_type = 'IteratorGetNext'
@@ -135,5 +141,7 @@ def trace(config, plan, decay_steps, steps, warmup):
     with open(sorted(glob.glob(os.path.join(logdir, 'plugins/profile/*/*.xplane.pb')))[-1],
               'rb') as f:
       space = xplane_pb2.XSpace.FromString(f.read())
-  events, windows, sources = events_from_xspace(space, device_of)
+  logical_gpus = any(tf.config.get_logical_device_configuration(gpu)
+                     for gpu in tf.config.list_physical_devices('GPU'))
+  events, windows, sources = events_from_xspace(space, device_of, logical_gpus)
   return events, windows, wall_us, sources
