@@ -605,13 +605,12 @@ def plot(report, path):
 def figure(report):
   """The report's training images/sec as a matplotlib bar chart.
 
-  One group of bars per tower count, one bar per contender: the median
-  img/s, the windows' min-max as error bars, Keras (grey) the reference,
-  each trainer's ratio to it (the median of the per-round ratios) written
-  above its bar; the matmul estimate a dotted line, labelled with how it
-  was computed and not as a bound (a training window can beat it). The
-  caption names the settings, the data, the machine and when it was
-  measured, and the report's 'note' if it has one.
+  One bar per contender and tower count: the median img/s, the windows'
+  min-max as error bars, and above it the trainer's ratio to Keras (the
+  median of the per-round ratios); the matmul estimate a dotted line,
+  labelled with how it was computed and not as a bound (a training window
+  can beat it). The caption names the contenders, the settings, the data,
+  the machine and when it was measured, and the report's 'note' if it has one.
 
   Returns:
     matplotlib.figure.Figure (no pyplot: nothing global is touched).
@@ -619,45 +618,33 @@ def figure(report):
   Raises:
     BenchError: matplotlib is missing (MATPLOTLIB_HINT).
   """
-  settings, machine, rows = report['settings'], report['machine'], report['rows']
-  towers = sorted({row['num_gpus'] for row in rows})
-  names = [BASELINE, *settings['impls']]  # the rows' order within a tower count
-  width = 0.8 / len(names)
+  settings, machine = report['settings'], report['machine']
   fig = check_plotting()(figsize=(8, 5.2))
   axes = fig.add_subplot()
-  for row in rows:
-    impl, rate, top = row['impl'], row['images_per_sec'], row['window_max']
-    x = towers.index(row['num_gpus']) + (names.index(impl) - (len(names) - 1) / 2) * width
-    label = ('Keras model.fit of the same net (MirroredStrategy, in-memory data)'
-             if impl == BASELINE else '%s%s: its own train() loop and input pipeline'
-             % (impl, ' (XLA)' * row['jit']))
-    axes.bar(x, rate, width * 0.9, yerr=[[rate - row['window_min']], [top - rate]], capsize=4,
-             color=COLOURS.get(impl), label=label if row['num_gpus'] == towers[0] else None)
-    axes.annotate('%.0f\n%s' % (rate, 'reference' if impl == BASELINE
-                                else '%.2fx Keras' % row['ratio_to_baseline']),
-                  (x, top), xytext=(0, 3), textcoords='offset points', ha='center',
-                  va='bottom', fontsize=8,  # readable across the matmul line:
-                  bbox={'facecolor': 'white', 'edgecolor': 'none', 'pad': 1, 'alpha': 0.8})
-  estimate = machine['matmul_estimate_images_per_sec']
-  axes.axhline(estimate, color='black', linestyle=':', linewidth=1,
+  for row in report['rows']:
+    rate = row['images_per_sec']
+    bar = axes.bar('%s%s\n%d tower(s)' % (row['impl'], ' (XLA)' * row['jit'], row['num_gpus']),
+                   rate, yerr=[[rate - row['window_min']], [row['window_max'] - rate]],
+                   capsize=4, color=COLOURS[row['impl']])
+    axes.bar_label(bar, ['%.0f\n%.2fx Keras' % (rate, row['ratio_to_baseline'])], padding=3,
+                   fontsize=8)
+  axes.axhline(machine['matmul_estimate_images_per_sec'], color='black', linestyle=':',
                label='matmul estimate %(matmul_estimate_images_per_sec).0f = best fp32 '
                '%(matmul_size)dx%(matmul_size)d matmul rate, %(gflops).1f GFLOP/s, / '
                '%(mflop).1f MFLOP per training image' % _matmul_words(machine))
-  axes.set_xticks(range(len(towers)), ['%d tower%s' % (n, 's' * (n > 1)) for n in towers])
-  axes.set_ylim(0, 1.25 * max(estimate, *(row['window_max'] for row in rows)))
-  axes.set_ylabel('training images/sec (median of the windows)')
+  axes.margins(y=0.3)  # room for the legend and the labels
+  axes.set_ylabel('training images/sec')
   axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
                  'windows min-max' % settings['batch_size'], fontsize=10)
   axes.legend(loc='upper left', fontsize=8, frameon=False)
-  where = ', '.join(filter(None, ('%s CPUs' % machine.get('cpu_count'), machine.get('cpu_model'),
-                                  report.get('measured_at'))))
-  caption = list(filter(None, [
+  caption = '\n'.join(filter(None, [
+      'keras: Keras model.fit of the same net (MirroredStrategy, in-memory data); the '
+      'trainers: their own train() loop and input pipeline',
       '%(rounds)d rounds of one %(window_steps)d-step window per contender (after '
-      '%(warmup_rounds)d warm-up); ratios: median of per-round ratios to Keras' % settings,
-      'matmul estimate: measured in its own process, taking turns with the '
-      'bars\' windows; a sample under the same load, not a bound (a window can beat it)',
-      'data: %s; machine: %s' % (settings['data'], where), report.get('note')]))
-  fig.text(0.01, 0.01, '\n'.join(caption), fontsize=7, va='bottom', ha='left', wrap=True)
-  fig.tight_layout(rect=(0, 0.04 + 0.025 * len(caption), 1, 1))
+      '%(warmup_rounds)d warm-up); ratios: median of per-round ratios to Keras; data: '
+      '%(data)s' % settings,
+      'machine: %s CPUs, %s' % (machine['cpu_count'], ', '.join(filter(None, (
+          machine.get('cpu_model'), report.get('measured_at'))))), report.get('note')]))
+  fig.text(0.01, 0.01, caption, fontsize=7, va='bottom', wrap=True)
+  fig.tight_layout(rect=(0, 0.15, 1, 1))
   return fig
-
