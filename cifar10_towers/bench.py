@@ -139,25 +139,6 @@ def training_flops_per_image():
 # --- inside a contender process ------------------------------------------------
 
 
-@dataclasses.dataclass
-class Pacer:
-  """Holds a contender at each window boundary until the parent says go.
-
-  The first boundary reports {} (ready); every later one the window just run:
-  its wall and CPU seconds (and any extra figures).
-  """
-  conn: object  # multiprocessing's Connection: the pipe to the parent
-  _start: tuple = ()  # (wall, CPU) clock at the window's start
-
-  def boundary(self, **extra):
-    if self._start:
-      extra.update(seconds=time.perf_counter() - self._start[0],
-                   cpu_seconds=time.process_time() - self._start[1])
-    self.conn.send(extra)
-    self.conn.recv()  # GO; EOFError ends the contender if the parent went away
-    self._start = time.perf_counter(), time.process_time()
-
-
 def _train_config(spec, train_dir, max_steps):
   return config_lib.TrainConfig(
       data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
@@ -165,7 +146,7 @@ def _train_config(spec, train_dir, max_steps):
       save_every=max_steps + 1, jit=spec['jit'])  # only the final checkpoint
 
 
-def contend_training(spec, pacer):
+def contend_training(spec, boundary):
   """Runs one trainer's real `train()`, a window every `window_steps` steps (`on_step`).
 
   The first boundary (after graph building, queue filling or tracing, and one
@@ -174,9 +155,9 @@ def contend_training(spec, pacer):
   plan = devices.plan_devices(spec['num_gpus'])
   trainer = importlib.import_module('cifar10_towers.%s.train' % spec['impl'])
 
-  def on_step(step, *_):  # the pacer times whole windows
+  def on_step(step, *_):  # whole windows are timed
     if step % spec['window_steps'] == 0:
-      pacer.boundary()
+      boundary()
 
   with tempfile.TemporaryDirectory(prefix='bench_train_') as train_dir:
     steps = (spec['windows'] + 1) * spec['window_steps']
@@ -216,7 +197,7 @@ def keras_model(keras):
       name='cifar10')
 
 
-def contend_baseline(spec, pacer):
+def contend_baseline(spec, boundary):
   """Runs the same net in Keras `model.fit` under MirroredStrategy, a window per epoch.
 
   One `fit` call of windows + 1 epochs of `window_steps` steps; the first
@@ -244,10 +225,10 @@ def contend_baseline(spec, pacer):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   model.fit(dataset, epochs=spec['windows'] + 1, steps_per_epoch=spec['window_steps'],
             verbose=0, callbacks=[keras.callbacks.LambdaCallback(
-                on_epoch_end=lambda epoch, logs: pacer.boundary())])
+                on_epoch_end=lambda epoch, logs: boundary())])
 
 
-def contend_matmul(spec, pacer):
+def contend_matmul(spec, boundary):
   """Measures fp32 matmul FLOP/s: each window, the best of `matmul_repeats` products."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = spec['matmul_size']
@@ -257,10 +238,10 @@ def contend_matmul(spec, pacer):
     tf.matmul(a, b)[0, 0].numpy()
 
   product()
-  pacer.boundary()
+  boundary()
   for _ in range(spec['windows']):
     seconds = timeit.repeat(product, number=1, repeat=spec['matmul_repeats'])
-    pacer.boundary(flops_per_sec=2.0 * n ** 3 / min(seconds))
+    boundary(flops_per_sec=2.0 * n ** 3 / min(seconds))
 
 
 def _input_batches(spec):
@@ -286,13 +267,13 @@ def _input_batches(spec):
         yield sess.run(batches)
 
 
-def measure_input(spec, pacer):
+def measure_input(spec, boundary):
   """Images/sec one trainer's input pipeline delivers to its towers, with no training.
 
   Unpaced. A "step" takes one batch for each tower, as a training step does;
   the first INPUT_WARMUP_WINDOWS windows are not counted.
   """
-  del pacer
+  del boundary
   batches = _input_batches(spec)
   next(batches)  # waits for the shuffle buffer (queue) to fill
   seconds = timeit.repeat(lambda: next(batches), number=spec['window_steps'],
@@ -309,7 +290,10 @@ def contend(spec, conn, stderr_path):
   """A contender process' entry point: runs spec['kind'], then sends its result.
 
   Its stdout (the trainer's own output) is discarded, its stderr goes to
-  stderr_path. The result holds what the contender returned and the RSS
+  stderr_path. The contender calls `boundary(**figures)` at each window
+  boundary: it sends the window just run (its wall and CPU seconds and any
+  figures; {} at the first, ready boundary) and waits, blocked, until the
+  parent says go. The result holds what the contender returned and the RSS
   high-water mark of this process: /proc/self/status' VmHWM, which belongs to
   this program's own memory map (getrusage's ru_maxrss survives exec: it could
   be the parent's).
@@ -319,7 +303,17 @@ def contend(spec, conn, stderr_path):
   stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
   # Contenders share the GPUs: each takes the memory it uses, not all of it.
   os.environ.setdefault('TF_FORCE_GPU_ALLOW_GROWTH', 'true')
-  result = CONTENDERS[spec['kind']](spec, Pacer(conn)) or {}
+  start = []  # (wall, CPU) clock at the window's start
+
+  def boundary(**figures):
+    if start:
+      figures.update(seconds=time.perf_counter() - start[0],
+                     cpu_seconds=time.process_time() - start[1])
+    conn.send(figures)
+    conn.recv()  # GO; EOFError ends the contender if the parent went away
+    start[:] = time.perf_counter(), time.process_time()
+
+  result = CONTENDERS[spec['kind']](spec, boundary) or {}
   with open('/proc/self/status', encoding='ascii') as f:
     result['peak_rss_bytes'] = int(re.search(r'VmHWM:\s*(\d+)', f.read())[1]) * 1024
   conn.send(result)
@@ -478,7 +472,7 @@ def summarize(config, windows, finals, inputs, data_description):
 
   rows = []
   for num_gpus in config.num_gpus:
-    for impl in (BASELINE,) + tuple(config.impls):
+    for impl in (BASELINE, *config.impls):
       rounds = [{'round': r, 'images_per_sec': rate, 'images_per_cpu_second': cpu_rate,
                  'baseline_images_per_sec': base, 'ratio_to_baseline': rate / base,
                  towers_key: rate / few}
@@ -492,8 +486,7 @@ def summarize(config, windows, finals, inputs, data_description):
       rows.append(dict(
           row, impl=impl, num_gpus=num_gpus, batch_size=config.batch_size, rounds=rounds,
           jit=config.jit and impl != BASELINE,
-          window_min=min(r['images_per_sec'] for r in rounds),
-          window_max=max(r['images_per_sec'] for r in rounds),
+          window_min=min(rates(impl, num_gpus)), window_max=max(rates(impl, num_gpus)),
           ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
           peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
           input_images_per_sec=input_rate,
@@ -562,27 +555,32 @@ def read_json(path):
   it 'ceiling_images_per_sec' (and each row's ratio 'ratio_to_ceiling'),
   computed from forward x 3 FLOPs per image: they get today's keys, values
   and FLOP count; what was measured (the matmul rates, every window) stays.
+  Reports written before `--plot` say that they lack the CPU model and date.
 
   Raises:
-    BenchError: the file cannot be read or holds no bench report.
+    BenchError: the file cannot be read or holds no bench report (a figure
+      that the table or the plot shows is missing).
   """
   try:
     with open(path, encoding='utf-8') as f:
       report = json.load(f)
   except (OSError, ValueError) as e:
     raise BenchError('cannot read %s: %s' % (path, e)) from e
-  if not (isinstance(report, dict) and report.get('rows')
-          and {'settings', 'machine'} <= report.keys()):
-    raise BenchError('%s is not a bench results file (one written by bench --json)' % path)
-  machine = report['machine']
-  if machine.pop('ceiling_images_per_sec', None) is not None:
-    machine['training_flops_per_image'] = flops = training_flops_per_image()
-    machine['matmul_estimate_images_per_sec'] = machine['matmul_flops_per_sec'] / flops
-    for row in report['rows']:
-      row.pop('ratio_to_ceiling', None)
-      row['ratio_to_matmul_estimate'] = (row['images_per_sec']
-                                         / machine['matmul_estimate_images_per_sec'])
-  return report
+  try:
+    machine = report['machine']
+    if machine.pop('ceiling_images_per_sec', None) is not None:
+      machine['training_flops_per_image'] = flops = training_flops_per_image()
+      estimate = machine['matmul_estimate_images_per_sec'] = machine['matmul_flops_per_sec'] / flops
+      for row in report['rows']:
+        row.pop('ratio_to_ceiling', None)
+        row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
+    machine.setdefault('cpu_model', 'CPU model not recorded')  # in reports before --plot
+    report.setdefault('measured_at', 'date not recorded')
+    format_table(report)  # reads every other figure that the table and the plot show
+    return report
+  except (KeyError, TypeError, AttributeError, ValueError) as e:
+    raise BenchError('%s is not a bench results file (one written by bench --json)'
+                     % path) from e
 
 
 COLOURS = {BASELINE: 'grey', 'legacy': 'C0', 'modern': 'C1'}  # matplotlib's first two
@@ -643,8 +641,8 @@ def figure(report):
       '%(rounds)d rounds of one %(window_steps)d-step window per contender (after '
       '%(warmup_rounds)d warm-up); ratios: median of per-round ratios to Keras; data: '
       '%(data)s' % settings,
-      'machine: %s CPUs, %s' % (machine['cpu_count'], ', '.join(filter(None, (
-          machine.get('cpu_model'), report.get('measured_at'))))), report.get('note')]))
+      'machine: %(cpu_count)s CPUs, %(cpu_model)s, ' % machine + report['measured_at'],
+      report.get('note')]))
   fig.text(0.01, 0.01, caption, fontsize=7, va='bottom', wrap=True)
   fig.tight_layout(rect=(0, 0.15, 1, 1))
   return fig

@@ -637,10 +637,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
     bench_lib.write_json(report, json_path)
     click.echo('Wrote %s.' % json_path)
   if plot_path is not None:
-    try:
-      bench_lib.plot(report, plot_path)
-    except (OSError, KeyError, TypeError, ValueError) as e:
-      raise click.ClickException('cannot draw %s: %s' % (plot_path, ending.cause(e))) from None
+    bench_lib.plot(report, plot_path)
     click.echo('Wrote %s.' % plot_path)
 
 
