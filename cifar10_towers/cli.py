@@ -99,7 +99,6 @@ def _cannot_write(directory):
                                  else 'so %s cannot be created under it' % directory)
   if not os.access(probe, os.W_OK | os.X_OK):
     return '%s is not writable' % probe
-  return None
 
 
 def _ensure_train_data(data_dir):
@@ -423,11 +422,11 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   from cifar10_towers.runtime import evaluation
   paths = fmt.checked_files(data_dir, False, 'a precision measured on it means nothing.')
   _say_if_generated(data_dir, 'Evaluating')
-  available = fmt.num_examples(paths)
-  if num_examples is not None and num_examples > available:
+  num_records = fmt.num_examples(paths)
+  if (num_examples or 0) > num_records:
     logger.warning('--num_examples %d is more than the %d records of the test set in '
-                   '%s; evaluating all %d.', num_examples, available, data_dir, available)
-  num_records = min(num_examples or available, available)
+                   '%s; evaluating all %d.', num_examples, num_records, data_dir, num_records)
+  num_records = min(num_examples or num_records, num_records)
   if eval_dir is None:
     # Deviation from upstream: eval's summaries go under the train_dir it
     # evaluates, so `tensorboard --logdir TRAIN_DIR` shows a run's training and
@@ -666,7 +665,7 @@ def _generate(data_dir, generator, force, write):
       'generator': None, 'what': 'data not marked as generated (CIFAR-10, or your own)'}
   own = marker['generator'] == generator
   replacing = ''
-  if own or marker['generator'] or generated.holds_data(data_dir):
+  if marker['generator'] or generated.holds_data(data_dir):
     if not (own or force):
       raise click.ClickException(
           '%s holds %s; left it as it is. Pass --force to replace it with generated data '
