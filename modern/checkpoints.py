@@ -25,6 +25,7 @@ checkpoint_key(name))` for each legacy name; legacy -> modern is a
 `global_step.assign(...)`, saved through `checkpoint_object(state)`.
 """
 
+import functools
 import os
 import threading
 
@@ -74,10 +75,16 @@ class StepSaver:
 
 
 def checkpoint_object(state):
-  """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring."""
+  """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring.
+
+  The optimizer's slots go in as nested dicts, so that a checkpoint keys them
+  'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'.
+  """
   objects = dict(global_step=state.global_step, model=state.model, ema=state.ema)
-  if state.slots is not None:  # SGD's checkpoints stay as they were
-    objects['optimizer'] = state.slots
+  for name, variable in state.slot_variables().items():  # none for SGD: no 'optimizer/'
+    *parts, leaf = name.split('/')
+    functools.reduce(lambda node, part: node.setdefault(part, {}), parts,
+                     objects.setdefault('optimizer', {}))[leaf] = variable
   return tf.train.Checkpoint(**objects)
 
 

@@ -76,49 +76,20 @@ def clip(grads, clip_norm):
 # gradients' own rounding. Each takes (var, grad, lr, the Optimizer, then the
 # variable's slots and the optimizer's non-slot variables in
 # common.optimizer's order); a table so that a test can break one.
-
-def apply_sgd(var, grad, lr, _):
-  """var -= lr * grad (the Optimizer, last, has nothing to say)."""
-  return var.assign_sub(lr * grad)
-
-
-def apply_momentum(var, grad, lr, spec, accum):
-  """accum = momentum * accum + grad; var -= lr * accum (MomentumOptimizer)."""
-  return tf.raw_ops.ResourceApplyMomentum(
-      var=var.handle, accum=accum.handle, lr=lr, grad=grad, momentum=spec.momentum)
-
-
-def apply_adam(var, grad, lr, spec, m, v, beta1_power, beta2_power):
-  """AdamOptimizer's step: m, v updated, var -= lr_t * m / (sqrt(v) + epsilon).
-
-  lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), the bias correction,
-  with beta*_power = beta* ** step (the step counted from 1).
-  """
-  return tf.raw_ops.ResourceApplyAdam(
-      var=var.handle, m=m.handle, v=v.handle, beta1_power=beta1_power,
-      beta2_power=beta2_power, lr=lr, beta1=spec.adam_beta1,
-      beta2=spec.adam_beta2, epsilon=spec.adam_epsilon, grad=grad)
-
-
-UPDATES = {optimizer_lib.SGD: apply_sgd, optimizer_lib.MOMENTUM: apply_momentum,
-           optimizer_lib.ADAM: apply_adam}
-
-
-def slot_tree(slots):
-  """The optimizer's slots as nested dicts, so that a checkpoint keys them
-  'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'.
-
-  Args:
-    slots: dict legacy slot name -> tf.Variable.
-  """
-  tree = {}
-  for name, variable in slots.items():
-    *parts, leaf = name.split('/')
-    node = tree
-    for part in parts:
-      node = node.setdefault(part, {})
-    node[leaf] = variable
-  return tree
+UPDATES = {
+    # var -= lr * grad.
+    optimizer_lib.SGD: lambda var, grad, lr, _: var.assign_sub(lr * grad),
+    # accum = momentum * accum + grad; var -= lr * accum.
+    optimizer_lib.MOMENTUM: lambda var, grad, lr, spec, accum: tf.raw_ops.ResourceApplyMomentum(
+        var=var.handle, accum=accum.handle, lr=lr, grad=grad, momentum=spec.momentum),
+    # m, v updated, var -= lr_t * m / (sqrt(v) + epsilon) with the bias correction
+    # lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), beta*_power = beta* ** step.
+    optimizer_lib.ADAM: lambda var, grad, lr, spec, m, v, b1_power, b2_power: (
+        tf.raw_ops.ResourceApplyAdam(
+            var=var.handle, m=m.handle, v=v.handle, beta1_power=b1_power,
+            beta2_power=b2_power, lr=lr, beta1=spec.adam_beta1, beta2=spec.adam_beta2,
+            epsilon=spec.adam_epsilon, grad=grad)),
+}
 
 
 def _assign(what, given, targets):
@@ -146,7 +117,6 @@ class TrainState:
   Attributes:
     model: Cifar10Model.
     optimizer: common.optimizer.Optimizer.
-    slots: `slot_tree` of the slots, or None for SGD (no slots).
     global_step: int64 tf.Variable on VARIABLE_DEVICE.
     ema: modern.model.MovingAverages.
     decay_steps: int, steps between learning-rate decays.
@@ -176,7 +146,6 @@ class TrainState:
           name: tf.Variable(initial.get(name, tf.zeros(optimizer_lib.slot_shape(name))),
                             trainable=False, name=name)
           for name in optimizer.slot_names()}
-    self.slots = slot_tree(self._slots) if self._slots else None
 
   def clip_tower(self, grads, scale=1.0):
     """One tower's gradients, clipped by their global norm if --clip_where per_tower.

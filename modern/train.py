@@ -11,7 +11,6 @@ import contextlib
 import logging
 import time
 
-import numpy as np
 import tensorflow as tf
 
 from cifar10_towers.common import hparams
@@ -24,21 +23,10 @@ from cifar10_towers.runtime import training
 logger = logging.getLogger(__name__)
 
 
-def _displayable(image):
-  """A float image scaled into [0, 1] as TF1's image summary scales it.
-
-  Non-negative images: the largest value becomes 1. Otherwise 0 goes to
-  127/255 and the image is scaled so that its smallest value is 0 or its
-  largest 1 (tf.summary.image clips what lies outside [0, 1]).
-  """
-  image = np.asarray(image, np.float32)
-  low, high = float(image.min()), float(image.max())
-  if low >= 0:
-    return image / high if high > 0 else image
-  scale = 127.0 / -low
-  if high > 0:
-    scale = min(scale, 128.0 / high)
-  return (image * scale + 127.0) / 255.0
+# TF1's image summary op, the one legacy's graph runs (only a graph can run it): it
+# scales float images into [0, 255] as TF1 did, where tf.summary.image wants [0, 1].
+_image_summary = tf.function(lambda images: tf.raw_ops.ImageSummary(
+    tag='images', tensor=images, max_images=training.NUM_SUMMARY_IMAGES))
 
 
 # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
@@ -64,17 +52,15 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
     tf.summary.scalar(tag, value, step=step)
   for tag, value in histograms.items():
     tf.summary.histogram(tag, tf.convert_to_tensor(value), step=step)
-  images = summaries.get('images')
-  if images is not None:
-    for tag, image in zip(training.image_tags(), images):
-      tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
+  if 'images' in summaries:  # the tags of training.image_tags()
+    tf.summary.experimental.write_raw_pb(_image_summary(summaries['images']), step=step)
 
 
 def _first_step_progress(first, what):
   """During the chief's first step, a heartbeat line saying `what` it waits for past 5 s."""
   if not first:  # `first` only on the chief: progress comes from the chief
     return contextlib.nullcontext()
-  return training.Heartbeat(lambda seconds: '%s... %d s' % (what, seconds))
+  return training.Heartbeat(lambda seconds: f'{what}... {seconds} s')
 
 
 def train(config, plan, on_step=None):
