@@ -100,8 +100,8 @@ def _assign(what, given, targets):
       (TensorFlow's message names the variable).
   """
   if set(given) != set(targets):
-    raise ValueError('%s: missing %s, unknown %s' % (
-        what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
+    raise ValueError(f'{what}: missing {sorted(set(targets) - set(given))}, '
+                     f'unknown {sorted(set(given) - set(targets))}')
   for name, var in targets.items():
     var.assign(tf.cast(given[name], tf.float32))
 
@@ -181,7 +181,7 @@ class TrainState:
                                     spec.learning_rate)
       for name, grad, var in zip(model_spec.VARIABLE_NAMES, grads,
                                  self.model.variable_list()):
-        slots = [self._slots['%s/%s' % (name, suffix)]
+        slots = [self._slots[f'{name}/{suffix}']
                  for suffix in optimizer_lib.SLOT_SUFFIXES[spec.name]]
         update(var, lambda v, g, *s: UPDATES[spec.name](v, g, lr, spec, *s),
                args=(grad, *slots, *non_slots))
@@ -367,7 +367,7 @@ class Trainer:
       values = [var.read_value() for var in variables]
     tower_grads, tower_losses, scalars, histograms = [], [], {}, {}
     for i, device in enumerate(self.plan.tower_devices):
-      scope = '%s_%d' % (hparams.TOWER_NAME, i)
+      scope = f'{hparams.TOWER_NAME}_{i}'
       with tf.device(device), tf.name_scope(scope):
         loss, grads, *extra = self._tower_fn(values, tower_images[i], tower_labels[i],
                                              summaries)
@@ -426,9 +426,9 @@ class Trainer:
     size = hparams.IMAGE_SIZE
     if (images.shape.rank != 5 or images.shape[0] not in self.batch_counts
         or tuple(images.shape[2:]) != (size, size, 3) or labels.shape != images.shape[:2]):
-      raise ValueError('images must be [N, batch, %d, %d, 3] and labels [N, batch] with N in %s '
-                       '(a batch per tower), got %s and %s' % (
-                           size, size, list(self.batch_counts), images.shape, labels.shape))
+      raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
+                       f'with N in {list(self.batch_counts)} (a batch per tower), got '
+                       f'{images.shape} and {labels.shape}')
     return images, labels
 
   def step(self, tower_batches, stop_requested=False, summaries=False):

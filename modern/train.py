@@ -98,7 +98,6 @@ def train(config, plan, on_step=None):
   try:
     with training.starting(config, config.num_gpus * engine.num_workers, engine.write_dir,
                            engine.lock_what) as (stop, examples_per_epoch, decay_steps):
-      engine.prepare()
       with stop.raising():
         if config.seed is not None:
           tf.random.set_seed(config.seed)
@@ -170,8 +169,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     # Progress comes from the chief.
     with stop.raising() if first and alone else contextlib.nullcontext():
       with _first_step_progress(first and engine.is_chief, 'Filling the shuffle buffer '
-                                'with %d examples' % hparams.min_queue_examples(
-                                    examples_per_worker)):
+                                f'with {hparams.min_queue_examples(examples_per_worker)} examples'):
         batches = next(iterator)
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); `on_step` the step alone.
@@ -198,16 +196,11 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     with writer.as_default():
       _write_summaries(state, step, summary[0], lr, summary[1])
 
-  def finish(step):
-    # Synchronization point: no worker leaves before all have saved.
-    with engine.waiting('the final barrier', step):
-      engine.barrier()
-
   run = training.Run(
       images=config.batch_size * engine.trainer.num_towers, write_dir=engine.write_dir,
       chief=engine.is_chief, alone=alone, peer_errors=engine.peer_errors, step=run_step,
       held=global_step, save=save, open_summaries=open_summaries,
-      write_summaries=write_summaries, finish=finish,
+      write_summaries=write_summaries, finish=engine.finish,
       lost_peers=lambda *args: engine.lost_peers(*args),  # only engines with peers have it
-      report_stop=lambda name, *args: engine.report_stop(name or engines.ANOTHER_WORKER, *args))
+      report_stop=engine.report_stop)
   return training.train_loop(config, stop, run, step, on_step)
