@@ -254,10 +254,10 @@ def _exchange(cluster, sock, expected=None):
     word, index, hosts = json.loads(sock.makefile('rb').readline(65536))
   except (ValueError, TypeError):  # UnicodeError is a ValueError
     return None
-  if word != HELLO or not isinstance(index, int) or not isinstance(hosts, list):
+  if word != HELLO or not isinstance(hosts, list) or type(index) is not int or not (
+      0 <= index < len(hosts)):
     return None
-  where = cluster.hosts[expected] if expected is not None else (
-      hosts[index] if 0 <= index < len(hosts) else sock.getpeername()[0])
+  where = cluster.hosts[expected] if expected is not None else hosts[index]
   if hosts != list(cluster.hosts) or expected not in (None, index) or (
       index == cluster.worker_index):
     raise StartupError(f"{cluster.name()}: the worker at {where} was started as worker {index} "
@@ -324,8 +324,8 @@ def rendezvous(cluster, listener, timeout):
   try:
     pending = set(range(cluster.num_workers)) - {cluster.worker_index}
     if pending:
-      logger.warning('%s: waiting up to %d s (--startup_timeout) for %s.', cluster.name(),
-                     timeout, _names(cluster, pending))
+      logger.warning(f'{cluster.name()}: waiting up to {timeout} s (--startup_timeout) for '
+                     f'{_names(cluster, pending)}.')
     deadline = time.monotonic() + timeout
     while True:
       if errors:

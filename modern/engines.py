@@ -98,21 +98,20 @@ class Towers:
       batches: an element of `dataset()`.
       stop: runtime.training.StopRequest of this process.
       summaries: whether the step writes summaries. Then the towers return a
-        dict of 'scalars' and 'histograms' (dicts tag -> tensor) and
-        'images' (tower 0's first images): the towers' loss terms,
-        activations, sparsity and averaged gradients. The replica engines
-        return none: their summaries are the losses, the learning rate and
-        the variables (runtime.training.summary_tags(activations=False)).
+        dict tag -> tensor: the towers' loss terms, activations, sparsity and
+        averaged gradients, and under 'images' tower 0's first images. The
+        replica engines return none: their summaries are the losses, the
+        learning rate and the variables
+        (runtime.training.summary_tags(activations=False)).
 
     Returns:
       The third item: whether a stop request rode on this step (on the
       replica engines, its all-reduce), so that every worker stops after it.
     """
-    tower_losses, voted, scalars, histograms = self.trainer.step(
-        batches, stop.requested, summaries)
-    inner = {'scalars': scalars, 'histograms': histograms,
-             'images': batches[0][0][:training.NUM_SUMMARY_IMAGES]} if histograms else {}
-    return tower_losses.numpy(), inner, bool(voted)
+    tower_losses, voted, summary = self.trainer.step(batches, stop.requested, summaries)
+    if summary:
+      summary['images'] = batches[0][0][:training.NUM_SUMMARY_IMAGES]
+    return tower_losses.numpy(), summary, bool(voted)
 
   def dataset(self):
     """The training batches of this process (its shard of the records)."""
@@ -208,7 +207,7 @@ class ReplicaTrainer(step_lib.Trainer):
         self._replica_step, args=(dist_images, dist_labels, vote))
     # Identical on every replica after the all-reduce: take the first local one.
     report = self.strategy.experimental_local_results(report)[0]
-    return grads, report[:self.num_towers], report[self.num_towers] > 0, {}, {}
+    return grads, report[:self.num_towers], report[self.num_towers] > 0, {}
 
   def _apply(self, grads):
     # --clip_where averaged: in every replica, on its identical averaged

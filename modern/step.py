@@ -290,7 +290,8 @@ class Trainer:
     # summaries apart: the same arithmetic, and what the summaries need from
     # inside it; the other steps run the plain step unchanged.
     self._step_fn = tf.function(self._step)
-    self._gradients_fn = tf.function(self._averaged_gradients)
+    self._gradients_fn = tf.function(
+        lambda images, labels: self._gradients(images, labels, tf.constant(0.0))[:2])
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -354,7 +355,7 @@ class Trainer:
       (list of averaged gradients in VARIABLE_NAMES order,
        tower total losses float32 [num_towers],
        bool scalar: some process wants to stop,
-       scalars and histograms: dicts tag -> tensor, empty without `summaries`).
+       dict tag -> tensor of the summaries, empty without `summaries`).
     """
     variables = self.state.model.variable_list()
     with tf.device(devices.VARIABLE_DEVICE):
@@ -365,7 +366,7 @@ class Trainer:
       # The variables are read once on their device; each tower receives a
       # copy of the values (legacy: towers read the CPU variables).
       values = [var.read_value() for var in variables]
-    tower_grads, tower_losses, scalars, histograms = [], [], {}, {}
+    tower_grads, tower_losses, summary = [], [], {}
     for i, device in enumerate(self.plan.tower_devices):
       scope = f'{hparams.TOWER_NAME}_{i}'
       with tf.device(device), tf.name_scope(scope):
@@ -374,10 +375,10 @@ class Trainer:
         if summaries:
           terms, activations, zeros = extra
           for name, term in zip(training.loss_terms(), terms):
-            scalars[training.tower_tag(i, name)] = term
+            summary[training.tower_tag(i, name)] = term
           for layer, x, zero in zip(model_spec.LAYERS, activations, zeros):
-            histograms[training.activations_tag(scope, layer.name)] = x
-            scalars[training.sparsity_tag(scope, layer.name)] = zero
+            summary[training.activations_tag(scope, layer.name)] = x
+            summary[training.sparsity_tag(scope, layer.name)] = zero
       tower_losses.append(loss)
       tower_grads.append(list(zip(grads, variables)))
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'):
@@ -390,12 +391,7 @@ class Trainer:
       # mean loss over all N*batch images with weight decay counted once.
       # Nothing is summed across replicas implicitly.
       grads = [g for g, _ in average_gradients(tower_grads)]
-      return grads, tf.stack(tower_losses), vote > 0, scalars, histograms
-
-  def _averaged_gradients(self, images, labels):
-    """`_gradients`' averaged gradients (one copy of them) and tower losses."""
-    grads, tower_losses = self._gradients(images, labels, tf.constant(0.0))[:2]
-    return [self.strategy.experimental_local_results(g)[0] for g in grads], tower_losses
+      return grads, tf.stack(tower_losses), vote > 0, summary
 
   def _apply(self, grads):
     """Clips the averaged gradients (--clip_where averaged) and applies them."""
@@ -407,17 +403,16 @@ class Trainer:
 
     Returns:
       (tower losses float32 [num_towers], bool scalar: some process wants to
-      stop, scalars, histograms): with `summaries`, dicts tag -> tensor of
-      each tower's loss terms, activations and sparsity, and the averaged
-      gradients; else empty.
+      stop, summary): with `summaries`, a dict tag -> tensor of each tower's
+      loss terms, activations and sparsity, and the averaged gradients; else
+      empty.
     """
-    grads, tower_losses, voted, scalars, histograms = self._gradients(
-        images, labels, vote, summaries)
+    grads, tower_losses, voted, summary = self._gradients(images, labels, vote, summaries)
     if summaries:
-      for name, grad in zip(model_spec.VARIABLE_NAMES, grads):
-        histograms[training.gradients_tag(name)] = grad
+      summary.update((training.gradients_tag(name), grad)
+                     for name, grad in zip(model_spec.VARIABLE_NAMES, grads))
     self._apply(grads)
-    return tower_losses, voted, scalars, histograms
+    return tower_losses, voted, summary
 
   def _check(self, tower_batches):
     """(images float32, labels int32) of a step, checked for shape."""
@@ -446,10 +441,9 @@ class Trainer:
     Returns:
       (tower losses float32 tensor [num_towers], each tower's total loss
        before the update; bool tensor: some process wants to stop;
-       scalars, histograms: dicts tag -> tensor of
-       `runtime.training.summary_tags`, the towers' loss terms and sparsity,
-       their activations and the averaged gradients; empty without
-       `summaries`).
+       summary: dict tag -> tensor of `runtime.training.summary_tags`, the
+       towers' loss terms and sparsity, their activations and the averaged
+       gradients; empty without `summaries`).
     """
     return self._step_fn(*self._check(tower_batches), tf.constant(float(stop_requested)),
                          summaries and self.inner_summaries)
@@ -475,4 +469,6 @@ class Trainer:
        order; tower total losses float32 [num_towers]).
     """
     grads, tower_losses = self._gradients_fn(*self._check(tower_batches))
-    return dict(zip(model_spec.VARIABLE_NAMES, grads)), tower_losses
+    # One copy of each (identical on every replica after the all-reduce).
+    return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
+            zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses

@@ -41,19 +41,18 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
     summaries: what the engine's step returned from inside the step
       (see modern.engines.Towers.step); empty for the replica engines.
   """
+  values = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr,
+            **summaries, **state.variables()}
   # Deviation from upstream: every tower's loss summary is written.
-  scalars = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr}
-  scalars.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
-  scalars.update(summaries.get('scalars', {}))
-  histograms = {**summaries.get('histograms', {}), **state.variables()}
-  histograms.update((model_spec.average_name(name), var)
-                    for name, var in state.shadow_variables().items())
-  for tag, value in scalars.items():
-    tf.summary.scalar(tag, value, step=step)
-  for tag, value in histograms.items():
-    tf.summary.histogram(tag, tf.convert_to_tensor(value), step=step)
-  if 'images' in summaries:  # the tags of training.image_tags()
-    tf.summary.experimental.write_raw_pb(_image_summary(summaries['images']), step=step)
+  values.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
+  values.update((model_spec.average_name(name), var)
+                for name, var in state.shadow_variables().items())
+  for tag, value in values.items():
+    if tag == 'images':  # the tags of training.image_tags()
+      tf.summary.experimental.write_raw_pb(_image_summary(value), step=step)
+    else:  # a histogram of each tensor, a scalar of each scalar
+      value = tf.convert_to_tensor(value)
+      (tf.summary.histogram if value.shape.rank else tf.summary.scalar)(tag, value, step=step)
 
 
 def _first_step_progress(first, what):
