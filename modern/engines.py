@@ -39,7 +39,6 @@ import time
 import tensorflow as tf
 
 from cifar10_towers.common import devices
-from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.modern import cluster as cluster_lib
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import step as step_lib
@@ -82,10 +81,15 @@ class Towers:
     self.write_dir = config.train_dir
     self.trainer = None
 
+  def strategy(self):
+    """The tf.distribute.Strategy the step runs under; None: the towers' own step."""
+
   def build(self, decay_steps):
     """The step object (see `trainer`)."""
-    return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit,
-                            optimizer=self.config.optimizer)
+    strategy = self.strategy()
+    return (ReplicaTrainer if strategy else step_lib.Trainer)(
+        self.plan, decay_steps, jit=self.config.jit, optimizer=self.config.optimizer,
+        strategy=strategy)
 
   def start(self, decay_steps):
     """Builds the step; with peers, meets them first. Nothing is written."""
@@ -163,10 +167,11 @@ class ReplicaTrainer(step_lib.Trainer):
 
   inner_summaries = False
 
-  def __init__(self, strategy, plan, decay_steps, jit=False, optimizer=optimizer_lib.Optimizer()):
-    super().__init__(plan, decay_steps, jit=jit, optimizer=optimizer, strategy=strategy)
-    self.num_local_replicas = plan.num_towers
-    self.num_towers = self.grad_divisor = strategy.num_replicas_in_sync
+  def __init__(self, *args, **kwargs):
+    """modern.step.Trainer's arguments, `strategy` required."""
+    super().__init__(*args, **kwargs)
+    self.num_local_replicas = self.plan.num_towers
+    self.num_towers = self.grad_divisor = self.strategy.num_replicas_in_sync
     self.batch_counts = sorted({self.num_towers, self.num_local_replicas})
     self.broadcast_from_chief = tf.function(self._broadcast_from_chief)
     self.barrier = tf.function(self._barrier)
@@ -262,9 +267,8 @@ def mirrored_strategy(plan):
 class Mirrored(Towers):
   """tf.distribute.MirroredStrategy over the plan's devices."""
 
-  def build(self, decay_steps):
-    return ReplicaTrainer(mirrored_strategy(self.plan), self.plan, decay_steps,
-                          jit=self.config.jit, optimizer=self.config.optimizer)
+  def strategy(self):
+    return mirrored_strategy(self.plan)
 
 
 WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
@@ -370,12 +374,9 @@ class MultiWorker(Mirrored):
     if not self.is_chief:  # the chief's copy is the one kept
       shutil.rmtree(self.write_dir, ignore_errors=True)
 
-  def build(self, decay_steps):
-    strategy = multi_worker_strategy(
-        self.plan, self.cluster,
-        COLLECTIVE_TIMEOUT_FACTOR * self.config.peer_timeout)
-    return ReplicaTrainer(strategy, self.plan, decay_steps, jit=self.config.jit,
-                          optimizer=self.config.optimizer)
+  def strategy(self):
+    return multi_worker_strategy(self.plan, self.cluster,
+                                 COLLECTIVE_TIMEOUT_FACTOR * self.config.peer_timeout)
 
   def start(self, decay_steps):
     """Meets the other workers, then starts TensorFlow's engine on this one.
