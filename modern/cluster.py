@@ -266,31 +266,6 @@ def _exchange(cluster, sock, expected=None):
   return index
 
 
-def _answer(cluster, listener, seen, errors, closing):
-  """Answers the peers' hellos on `listener` until `closing` is set (a thread).
-
-  A hello from worker j, answered, tells both that the other is up: j goes
-  into the set `seen`, a StartupError into the list `errors` (for the main
-  thread to raise).
-  """
-  listener.settimeout(0.2)
-  while not closing.is_set():
-    try:
-      conn = listener.accept()[0]
-    except socket.timeout:
-      continue
-    except OSError:
-      return  # closed
-    with conn:
-      conn.settimeout(CONNECT_SECS)
-      try:
-        seen.add(_exchange(cluster, conn))
-      except StartupError as e:
-        errors.append(e)
-      except OSError:
-        pass  # a peer that went away mid-hello tries again
-
-
 def _say_hello(cluster, index):
   """True once worker `index` answered our hello; StartupError on another cluster."""
   try:
@@ -317,9 +292,29 @@ def rendezvous(cluster, listener, timeout):
     StartupError: a peer did not answer within `timeout` (the message names
       every one that did not), or one was started with another cluster.
   """
-  seen, errors, closing = set(), [], threading.Event()
-  thread = threading.Thread(target=_answer, name='startup-hello', daemon=True,
-                            args=(cluster, listener, seen, errors, closing))
+  seen, errors = set(), []  # the peers that said hello to us; StartupErrors for this thread
+
+  def answer():
+    # Answers the peers' hellos until the listener is closed: a hello from
+    # worker j, answered, tells both that the other is up.
+    while True:
+      try:
+        conn = listener.accept()[0]
+      except socket.timeout:
+        continue
+      except OSError:
+        return  # closed
+      with conn:
+        conn.settimeout(CONNECT_SECS)
+        try:
+          seen.add(_exchange(cluster, conn))
+        except StartupError as e:
+          errors.append(e)
+        except OSError:
+          pass  # a peer that went away mid-hello tries again
+
+  listener.settimeout(0.2)
+  thread = threading.Thread(target=answer, name='startup-hello', daemon=True)
   thread.start()
   try:
     pending = set(range(cluster.num_workers)) - {cluster.worker_index}
@@ -342,9 +337,8 @@ def rendezvous(cluster, listener, timeout):
             'ports are reachable from here.')
       time.sleep(min(RETRY_SECS, left))
   finally:
-    closing.set()
+    listener.close()  # which ends `answer`
     thread.join(timeout=2)
-    listener.close()
 
 
 def _names(cluster, indices):

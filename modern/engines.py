@@ -552,7 +552,7 @@ class PeerWatchdog:
     self._save_completed = save_completed
     self._cleanup = cleanup
     self._exit = exit
-    self._lock = threading.Lock()
+    # Each read or written whole (the GIL makes that atomic): no lock.
     self._block = None  # (start, deadline, what, step, flag) of the guarded wait
     self._stop = None  # (time, signal name) of the first stop request
     self._first_step = None
@@ -563,9 +563,10 @@ class PeerWatchdog:
   @contextlib.contextmanager
   def guard(self, seconds, what, step, flag):
     """The block waits for the peers at most `seconds` (the value of `flag`)."""
-    with self._lock:
-      self._first_step = step if self._first_step is None else self._first_step
-      self._block = (time.monotonic(), time.monotonic() + seconds, what, step, flag)
+    if self._first_step is None:
+      self._first_step = step
+    start = time.monotonic()
+    self._block = (start, start + seconds, what, step, flag)
     try:
       yield
     finally:
@@ -573,8 +574,7 @@ class PeerWatchdog:
 
   def stop_requested(self, signal_name):
     """A stop request came (a stop signal): waits for the peers end soon."""
-    with self._lock:
-      self._stop = self._stop or (time.monotonic(), signal_name)
+    self._stop = self._stop or (time.monotonic(), signal_name)
 
   def stop(self):
     self._stopped.set()
@@ -582,16 +582,15 @@ class PeerWatchdog:
 
   def _watch(self):
     while not self._stopped.wait(self.POLL_SECS):
-      now = time.monotonic()
-      with self._lock:
-        if self._block is None:
-          continue
-        start, deadline, what, step, flag = self._block
-        since, signal_name = self._stop or (None, None)
-        stopped = since is not None and now > min(max(start, since) + self.STOP_GRACE_SECS,
-                                                  since + self.STOP_LIMIT_SECS)
-        if not stopped and now <= deadline:
-          continue
+      block, now = self._block, time.monotonic()
+      since, signal_name = self._stop or (None, None)
+      if block is None:
+        continue
+      start, deadline, what, step, flag = block
+      stopped = since is not None and now > min(max(start, since) + self.STOP_GRACE_SECS,
+                                                since + self.STOP_LIMIT_SECS)
+      if not stopped and now <= deadline:
+        continue
       # The exit must come whatever fails on the way: the main thread is stuck.
       try:
         try:
