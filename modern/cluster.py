@@ -70,7 +70,7 @@ class Cluster:
   @property
   def hosts(self):
     """'host:port' of every worker in worker_index order (the chief first)."""
-    return tuple(h for job in ('chief', 'worker') for h in self.jobs.get(job, ()))
+    return self.jobs.get('chief', ()) + self.jobs.get('worker', ())
 
   @property
   def num_workers(self):
