@@ -25,6 +25,7 @@ checkpoint_key(name))` for each legacy name; legacy -> modern is a
 `global_step.assign(...)`, saved through `checkpoint_object(state)`.
 """
 
+import functools
 import os
 import threading
 
@@ -70,14 +71,20 @@ class StepSaver:
         except (tf.errors.OpError, OSError) as e:
           raise checkpoints.save_failed(self.directory, current, e) from e
         self.last_saved = current
-      return os.path.join(self.directory, '%s-%d' % (config_lib.CHECKPOINT_BASENAME, current))
+      return os.path.join(self.directory, f'{config_lib.CHECKPOINT_BASENAME}-{current}')
 
 
 def checkpoint_object(state):
-  """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring."""
+  """The `tf.train.Checkpoint` of a modern.step.TrainState; keys as in the module docstring.
+
+  The optimizer's slots go in as nested dicts, so that a checkpoint keys them
+  'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'.
+  """
   objects = dict(global_step=state.global_step, model=state.model, ema=state.ema)
-  if state.slots is not None:  # SGD's checkpoints stay as they were
-    objects['optimizer'] = state.slots
+  for name, variable in state.slot_variables().items():  # none for SGD: no 'optimizer/'
+    *parts, leaf = name.split('/')
+    functools.reduce(lambda node, part: node.setdefault(part, {}), parts,
+                     objects.setdefault('optimizer', {}))[leaf] = variable
   return tf.train.Checkpoint(**objects)
 
 
@@ -118,11 +125,10 @@ def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
             if step is not None and step.dtype.kind == 'f'
             else 'a legacy (tf.compat.v1 Saver) checkpoint')
     raise training.TrainingError(
-        '%s is %s; the modern trainer resumes only its own checkpoints. '
-        'Convert it (`%s`) and train with --train_dir %s, or use another '
-        '--train_dir, or train this one with the legacy trainer.'
-        % (resume_from, what, prog.convert_command(train_dir, 'modern'),
-           prog.converted_dir(train_dir, 'modern')))
+        f'{resume_from} is {what}; the modern trainer resumes only its own checkpoints. '
+        f"Convert it (`{prog.convert_command(train_dir, 'modern')}`) and train with "
+        f"--train_dir {prog.converted_dir(train_dir, 'modern')}, or use another "
+        '--train_dir, or train this one with the legacy trainer.')
   # Before check_fits and restore: an SGD checkpoint lacks Adam's slots
   # (another optimizer, not another model), and an Adam checkpoint restored
   # into an SGD run would lose its slots silently.
@@ -137,9 +143,8 @@ def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
     checkpoint.restore(resume_from).assert_existing_objects_matched()
   except (AssertionError, ValueError, tf.errors.OpError) as e:
     raise training.TrainingError(
-        '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (resume_from, checkpoints.reason(e))
-    ) from e
+        f'{resume_from} does not fit this model ({checkpoints.reason(e)}). Use another '
+        '--train_dir, or move its checkpoints away.') from e
   # The CheckpointManager cannot read an empty or non-text state file;
   # resume_point said it skipped it, and the next save replaces it anyway.
   checkpoints.replace_unreadable_state(train_dir, resume_from)

@@ -70,7 +70,7 @@ class Cluster:
   @property
   def hosts(self):
     """'host:port' of every worker in worker_index order (the chief first)."""
-    return tuple(h for job in ('chief', 'worker') for h in self.jobs.get(job, ()))
+    return self.jobs.get('chief', ()) + self.jobs.get('worker', ())
 
   @property
   def num_workers(self):
@@ -99,7 +99,7 @@ class Cluster:
 
   def name(self):
     """'worker 1 of 2 (host:port)', for messages."""
-    return 'worker %d of %d (%s)' % (self.worker_index, self.num_workers, self.address)
+    return f'worker {self.worker_index} of {self.num_workers} ({self.address})'
 
   def cluster_resolver(self, num_gpus=0):
     """A `tf.distribute.cluster_resolver.ClusterResolver` of this cluster.
@@ -124,14 +124,14 @@ def parse_worker_hosts(text, source='--worker_hosts'):
   """
   hosts = tuple(item.strip() for item in text.split(',') if item.strip())
   if not hosts:
-    raise ClusterError('%s is empty; list the workers as host:port,host:port.' % source)
+    raise ClusterError(f'{source} is empty; list the workers as host:port,host:port.')
   for host in hosts:
     name, _, port = host.rpartition(':')
     if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
-      raise ClusterError('%r in %s is not host:port (port 1..65535), e.g. 10.0.0.1:2222.'
-                         % (host, source))
+      raise ClusterError(f'{host!r} in {source} is not host:port (port 1..65535), '
+                         'e.g. 10.0.0.1:2222.')
   if len(set(hosts)) != len(hosts):
-    raise ClusterError('%s lists a host:port twice: %s.' % (source, ','.join(hosts)))
+    raise ClusterError(f"{source} lists a host:port twice: {','.join(hosts)}.")
   return hosts
 
 
@@ -158,12 +158,12 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
                          'once. Unset TF_CONFIG (`unset TF_CONFIG`), or drop --worker_hosts '
                          'and --task_index.')
     if task_index not in range(len(worker_hosts)):
-      raise ClusterError('--task_index %d is not an index of the %d --worker_hosts '
-                         '(0..%d).' % (task_index, len(worker_hosts), len(worker_hosts) - 1))
+      raise ClusterError(f'--task_index {task_index} is not an index of the '
+                         f'{len(worker_hosts)} --worker_hosts (0..{len(worker_hosts) - 1}).')
     return Cluster({'worker': tuple(worker_hosts)}, 'worker', task_index)
   if not text:
-    raise ClusterError('--strategy multiworker needs the cluster: set TF_CONFIG (e.g. %s) or '
-                       'pass --worker_hosts and --task_index.' % _EXAMPLE)
+    raise ClusterError(f'--strategy multiworker needs the cluster: set TF_CONFIG (e.g. '
+                       f'{_EXAMPLE}) or pass --worker_hosts and --task_index.')
   try:
     tf_config = json.loads(text)
     cluster, task = dict(tf_config['cluster']), tf_config['task']
@@ -177,8 +177,8 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
       raise ValueError('its task is not in its cluster')
   except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSON errors are ValueErrors
     raise ClusterError('TF_CONFIG is not valid JSON of a "cluster" (lists of host:port) and a '
-                       '"task" in it (%s: %s): %r. E.g. %s' % (type(e).__name__, e, text,
-                                                              _EXAMPLE)) from None
+                       f'"task" in it ({type(e).__name__}: {e}): {text!r}. E.g. {_EXAMPLE}'
+                       ) from None
   return Cluster(jobs, task_type, task_id, source=TF_CONFIG)
 
 
@@ -201,10 +201,9 @@ def check_hosts(cluster):
     try:
       socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-      raise StartupError('%s: cannot resolve %r, the host of %s: %s. Fix the name in %s (the '
-                         'same list on every worker), or use an IP address.' % (
-                             cluster.name(), host, _names(cluster, [index]), e,
-                             cluster.source)) from None
+      raise StartupError(f'{cluster.name()}: cannot resolve {host!r}, the host of '
+                         f'{_names(cluster, [index])}: {e}. Fix the name in {cluster.source} '
+                         '(the same list on every worker), or use an IP address.') from None
 
 
 def listen(cluster):
@@ -228,10 +227,10 @@ def listen(cluster):
                                 family=socket.AF_INET6 if dual else socket.AF_INET,
                                 dualstack_ipv6=dual)
   except OSError as e:
-    raise StartupError('%s: port %d is not free on this machine (%s). Stop the process that '
-                       'listens on it, or give this worker another port in %s (the same '
-                       'list on every worker).' % (cluster.name(), port, e.strerror or e,
-                                                   cluster.source)) from None
+    raise StartupError(f'{cluster.name()}: port {port} is not free on this machine '
+                       f'({e.strerror or e}). Stop the process that listens on it, or give '
+                       f'this worker another port in {cluster.source} (the same list on every '
+                       'worker).') from None
 
 
 def _exchange(cluster, sock, expected=None):
@@ -255,42 +254,16 @@ def _exchange(cluster, sock, expected=None):
     word, index, hosts = json.loads(sock.makefile('rb').readline(65536))
   except (ValueError, TypeError):  # UnicodeError is a ValueError
     return None
-  if word != HELLO or not isinstance(index, int) or not isinstance(hosts, list):
+  if word != HELLO or not isinstance(hosts, list) or type(index) is not int or not (
+      0 <= index < len(hosts)):
     return None
-  where = cluster.hosts[expected] if expected is not None else (
-      hosts[index] if 0 <= index < len(hosts) else sock.getpeername()[0])
+  where = cluster.hosts[expected] if expected is not None else hosts[index]
   if hosts != list(cluster.hosts) or expected not in (None, index) or (
       index == cluster.worker_index):
-    raise StartupError('%s: the worker at %s was started as worker %d of %s. Start every worker '
-                       'with the same %s list, each with the index of its own host:port.' % (
-                           cluster.name(), where, index, ','.join(map(str, hosts)),
-                           cluster.source))
+    raise StartupError(f"{cluster.name()}: the worker at {where} was started as worker {index} "
+                       f"of {','.join(map(str, hosts))}. Start every worker with the same "
+                       f"{cluster.source} list, each with the index of its own host:port.")
   return index
-
-
-def _answer(cluster, listener, seen, errors, closing):
-  """Answers the peers' hellos on `listener` until `closing` is set (a thread).
-
-  A hello from worker j, answered, tells both that the other is up: j goes
-  into the set `seen`, a StartupError into the list `errors` (for the main
-  thread to raise).
-  """
-  listener.settimeout(0.2)
-  while not closing.is_set():
-    try:
-      conn = listener.accept()[0]
-    except socket.timeout:
-      continue
-    except OSError:
-      return  # closed
-    with conn:
-      conn.settimeout(CONNECT_SECS)
-      try:
-        seen.add(_exchange(cluster, conn))
-      except StartupError as e:
-        errors.append(e)
-      except OSError:
-        pass  # a peer that went away mid-hello tries again
 
 
 def _say_hello(cluster, index):
@@ -319,15 +292,35 @@ def rendezvous(cluster, listener, timeout):
     StartupError: a peer did not answer within `timeout` (the message names
       every one that did not), or one was started with another cluster.
   """
-  seen, errors, closing = set(), [], threading.Event()
-  thread = threading.Thread(target=_answer, name='startup-hello', daemon=True,
-                            args=(cluster, listener, seen, errors, closing))
+  seen, errors = set(), []  # the peers that said hello to us; StartupErrors for this thread
+
+  def answer():
+    # Answers the peers' hellos until the listener is closed: a hello from
+    # worker j, answered, tells both that the other is up.
+    while True:
+      try:
+        conn = listener.accept()[0]
+      except socket.timeout:
+        continue
+      except OSError:
+        return  # closed
+      with conn:
+        conn.settimeout(CONNECT_SECS)
+        try:
+          seen.add(_exchange(cluster, conn))
+        except StartupError as e:
+          errors.append(e)
+        except OSError:
+          pass  # a peer that went away mid-hello tries again
+
+  listener.settimeout(0.2)
+  thread = threading.Thread(target=answer, name='startup-hello', daemon=True)
   thread.start()
   try:
     pending = set(range(cluster.num_workers)) - {cluster.worker_index}
     if pending:
-      logger.warning('%s: waiting up to %d s (--startup_timeout) for %s.', cluster.name(),
-                     timeout, _names(cluster, pending))
+      logger.warning(f'{cluster.name()}: waiting up to {timeout} s (--startup_timeout) for '
+                     f'{_names(cluster, pending)}.')
     deadline = time.monotonic() + timeout
     while True:
       if errors:
@@ -338,17 +331,16 @@ def rendezvous(cluster, listener, timeout):
       left = deadline - time.monotonic()
       if left <= 0:
         raise StartupError(
-            '%s: no answer from %s within %d s (--startup_timeout). Start every '
-            'worker within that time of the others, with the same %s list and '
-            'each its own index, and check that their ports are reachable from '
-            'here.' % (cluster.name(), _names(cluster, pending), timeout, cluster.source))
+            f'{cluster.name()}: no answer from {_names(cluster, pending)} within {timeout} s '
+            '(--startup_timeout). Start every worker within that time of the others, with '
+            f'the same {cluster.source} list and each its own index, and check that their '
+            'ports are reachable from here.')
       time.sleep(min(RETRY_SECS, left))
   finally:
-    closing.set()
+    listener.close()  # which ends `answer`
     thread.join(timeout=2)
-    listener.close()
 
 
 def _names(cluster, indices):
   """'host:port (worker i), ...' of the workers `indices`, for messages."""
-  return ', '.join('%s (worker %d)' % (cluster.hosts[i], i) for i in sorted(indices))
+  return ', '.join(f'{cluster.hosts[i]} (worker {i})' for i in sorted(indices))

@@ -39,7 +39,6 @@ import time
 import tensorflow as tf
 
 from cifar10_towers.common import devices
-from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.modern import cluster as cluster_lib
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import step as step_lib
@@ -82,10 +81,15 @@ class Towers:
     self.write_dir = config.train_dir
     self.trainer = None
 
+  def strategy(self):
+    """The tf.distribute.Strategy the step runs under; None: the towers' own step."""
+
   def build(self, decay_steps):
     """The step object (see `trainer`)."""
-    return step_lib.Trainer(self.plan, decay_steps, jit=self.config.jit,
-                            optimizer=self.config.optimizer)
+    strategy = self.strategy()
+    return (ReplicaTrainer if strategy else step_lib.Trainer)(
+        self.plan, decay_steps, jit=self.config.jit, optimizer=self.config.optimizer,
+        strategy=strategy)
 
   def start(self, decay_steps):
     """Builds the step; with peers, meets them first. Nothing is written."""
@@ -98,22 +102,20 @@ class Towers:
       batches: an element of `dataset()`.
       stop: runtime.training.StopRequest of this process.
       summaries: whether the step writes summaries. Then the towers return a
-        dict of 'scalars' and 'histograms' (dicts tag -> tensor) and
-        'images' (tower 0's first images): the towers' loss terms,
-        activations, sparsity and averaged gradients. The replica engines
-        return none: their summaries are the losses, the learning rate and
-        the variables (runtime.training.summary_tags(activations=False)).
+        dict tag -> tensor: the towers' loss terms, activations, sparsity and
+        averaged gradients, and under 'images' tower 0's first images. The
+        replica engines return none: their summaries are the losses, the
+        learning rate and the variables
+        (runtime.training.summary_tags(activations=False)).
 
     Returns:
       The third item: whether a stop request rode on this step (on the
       replica engines, its all-reduce), so that every worker stops after it.
     """
-    summaries = summaries and self.trainer.inner_summaries
-    tower_losses, voted, scalars, histograms = self.trainer.step(
-        batches, stop.requested, summaries)
-    inner = {'scalars': scalars, 'histograms': histograms,
-             'images': batches[0][0][:training.NUM_SUMMARY_IMAGES]} if summaries else {}
-    return tower_losses.numpy(), inner, bool(voted)
+    tower_losses, voted, summary = self.trainer.step(batches, stop.requested, summaries)
+    if summary:
+      summary['images'] = batches[0][0][:training.NUM_SUMMARY_IMAGES]
+    return tower_losses.numpy(), summary, bool(voted)
 
   def dataset(self):
     """The training batches of this process (its shard of the records)."""
@@ -121,9 +123,6 @@ class Towers:
         self.config.data_dir, self.config.batch_size, self.config.num_gpus,
         seed=self.config.seed, num_shards=self.num_workers,
         shard_index=self.worker_index)
-
-  def prepare(self):
-    """Called with write_dir locked, before the start."""
 
   def close(self):
     """Called when the run ends, however it ends."""
@@ -139,8 +138,8 @@ class Towers:
   def broadcast(self):
     """Gives every process the chief's (restored or fresh) state."""
 
-  def barrier(self):
-    """Returns when every process has reached it."""
+  def finish(self, step):
+    """After the final save at global step `step`: returns when every process is there."""
 
   def report_stop(self, stopped_by, step, path):
     """Says how the run ended after a stop request (`stopped_by`, a signal name)."""
@@ -164,19 +163,16 @@ class ReplicaTrainer(step_lib.Trainer):
     state: modern.step.TrainState, created under the strategy's scope.
     num_towers: int, replicas in sync over all workers (R).
     num_local_replicas: int, replicas of this worker.
-    worker_index: int; its replicas have the global ids
-      worker_index * num_local_replicas + 0 .. num_local_replicas - 1.
   """
 
   inner_summaries = False
 
-  def __init__(self, strategy, plan, decay_steps, jit=False, worker_index=0,
-               optimizer=optimizer_lib.Optimizer()):
-    super().__init__(plan, decay_steps, jit=jit, optimizer=optimizer, strategy=strategy)
-    self.num_local_replicas = plan.num_towers
-    self.num_towers = self.grad_divisor = strategy.num_replicas_in_sync
+  def __init__(self, *args, **kwargs):
+    """modern.step.Trainer's arguments, `strategy` required."""
+    super().__init__(*args, **kwargs)
+    self.num_local_replicas = self.plan.num_towers
+    self.num_towers = self.grad_divisor = self.strategy.num_replicas_in_sync
     self.batch_counts = sorted({self.num_towers, self.num_local_replicas})
-    self.worker_index = int(worker_index)
     self.broadcast_from_chief = tf.function(self._broadcast_from_chief)
     self.barrier = tf.function(self._barrier)
 
@@ -205,18 +201,18 @@ class ReplicaTrainer(step_lib.Trainer):
 
   def _gradients(self, images, labels, vote, summaries=False):
     """All-reduced gradients (per replica), tower losses [R], the vote and no summaries."""
-    offset = 0
-    if images.shape[0] != self.num_towers:
-      offset = self.worker_index * self.num_local_replicas  # local batches
+    # The replicas of worker w have the global ids w * L .. w * L + L - 1 (L
+    # local replicas): local replica i of every worker takes batch i of local batches.
+    count = images.shape[0]
     dist_images, dist_labels = (
         self.strategy.experimental_distribute_values_from_function(
-            lambda ctx, t=tensor: t[ctx.replica_id_in_sync_group - offset])
+            lambda ctx, t=tensor: t[ctx.replica_id_in_sync_group % count])
         for tensor in (images, labels))
     grads, report = self.strategy.run(
         self._replica_step, args=(dist_images, dist_labels, vote))
     # Identical on every replica after the all-reduce: take the first local one.
     report = self.strategy.experimental_local_results(report)[0]
-    return grads, report[:self.num_towers], report[self.num_towers] > 0, {}, {}
+    return grads, report[:self.num_towers], report[self.num_towers] > 0, {}
 
   def _apply(self, grads):
     # --clip_where averaged: in every replica, on its identical averaged
@@ -271,9 +267,8 @@ def mirrored_strategy(plan):
 class Mirrored(Towers):
   """tf.distribute.MirroredStrategy over the plan's devices."""
 
-  def build(self, decay_steps):
-    return ReplicaTrainer(mirrored_strategy(self.plan), self.plan, decay_steps,
-                          jit=self.config.jit, optimizer=self.config.optimizer)
+  def strategy(self):
+    return mirrored_strategy(self.plan)
 
 
 WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
@@ -370,30 +365,18 @@ class MultiWorker(Mirrored):
     self.num_workers = self.cluster.num_workers
     self.worker_index = self.cluster.worker_index
     self.is_chief = self.cluster.is_chief
-    self.lock_what = 'multiworker training as %s' % self.cluster.name()
+    self.lock_what = f'multiworker training as {self.cluster.name()}'
     if not self.is_chief:
-      self.write_dir = os.path.join(config.train_dir, '%s%d' % (
-          WORKER_TEMP_PREFIX, self.worker_index))
-
-  def prepare(self):
-    if not self.is_chief:  # left over only if a run was killed
-      for entry in os.scandir(self.write_dir):
-        if entry.is_dir(follow_symlinks=False):
-          shutil.rmtree(entry.path, ignore_errors=True)
-        elif entry.name != lock.LOCK_FILE:
-          os.remove(entry.path)
+      self.write_dir = os.path.join(config.train_dir,
+                                    f'{WORKER_TEMP_PREFIX}{self.worker_index}')
 
   def close(self):
     if not self.is_chief:  # the chief's copy is the one kept
       shutil.rmtree(self.write_dir, ignore_errors=True)
 
-  def build(self, decay_steps):
-    strategy = multi_worker_strategy(
-        self.plan, self.cluster,
-        COLLECTIVE_TIMEOUT_FACTOR * self.config.peer_timeout)
-    return ReplicaTrainer(strategy, self.plan, decay_steps, jit=self.config.jit,
-                          worker_index=self.worker_index,
-                          optimizer=self.config.optimizer)
+  def strategy(self):
+    return multi_worker_strategy(self.plan, self.cluster,
+                                 COLLECTIVE_TIMEOUT_FACTOR * self.config.peer_timeout)
 
   def start(self, decay_steps):
     """Meets the other workers, then starts TensorFlow's engine on this one.
@@ -405,6 +388,12 @@ class MultiWorker(Mirrored):
     """
     cluster, config = self.cluster, self.config
     started = time.monotonic()
+    if not self.is_chief:  # left over in its locked write_dir only if a run was killed
+      for entry in os.scandir(self.write_dir):
+        if entry.is_dir(follow_symlinks=False):
+          shutil.rmtree(entry.path, ignore_errors=True)
+        elif entry.name != lock.LOCK_FILE:
+          os.remove(entry.path)
     cluster_lib.check_hosts(cluster)
     cluster_lib.rendezvous(cluster, cluster_lib.listen(cluster),
                            config.startup_timeout)
@@ -415,19 +404,18 @@ class MultiWorker(Mirrored):
     # give SIGTERM back to Python's handler (the StopRequest's) afterwards.
     sigterm = signal.getsignal(signal.SIGTERM)
     try:
-      with _bounded(seconds, 'Error: %s: every worker said hello, but '
-                    'TensorFlow\'s start-up did not finish within %d s '
-                    '(--startup_timeout): a worker failed or was stopped while '
-                    'starting (see its output). Start every worker again.'
-                    % (cluster.name(), seconds)):
+      with _bounded(seconds, f"Error: {cluster.name()}: every worker said hello, but "
+                    f"TensorFlow's start-up did not finish within {seconds:.0f} s "
+                    "(--startup_timeout): a worker failed or was stopped while "
+                    "starting (see its output). Start every worker again."):
         self.trainer = self.build(decay_steps)
     except tf.errors.OpError as e:
       # e.g. 'Could not start gRPC server': another process took the port
       # after the rendezvous found it free.
       raise cluster_lib.StartupError(
-          "%s: TensorFlow's start-up failed (%s). Start every worker again with the same "
-          "flags, or, if this worker's port was taken meanwhile, another in %s." % (
-              cluster.name(), _quote(e), cluster.source)) from None
+          f"{cluster.name()}: TensorFlow's start-up failed ({_quote(e)}). Start every worker "
+          "again with the same flags, or, if this worker's port was taken meanwhile, "
+          f"another in {cluster.source}.") from None
     finally:
       if sigterm is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
@@ -474,8 +462,10 @@ class MultiWorker(Mirrored):
   def broadcast(self):
     self.trainer.broadcast_from_chief()
 
-  def barrier(self):
-    self.trainer.barrier()
+  def finish(self, step):
+    # Synchronization point: no worker leaves before all have saved.
+    with self.waiting('the final barrier', step):
+      self.trainer.barrier()
 
   def lost_peers(self, error, step, first_step, save, stop):  # pylint: disable=unused-argument
     """After a wait for the peers failed in this thread: saves what it can, says so.
@@ -497,14 +487,16 @@ class MultiWorker(Mirrored):
     raise training.TrainingError(_line(self.cluster, step, saved, _quote(error))) from error
 
   def report_stop(self, stopped_by, step, path):
+    # No signal of this process: a stop request of another worker rode on the step.
+    stopped_by = stopped_by or ANOTHER_WORKER
     # A non-chief's own copy is removed at the end: the chief's is the one kept.
     path = os.path.join(self.config.train_dir, os.path.basename(path))
-    line = '%s: stopped by %s at global step %d; %s saved %s.' % (
-        self.cluster.name(), stopped_by, step, 'it' if self.is_chief else 'the chief', path)
+    line = (f"{self.cluster.name()}: stopped by {stopped_by} at global step {step}; "
+            f"{'it' if self.is_chief else 'the chief'} saved {path}.")
     if stopped_by == ANOTHER_WORKER:
       # Not a signal of this process, so not its exit status: the run did not
       # end, and every worker must be started again.
-      raise training.TrainingError('%s %s' % (line, _RESTART))
+      raise training.TrainingError(f'{line} {_RESTART}')
     # The run's one ending line, on stderr (runtime.ending).
     ending.say(training.stopped_line(stopped_by, step, path) if self.is_chief else line)
 
@@ -517,15 +509,14 @@ def _quote(error):
   """
   text = str(error).strip()
   cause = re.search(r'.*(aborted by|unhealthy|Deadline|onnect)(.*:\s*\n.*|.*)', text)
-  return '%s: %s' % (type(error).__name__,
-                     ' '.join((cause or re.match('.*', text)).group().split()))
+  return f"{type(error).__name__}: {' '.join((cause or re.match('.*', text)).group().split())}"
 
 
 def _line(cluster, step, saved, why, stopped_by=None):
   """A worker's line when it lost its peers, or was stopped (by `stopped_by`) waiting for them."""
-  return '%s: %s at global step %d (%s); %s %s' % (
-      cluster.name(), 'stopped by %s' % stopped_by if stopped_by else 'lost its peers', step,
-      why, 'saved %s.' % saved if saved else 'this worker saved no checkpoint.', _RESTART)
+  return (f"{cluster.name()}: {f'stopped by {stopped_by}' if stopped_by else 'lost its peers'}"
+          f" at global step {step} ({why}); "
+          f"{f'saved {saved}.' if saved else 'this worker saved no checkpoint.'} {_RESTART}")
 
 
 class PeerWatchdog:
@@ -561,7 +552,7 @@ class PeerWatchdog:
     self._save_completed = save_completed
     self._cleanup = cleanup
     self._exit = exit
-    self._lock = threading.Lock()
+    # Each read or written whole (the GIL makes that atomic): no lock.
     self._block = None  # (start, deadline, what, step, flag) of the guarded wait
     self._stop = None  # (time, signal name) of the first stop request
     self._first_step = None
@@ -572,9 +563,10 @@ class PeerWatchdog:
   @contextlib.contextmanager
   def guard(self, seconds, what, step, flag):
     """The block waits for the peers at most `seconds` (the value of `flag`)."""
-    with self._lock:
-      self._first_step = step if self._first_step is None else self._first_step
-      self._block = (time.monotonic(), time.monotonic() + seconds, what, step, flag)
+    if self._first_step is None:
+      self._first_step = step
+    start = time.monotonic()
+    self._block = (start, start + seconds, what, step, flag)
     try:
       yield
     finally:
@@ -582,8 +574,7 @@ class PeerWatchdog:
 
   def stop_requested(self, signal_name):
     """A stop request came (a stop signal): waits for the peers end soon."""
-    with self._lock:
-      self._stop = self._stop or (time.monotonic(), signal_name)
+    self._stop = self._stop or (time.monotonic(), signal_name)
 
   def stop(self):
     self._stopped.set()
@@ -591,16 +582,15 @@ class PeerWatchdog:
 
   def _watch(self):
     while not self._stopped.wait(self.POLL_SECS):
-      now = time.monotonic()
-      with self._lock:
-        if self._block is None:
-          continue
-        start, deadline, what, step, flag = self._block
-        since, signal_name = self._stop or (None, None)
-        stopped = since is not None and now > min(max(start, since) + self.STOP_GRACE_SECS,
-                                                  since + self.STOP_LIMIT_SECS)
-        if not stopped and now <= deadline:
-          continue
+      block, now = self._block, time.monotonic()
+      since, signal_name = self._stop or (None, None)
+      if block is None:
+        continue
+      start, deadline, what, step, flag = block
+      stopped = since is not None and now > min(max(start, since) + self.STOP_GRACE_SECS,
+                                                since + self.STOP_LIMIT_SECS)
+      if not stopped and now <= deadline:
+        continue
       # The exit must come whatever fails on the way: the main thread is stuck.
       try:
         try:
@@ -608,10 +598,10 @@ class PeerWatchdog:
         except Exception:  # pylint: disable=broad-except
           saved = None
         logger.warning(_line(
-            self._cluster, step, saved, 'ending %s after %d s of waiting for the other workers'
-            % (what, now - max(start, since)), signal_name) if stopped else 'Error: ' + _line(
-                self._cluster, step, saved, 'no answer in %s within %d s (%s): a worker '
-                'stopped, hung or is unreachable' % (what, round(deadline - start), flag)))
+            self._cluster, step, saved, f'ending {what} after {now - max(start, since):.0f} s '
+            'of waiting for the other workers', signal_name) if stopped else 'Error: ' + _line(
+                self._cluster, step, saved, f'no answer in {what} within '
+                f'{deadline - start:.0f} s ({flag}): a worker stopped, hung or is unreachable'))
         self._cleanup()
       finally:
         self._exit(training.exit_status(signal_name) if stopped else 1)

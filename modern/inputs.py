@@ -53,7 +53,7 @@ def distorted_inputs(data_dir, batch_size, num_towers, seed=None, num_shards=1,
     common.cifar10_format.DataError: a training file is missing or malformed.
   """
   if not 0 <= shard_index < num_shards:
-    raise ValueError('shard_index must be in [0, %d), got %d' % (num_shards, shard_index))
+    raise ValueError(f'shard_index must be in [0, {num_shards}), got {shard_index}')
   filenames = fmt.train_files(data_dir)
   # Per record, before shuffling: the shards are disjoint and cover every record.
   dataset = tf.data.FixedLengthRecordDataset(filenames, fmt.RECORD_BYTES).shard(

@@ -51,7 +51,7 @@ def _initial_variable(layer, kind):
   with tf.device(devices.VARIABLE_DEVICE):
     initial = (tf.random.truncated_normal(layer.weight_shape, stddev=layer.stddev)
                if kind == 'weights' else tf.fill([layer.weight_shape[-1]], layer.bias_init))
-  return _variable_on_cpu('%s/%s' % (layer.name, kind), initial)
+  return _variable_on_cpu(f'{layer.name}/{kind}', initial)
 
 
 class Cifar10Model(_Layers):
@@ -145,5 +145,5 @@ class MovingAverages(_Layers):
     shadow with the variable's initial value.
     """
     super().__init__('moving_averages', lambda layer, kind: _variable_on_cpu(
-        model_spec.average_name('%s/%s' % (layer.name, kind)),
+        model_spec.average_name(f'{layer.name}/{kind}'),
         getattr(getattr(model, layer.name), kind).read_value(), trainable=False))

@@ -76,49 +76,20 @@ def clip(grads, clip_norm):
 # gradients' own rounding. Each takes (var, grad, lr, the Optimizer, then the
 # variable's slots and the optimizer's non-slot variables in
 # common.optimizer's order); a table so that a test can break one.
-
-def apply_sgd(var, grad, lr, _):
-  """var -= lr * grad (the Optimizer, last, has nothing to say)."""
-  return var.assign_sub(lr * grad)
-
-
-def apply_momentum(var, grad, lr, spec, accum):
-  """accum = momentum * accum + grad; var -= lr * accum (MomentumOptimizer)."""
-  return tf.raw_ops.ResourceApplyMomentum(
-      var=var.handle, accum=accum.handle, lr=lr, grad=grad, momentum=spec.momentum)
-
-
-def apply_adam(var, grad, lr, spec, m, v, beta1_power, beta2_power):
-  """AdamOptimizer's step: m, v updated, var -= lr_t * m / (sqrt(v) + epsilon).
-
-  lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), the bias correction,
-  with beta*_power = beta* ** step (the step counted from 1).
-  """
-  return tf.raw_ops.ResourceApplyAdam(
-      var=var.handle, m=m.handle, v=v.handle, beta1_power=beta1_power,
-      beta2_power=beta2_power, lr=lr, beta1=spec.adam_beta1,
-      beta2=spec.adam_beta2, epsilon=spec.adam_epsilon, grad=grad)
-
-
-UPDATES = {optimizer_lib.SGD: apply_sgd, optimizer_lib.MOMENTUM: apply_momentum,
-           optimizer_lib.ADAM: apply_adam}
-
-
-def slot_tree(slots):
-  """The optimizer's slots as nested dicts, so that a checkpoint keys them
-  'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'.
-
-  Args:
-    slots: dict legacy slot name -> tf.Variable.
-  """
-  tree = {}
-  for name, variable in slots.items():
-    *parts, leaf = name.split('/')
-    node = tree
-    for part in parts:
-      node = node.setdefault(part, {})
-    node[leaf] = variable
-  return tree
+UPDATES = {
+    # var -= lr * grad.
+    optimizer_lib.SGD: lambda var, grad, lr, _: var.assign_sub(lr * grad),
+    # accum = momentum * accum + grad; var -= lr * accum.
+    optimizer_lib.MOMENTUM: lambda var, grad, lr, spec, accum: tf.raw_ops.ResourceApplyMomentum(
+        var=var.handle, accum=accum.handle, lr=lr, grad=grad, momentum=spec.momentum),
+    # m, v updated, var -= lr_t * m / (sqrt(v) + epsilon) with the bias correction
+    # lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), beta*_power = beta* ** step.
+    optimizer_lib.ADAM: lambda var, grad, lr, spec, m, v, b1_power, b2_power: (
+        tf.raw_ops.ResourceApplyAdam(
+            var=var.handle, m=m.handle, v=v.handle, beta1_power=b1_power,
+            beta2_power=b2_power, lr=lr, beta1=spec.adam_beta1, beta2=spec.adam_beta2,
+            epsilon=spec.adam_epsilon, grad=grad)),
+}
 
 
 def _assign(what, given, targets):
@@ -129,8 +100,8 @@ def _assign(what, given, targets):
       (TensorFlow's message names the variable).
   """
   if set(given) != set(targets):
-    raise ValueError('%s: missing %s, unknown %s' % (
-        what, sorted(set(targets) - set(given)), sorted(set(given) - set(targets))))
+    raise ValueError(f'{what}: missing {sorted(set(targets) - set(given))}, '
+                     f'unknown {sorted(set(given) - set(targets))}')
   for name, var in targets.items():
     var.assign(tf.cast(given[name], tf.float32))
 
@@ -146,7 +117,6 @@ class TrainState:
   Attributes:
     model: Cifar10Model.
     optimizer: common.optimizer.Optimizer.
-    slots: `slot_tree` of the slots, or None for SGD (no slots).
     global_step: int64 tf.Variable on VARIABLE_DEVICE.
     ema: modern.model.MovingAverages.
     decay_steps: int, steps between learning-rate decays.
@@ -176,7 +146,6 @@ class TrainState:
           name: tf.Variable(initial.get(name, tf.zeros(optimizer_lib.slot_shape(name))),
                             trainable=False, name=name)
           for name in optimizer.slot_names()}
-    self.slots = slot_tree(self._slots) if self._slots else None
 
   def clip_tower(self, grads, scale=1.0):
     """One tower's gradients, clipped by their global norm if --clip_where per_tower.
@@ -212,7 +181,7 @@ class TrainState:
                                     spec.learning_rate)
       for name, grad, var in zip(model_spec.VARIABLE_NAMES, grads,
                                  self.model.variable_list()):
-        slots = [self._slots['%s/%s' % (name, suffix)]
+        slots = [self._slots[f'{name}/{suffix}']
                  for suffix in optimizer_lib.SLOT_SUFFIXES[spec.name]]
         update(var, lambda v, g, *s: UPDATES[spec.name](v, g, lr, spec, *s),
                args=(grad, *slots, *non_slots))
@@ -321,7 +290,8 @@ class Trainer:
     # summaries apart: the same arithmetic, and what the summaries need from
     # inside it; the other steps run the plain step unchanged.
     self._step_fn = tf.function(self._step)
-    self._gradients_fn = tf.function(self._averaged_gradients)
+    self._gradients_fn = tf.function(
+        lambda images, labels: self._gradients(images, labels, tf.constant(0.0))[:2])
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -385,7 +355,7 @@ class Trainer:
       (list of averaged gradients in VARIABLE_NAMES order,
        tower total losses float32 [num_towers],
        bool scalar: some process wants to stop,
-       scalars and histograms: dicts tag -> tensor, empty without `summaries`).
+       dict tag -> tensor of the summaries, empty without `summaries`).
     """
     variables = self.state.model.variable_list()
     with tf.device(devices.VARIABLE_DEVICE):
@@ -396,19 +366,19 @@ class Trainer:
       # The variables are read once on their device; each tower receives a
       # copy of the values (legacy: towers read the CPU variables).
       values = [var.read_value() for var in variables]
-    tower_grads, tower_losses, scalars, histograms = [], [], {}, {}
+    tower_grads, tower_losses, summary = [], [], {}
     for i, device in enumerate(self.plan.tower_devices):
-      scope = '%s_%d' % (hparams.TOWER_NAME, i)
+      scope = f'{hparams.TOWER_NAME}_{i}'
       with tf.device(device), tf.name_scope(scope):
         loss, grads, *extra = self._tower_fn(values, tower_images[i], tower_labels[i],
                                              summaries)
         if summaries:
           terms, activations, zeros = extra
           for name, term in zip(training.loss_terms(), terms):
-            scalars[training.tower_tag(i, name)] = term
+            summary[training.tower_tag(i, name)] = term
           for layer, x, zero in zip(model_spec.LAYERS, activations, zeros):
-            histograms[training.activations_tag(scope, layer.name)] = x
-            scalars[training.sparsity_tag(scope, layer.name)] = zero
+            summary[training.activations_tag(scope, layer.name)] = x
+            summary[training.sparsity_tag(scope, layer.name)] = zero
       tower_losses.append(loss)
       tower_grads.append(list(zip(grads, variables)))
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'):
@@ -421,12 +391,7 @@ class Trainer:
       # mean loss over all N*batch images with weight decay counted once.
       # Nothing is summed across replicas implicitly.
       grads = [g for g, _ in average_gradients(tower_grads)]
-      return grads, tf.stack(tower_losses), vote > 0, scalars, histograms
-
-  def _averaged_gradients(self, images, labels):
-    """`_gradients`' averaged gradients (one copy of them) and tower losses."""
-    grads, tower_losses = self._gradients(images, labels, tf.constant(0.0))[:2]
-    return [self.strategy.experimental_local_results(g)[0] for g in grads], tower_losses
+      return grads, tf.stack(tower_losses), vote > 0, summary
 
   def _apply(self, grads):
     """Clips the averaged gradients (--clip_where averaged) and applies them."""
@@ -438,17 +403,16 @@ class Trainer:
 
     Returns:
       (tower losses float32 [num_towers], bool scalar: some process wants to
-      stop, scalars, histograms): with `summaries`, dicts tag -> tensor of
-      each tower's loss terms, activations and sparsity, and the averaged
-      gradients; else empty.
+      stop, summary): with `summaries`, a dict tag -> tensor of each tower's
+      loss terms, activations and sparsity, and the averaged gradients; else
+      empty.
     """
-    grads, tower_losses, voted, scalars, histograms = self._gradients(
-        images, labels, vote, summaries)
+    grads, tower_losses, voted, summary = self._gradients(images, labels, vote, summaries)
     if summaries:
-      for name, grad in zip(model_spec.VARIABLE_NAMES, grads):
-        histograms[training.gradients_tag(name)] = grad
+      summary.update((training.gradients_tag(name), grad)
+                     for name, grad in zip(model_spec.VARIABLE_NAMES, grads))
     self._apply(grads)
-    return tower_losses, voted, scalars, histograms
+    return tower_losses, voted, summary
 
   def _check(self, tower_batches):
     """(images float32, labels int32) of a step, checked for shape."""
@@ -457,9 +421,9 @@ class Trainer:
     size = hparams.IMAGE_SIZE
     if (images.shape.rank != 5 or images.shape[0] not in self.batch_counts
         or tuple(images.shape[2:]) != (size, size, 3) or labels.shape != images.shape[:2]):
-      raise ValueError('images must be [N, batch, %d, %d, 3] and labels [N, batch] with N in %s '
-                       '(a batch per tower), got %s and %s' % (
-                           size, size, list(self.batch_counts), images.shape, labels.shape))
+      raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
+                       f'with N in {list(self.batch_counts)} (a batch per tower), got '
+                       f'{images.shape} and {labels.shape}')
     return images, labels
 
   def step(self, tower_batches, stop_requested=False, summaries=False):
@@ -477,10 +441,9 @@ class Trainer:
     Returns:
       (tower losses float32 tensor [num_towers], each tower's total loss
        before the update; bool tensor: some process wants to stop;
-       scalars, histograms: dicts tag -> tensor of
-       `runtime.training.summary_tags`, the towers' loss terms and sparsity,
-       their activations and the averaged gradients; empty without
-       `summaries`).
+       summary: dict tag -> tensor of `runtime.training.summary_tags`, the
+       towers' loss terms and sparsity, their activations and the averaged
+       gradients; empty without `summaries`).
     """
     return self._step_fn(*self._check(tower_batches), tf.constant(float(stop_requested)),
                          summaries and self.inner_summaries)
@@ -506,4 +469,6 @@ class Trainer:
        order; tower total losses float32 [num_towers]).
     """
     grads, tower_losses = self._gradients_fn(*self._check(tower_batches))
-    return dict(zip(model_spec.VARIABLE_NAMES, grads)), tower_losses
+    # One copy of each (identical on every replica after the all-reduce).
+    return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
+            zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses

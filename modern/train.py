@@ -11,7 +11,6 @@ import contextlib
 import logging
 import time
 
-import numpy as np
 import tensorflow as tf
 
 from cifar10_towers.common import hparams
@@ -24,21 +23,10 @@ from cifar10_towers.runtime import training
 logger = logging.getLogger(__name__)
 
 
-def _displayable(image):
-  """A float image scaled into [0, 1] as TF1's image summary scales it.
-
-  Non-negative images: the largest value becomes 1. Otherwise 0 goes to
-  127/255 and the image is scaled so that its smallest value is 0 or its
-  largest 1 (tf.summary.image clips what lies outside [0, 1]).
-  """
-  image = np.asarray(image, np.float32)
-  low, high = float(image.min()), float(image.max())
-  if low >= 0:
-    return image / high if high > 0 else image
-  scale = 127.0 / -low
-  if high > 0:
-    scale = min(scale, 128.0 / high)
-  return (image * scale + 127.0) / 255.0
+# TF1's image summary op, the one legacy's graph runs (only a graph can run it): it
+# scales float images into [0, 255] as TF1 did, where tf.summary.image wants [0, 1].
+_image_summary = tf.function(lambda images: tf.raw_ops.ImageSummary(
+    tag='images', tensor=images, max_images=training.NUM_SUMMARY_IMAGES))
 
 
 # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
@@ -53,28 +41,25 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
     summaries: what the engine's step returned from inside the step
       (see modern.engines.Towers.step); empty for the replica engines.
   """
+  values = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr,
+            **summaries, **state.variables()}
   # Deviation from upstream: every tower's loss summary is written.
-  scalars = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr}
-  scalars.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
-  scalars.update(summaries.get('scalars', {}))
-  histograms = {**summaries.get('histograms', {}), **state.variables()}
-  histograms.update((model_spec.average_name(name), var)
-                    for name, var in state.shadow_variables().items())
-  for tag, value in scalars.items():
-    tf.summary.scalar(tag, value, step=step)
-  for tag, value in histograms.items():
-    tf.summary.histogram(tag, tf.convert_to_tensor(value), step=step)
-  images = summaries.get('images')
-  if images is not None:
-    for tag, image in zip(training.image_tags(), images):
-      tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
+  values.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
+  values.update((model_spec.average_name(name), var)
+                for name, var in state.shadow_variables().items())
+  for tag, value in values.items():
+    if tag == 'images':  # the tags of training.image_tags()
+      tf.summary.experimental.write_raw_pb(_image_summary(value), step=step)
+    else:  # a histogram of each tensor, a scalar of each scalar
+      value = tf.convert_to_tensor(value)
+      (tf.summary.histogram if value.shape.rank else tf.summary.scalar)(tag, value, step=step)
 
 
 def _first_step_progress(first, what):
   """During the chief's first step, a heartbeat line saying `what` it waits for past 5 s."""
   if not first:  # `first` only on the chief: progress comes from the chief
     return contextlib.nullcontext()
-  return training.Heartbeat(lambda seconds: '%s... %d s' % (what, seconds))
+  return training.Heartbeat(lambda seconds: f'{what}... {seconds} s')
 
 
 def train(config, plan, on_step=None):
@@ -112,7 +97,6 @@ def train(config, plan, on_step=None):
   try:
     with training.starting(config, config.num_gpus * engine.num_workers, engine.write_dir,
                            engine.lock_what) as (stop, examples_per_epoch, decay_steps):
-      engine.prepare()
       with stop.raising():
         if config.seed is not None:
           tf.random.set_seed(config.seed)
@@ -184,8 +168,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     # Progress comes from the chief.
     with stop.raising() if first and alone else contextlib.nullcontext():
       with _first_step_progress(first and engine.is_chief, 'Filling the shuffle buffer '
-                                'with %d examples' % hparams.min_queue_examples(
-                                    examples_per_worker)):
+                                f'with {hparams.min_queue_examples(examples_per_worker)} examples'):
         batches = next(iterator)
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); `on_step` the step alone.
@@ -212,16 +195,11 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     with writer.as_default():
       _write_summaries(state, step, summary[0], lr, summary[1])
 
-  def finish(step):
-    # Synchronization point: no worker leaves before all have saved.
-    with engine.waiting('the final barrier', step):
-      engine.barrier()
-
   run = training.Run(
       images=config.batch_size * engine.trainer.num_towers, write_dir=engine.write_dir,
       chief=engine.is_chief, alone=alone, peer_errors=engine.peer_errors, step=run_step,
       held=global_step, save=save, open_summaries=open_summaries,
-      write_summaries=write_summaries, finish=finish,
+      write_summaries=write_summaries, finish=engine.finish,
       lost_peers=lambda *args: engine.lost_peers(*args),  # only engines with peers have it
-      report_stop=lambda name, *args: engine.report_stop(name or engines.ANOTHER_WORKER, *args))
+      report_stop=engine.report_stop)
   return training.train_loop(config, stop, run, step, on_step)

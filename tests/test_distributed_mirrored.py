@@ -42,7 +42,7 @@ def _plan(num_towers):
 
 
 def _mirrored(plan, decay_steps):
-  return engines.ReplicaTrainer(engines.mirrored_strategy(plan), plan, decay_steps)
+  return engines.ReplicaTrainer(plan, decay_steps, strategy=engines.mirrored_strategy(plan))
 
 
 def _batches(num_towers, batch, seed):

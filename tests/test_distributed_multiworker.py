@@ -98,8 +98,7 @@ def _worker_main(in_path, out_path, local_batches):
   from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
   cluster = cluster_lib.resolve_cluster()  # from TF_CONFIG
   strategy = engines.multi_worker_strategy(plan, cluster, COLLECTIVE_TIMEOUT)
-  trainer = engines.ReplicaTrainer(strategy, plan, DECAY_STEPS,
-                                   worker_index=cluster.worker_index)
+  trainer = engines.ReplicaTrainer(plan, DECAY_STEPS, strategy=strategy)
   assert trainer.num_towers == cluster.num_workers, trainer.num_towers
   assert trainer.num_local_replicas == 1
   state = trainer.state
