@@ -388,9 +388,12 @@ def build_train_graph(config, plan, decay_steps,
 def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
-  A train_dir of the upstream script resumes too: its `global_step` is
-  float32 (ours int64), so its values are loaded variable by variable
-  instead of through the Saver, which cannot convert a dtype.
+  The values restored are the ones read (and checked against their
+  checksums) by `runtime.checkpoints.read`, fed variable by variable into
+  each variable's initializer: no new op in the finalized graph, and a
+  train_dir of the upstream script resumes too (its `global_step` is
+  float32, ours int64: each value is cast to its variable's dtype, which
+  the Saver cannot do).
 
   Raises:
     runtime.checkpoints.CheckpointError: the latest checkpoint is damaged, or
@@ -405,8 +408,6 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
     return 0
   contents = checkpoints.read(checkpoint)
   if contents.kind == checkpoints.MODERN:
-    # The Saver would try to rebuild itself for this object-based checkpoint,
-    # which fails in the finalized graph; say what it is instead.
     raise training.TrainingError(
         '%s is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer '
         'cannot resume from it. Convert it (`%s`) and train with --train_dir '
@@ -422,23 +423,12 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
     raise training.TrainingError(refusal)
   checkpoints.check_fits(checkpoint, {
       v.op.name: tuple(v.shape.as_list()) for v in tf.global_variables()})
-  upstream = contents.tensors['global_step'].dtype.kind == 'f'
-  try:
-    if upstream:
-      # Deviation from upstream: train_dir is never deleted; training resumes.
-      # Each value is fed into its variable's initializer: no new op in the
-      # finalized graph.
-      for variable in tf.global_variables():
-        variable.load(contents.tensors[variable.op.name].astype(
-            variable.dtype.base_dtype.as_numpy_dtype), sess)
-    else:
-      graph_parts.saver.restore(sess, checkpoint)
-  except (tf.errors.OpError, ValueError) as e:
-    raise training.TrainingError(
-        '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (checkpoint, checkpoints.reason(e))) from e
+  # Deviation from upstream: train_dir is never deleted; training resumes.
+  for variable in tf.global_variables():
+    variable.load(contents.tensors[variable.op.name].astype(
+        variable.dtype.base_dtype.as_numpy_dtype), sess)
   step = int(sess.run(graph_parts.towers.global_step))
-  if upstream:
+  if contents.tensors['global_step'].dtype.kind == 'f':
     logger.info('Resuming an upstream train_dir from %s at global step %d (float32 '
                 'global_step); new checkpoints are named by the global step.', checkpoint, step)
   else:

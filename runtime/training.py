@@ -58,22 +58,19 @@ class LogWindow:
   """
 
   def __init__(self):
-    self._plain = [0, 0.0, 0]  # steps, seconds, images
-    self._extra = [0, 0.0, 0]
+    self._steps = ([], [])  # (seconds, images) of the plain steps, of the extra ones
 
   def add(self, seconds, images, extra=False):
     """One step: its wall seconds and the images it trained on (all towers)."""
-    counts = self._extra if extra else self._plain
-    counts[0] += 1
-    counts[1] += seconds
-    counts[2] += images
+    self._steps[extra].append((seconds, images))
 
   def rates(self):
     """(examples/sec, sec/batch) of the window; (0, 0) when empty."""
-    steps, seconds, images = self._plain if self._plain[0] else self._extra
-    if not steps or seconds <= 0:
+    steps = self._steps[0] or self._steps[1]
+    seconds = sum(s for s, _ in steps)
+    if seconds <= 0:
       return 0.0, 0.0
-    return images / seconds, seconds / steps
+    return sum(i for _, i in steps) / seconds, seconds / len(steps)
 
   def line(self, step, loss, max_steps=None):
     """`log_line` with the window's means; starts the next window."""
@@ -224,7 +221,7 @@ HEARTBEAT_AFTER = 5.0
 HEARTBEAT_EVERY = 10.0
 
 
-class Heartbeat:
+class Heartbeat(threading.Thread):
   """A context: while its block runs past HEARTBEAT_AFTER seconds, one line every HEARTBEAT_EVERY.
 
   The lines come from a thread of its own, as the main thread is inside
@@ -233,31 +230,26 @@ class Heartbeat:
   stop) ends the heartbeat quietly.
   """
 
-  def __init__(self, message, after=None, every=None):
-    self._message = message
-    self._after = HEARTBEAT_AFTER if after is None else after
-    self._every = HEARTBEAT_EVERY if every is None else every
-    self._done = threading.Event()
-    self._thread = threading.Thread(target=self._run, name='heartbeat', daemon=True)
-    self.beats = 0  # lines printed
+  def __init__(self, message):
+    super().__init__(name='heartbeat', daemon=True)
+    self._message, self._done = message, threading.Event()
 
   def __enter__(self):
-    self._thread.start()
+    self.start()
     return self
 
   def __exit__(self, *exc):
     self._done.set()
-    self._thread.join()
+    self.join()
 
-  def _run(self):
-    start, wait = time.monotonic(), self._after
+  def run(self):
+    start, wait = time.monotonic(), HEARTBEAT_AFTER
     while not self._done.wait(wait):
       try:
         logger.info(self._message(int(time.monotonic() - start)))
       except Exception:  # pylint: disable=broad-except
         return
-      self.beats += 1
-      wait = self._every
+      wait = HEARTBEAT_EVERY
 
 
 # --- TensorBoard: the one tag set both trainers write ------------------------
@@ -492,8 +484,7 @@ class StopRequest:
 
   def __init__(self):
     self.event = threading.Event()
-    self.lock = threading.Lock()
-    self.running = threading.Lock()  # held while while_blocked callbacks run
+    self.lock = threading.Lock()  # of `callbacks`, held while they run
     self.signal_name = None  # the signal's name ('SIGINT', ...) once requested
     self.callbacks = []  # while_blocked callbacks, innermost last
     self.raising_depth = 0  # depth of `raising` blocks (main thread only)
@@ -537,18 +528,15 @@ class StopRequest:
     block: leaving it waits for a callback still running, so the callback
     may use what the block's owner closes after the block (a Session).
     """
-    if self.event.is_set():
-      with self.running:
-        _run_callback(callback, self.signal_name)
     with self.lock:
+      if self.event.is_set():
+        _run_callback(callback, self.signal_name)
       self.callbacks.append(callback)
     try:
       yield
     finally:
-      with self.lock:
+      with self.lock:  # once a callback started before the removal has ended
         self.callbacks.remove(callback)
-      with self.running:  # a callback started before the removal has ended
-        pass
 
   @contextlib.contextmanager
   def raising(self):
@@ -594,10 +582,9 @@ class StopRequest:
     self._watcher = None
 
   def _stop(self, signum):
-    name = signal.Signals(signum).name
-    with self.lock:
-      self.signal_name = self.signal_name or name
-      self.event.set()
+    # No lock: the main thread's handler may run while that thread holds one.
+    self.signal_name = self.signal_name or signal.Signals(signum).name
+    self.event.set()
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
     # The main thread's handler: marks the request, and raises in a
@@ -630,10 +617,8 @@ class StopRequest:
                          name='stop-callbacks', daemon=True).start()
 
   def _run_callbacks(self, name):
-    with self.running:
-      with self.lock:
-        callbacks = list(self.callbacks)
-      for callback in reversed(callbacks):
+    with self.lock:
+      for callback in reversed(self.callbacks):
         _run_callback(callback, name)
 
 
