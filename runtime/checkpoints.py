@@ -153,24 +153,27 @@ def read(path):
 
 
 def _on_disk(directory):
-  """{step: prefix} of the checkpoints with an .index file in `directory`.
+  """The prefixes of the checkpoints with an .index file in `directory`.
 
   The state file's all_model_checkpoint_paths lists only the named ones; a
   complete one a killed run did not get to name is found here
   (test_faults_checkpoints.py: complete_checkpoint_not_yet_named).
   """
   indexes = tf.io.gfile.glob(os.path.join(directory, _BASENAME + '-*.index'))
-  prefixes = [index[:-len('.index')] for index in indexes]
-  return {step_of(prefix): prefix for prefix in prefixes if step_of(prefix) is not None}
+  return [prefix for prefix in (index.removesuffix('.index') for index in indexes)
+          if step_of(prefix) is not None]
 
 
-def _delete(path):
-  """Removes a file or a directory tree; True if it did."""
-  try:
-    (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
-    return True
-  except (tf.errors.OpError, OSError):
-    return False
+def _remove(prefix, *suffixes):
+  """Removes the files and directory trees `prefix + suffix` matches (globs); how many."""
+  removed = 0
+  for path in (p for suffix in suffixes for p in tf.io.gfile.glob(prefix + suffix)):
+    try:
+      (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
+      removed += 1
+    except (tf.errors.OpError, OSError):
+      pass
+  return removed
 
 
 def _remove_temp_files(directory):
@@ -180,9 +183,7 @@ def _remove_temp_files(directory):
   `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
   (test_faults_checkpoints.py: incomplete_newer_checkpoint).
   """
-  prefix = os.path.join(directory, _BASENAME + '-*')
-  removed = sum(map(_delete, tf.io.gfile.glob(prefix + '.tempstate*')
-                    + tf.io.gfile.glob(prefix + '_temp')))
+  removed = _remove(os.path.join(directory, _BASENAME + '-*'), '.tempstate*', '_temp')
   if removed:
     logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
                    directory)
@@ -307,15 +308,13 @@ def newest_intact(directory):
   Returns:
     Found.
   """
-  if not tf.io.gfile.isdir(directory):
-    return Found(None, [], [], None, None)
   # Upstream's Saver records absolute paths; the checkpoint is looked up by its
   # base name in `directory`, so a copied or moved train_dir resumes from its own
   # files (test_faults_checkpoints.py: state_file_of_a_moved_directory).
   state, state_problem = _state(directory)
   named = state and os.path.join(directory, os.path.basename(state.model_checkpoint_path))
   named_step = named and step_of(named)
-  candidates = set(_on_disk(directory).values()) | ({named} if named else set())
+  candidates = set(_on_disk(directory)) | ({named} if named else set())
   skipped, unfinished = [], []
   for prefix in sorted(candidates, key=lambda p: step_of(p) or 0, reverse=True):
     contents, problem = _read(prefix)
@@ -384,25 +383,18 @@ def check_fits(path, expected_shapes):
     CheckpointError: a key is missing or has another shape; the message
       names the first such variable, e.g. a checkpoint of another model.
   """
-  try:
-    saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-  except (tf.errors.OpError, ValueError) as e:
-    raise CheckpointError('cannot read checkpoint %s (%s)'
-                          % (path, reason(e))) from e
-  missing = [k for k in expected_shapes if k not in saved]
-  wrong = [k for k in expected_shapes
-           if k in saved and tuple(saved[k]) != tuple(expected_shapes[k])]
-  if wrong:
-    what = 'it holds %s with shape %s, this model has %s' % (
-        wrong[0].removesuffix(_VALUE_SUFFIX), list(saved[wrong[0]]),
-        list(expected_shapes[wrong[0]]))
-  elif missing:
-    what = 'it lacks %s' % missing[0].removesuffix(_VALUE_SUFFIX)
-  else:
+  # The caller has just read it whole (`read`), holding train_dir's lock.
+  saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+  differ = [k for k, shape in expected_shapes.items() if list(saved.get(k, [-1])) != list(shape)]
+  if not differ:
     return
+  key = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
+  name = key.removesuffix(_VALUE_SUFFIX)
+  what = ('it holds %s with shape %s, this model has %s' % (
+      name, saved[key], list(expected_shapes[key])) if key in saved else 'it lacks ' + name)
   raise CheckpointError('%s is a checkpoint of another model: %s (%d of the %d variables '
                         'differ). Use another --train_dir, or move its checkpoints away.'
-                        % (path, what, len(wrong + missing), len(expected_shapes)))
+                        % (path, what, len(differ), len(expected_shapes)))
 
 
 _ADVICE = [  # (what to do, how the operating system words a failed write it fixes)
@@ -448,7 +440,5 @@ def save_failed(directory, step, error):
   state, problem = _state(directory)
   named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
   if problem is None and name not in map(os.path.basename, named):
-    prefix = os.path.join(directory, name)
-    for path in tf.io.gfile.glob(prefix + '.*') + tf.io.gfile.glob(prefix + '_temp'):
-      _delete(path)
+    _remove(os.path.join(directory, name), '.*', '_temp')
   return write_failed(directory, 'checkpoint ' + name, error)

@@ -114,11 +114,9 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=Tr
   if impl == 'legacy':
     inputs = ((min_after_dequeue + 3 * b) * IMAGE_BYTES +
               hparams.NUM_PREPROCESS_THREADS * LEGACY_READ_RECORDS * PREPROCESS_BYTES)
-  elif impl == 'modern':
+  else:
     inputs = (max(1, min_after_dequeue) * RAW_RECORD_BYTES +
               (os.cpu_count() or 1) * b * PREPROCESS_BYTES)
-  else:
-    raise ValueError('impl must be legacy or modern, got %r' % impl)
   inputs += (3 * n + 1) * b * IMAGE_BYTES  # the batches, in both
   variables = 4 * model_spec.NUM_PARAMETERS * (4 + n)
   towers = int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image())
@@ -149,12 +147,10 @@ _CGROUP_FILES = {  # version: (its limit, its usage, memory.stat's reclaimable p
 }
 
 
-def _cgroup_headroom(proc, cgroup_root):
-  """(bytes, where) of the least headroom under this process's cgroup memory limits.
-
-  None for each without a limit.
-  """
-  found = []
+def _headrooms(proc, cgroup_root):
+  """(bytes or None, where) of MemAvailable and of the headroom under each cgroup memory limit."""
+  meminfo = os.path.join(proc, 'meminfo')
+  yield _field('MemAvailable', meminfo), 'MemAvailable in %s' % meminfo
   for line in _read(proc, 'self', 'cgroup').splitlines():
     _, controllers, path = line.split(':', 2)
     if controllers and 'memory' not in controllers.split(','):
@@ -165,16 +161,13 @@ def _cgroup_headroom(proc, cgroup_root):
     # This cgroup and every ancestor: each limit applies. In a container the
     # mount's root is the container's own cgroup, whatever the path says.
     parts = [part for part in path.split('/') if part]
-    for depth in range(len(parts) + 1):
-      directory = os.path.join(base, *parts[:depth])
-      limit = _field('', directory, limit_file)
-      if limit is not None and limit < _NO_LIMIT:
+    for directory in (os.path.join(base, *parts[:depth]) for depth in range(len(parts) + 1)):
+      limit = _field('', directory, limit_file) or _NO_LIMIT
+      if limit < _NO_LIMIT:
         # Page cache the kernel reclaims before it kills counts as free.
-        usage = ((_field('', directory, usage_file) or 0)
-                 - (_field(cache, directory, 'memory.stat') or 0))
-        found.append((max(0, limit - max(0, usage)),
-                      'under the memory limit of cgroup %s' % directory))
-  return min(found, default=(None, None))
+        used = ((_field('', directory, usage_file) or 0)
+                - (_field(cache, directory, 'memory.stat') or 0))
+        yield max(0, limit - max(0, used)), 'under the memory limit of cgroup %s' % directory
 
 
 def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
@@ -190,10 +183,8 @@ def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
   Returns:
     (bytes, str naming the source) or (None, None) when neither can be read.
   """
-  meminfo = os.path.join(proc, 'meminfo')
-  found = [(_field('MemAvailable', meminfo), 'MemAvailable in %s' % meminfo),
-           _cgroup_headroom(proc, cgroup_root)]
-  free, source = min([f for f in found if f[0] is not None], default=(None, None))
+  free, source = min((found for found in _headrooms(proc, cgroup_root) if found[0] is not None),
+                     default=(None, None))
   if free is None:
     return None, None
   statm = _read(proc, 'self', 'statm').split()

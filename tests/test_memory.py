@@ -55,8 +55,6 @@ def test_estimate_grows_with_batch_and_towers_and_gpu_towers_are_not_host_memory
     assert memory.estimate(impl, 64, 4, 50000).host > small.host
     on_gpu = memory.estimate(impl, 64, 2, 50000, towers_on_host=False)
     assert on_gpu.host == small.host - small.towers
-  with pytest.raises(ValueError, match='legacy or modern'):
-    memory.estimate('keras', 1, 1, 10)
 
 
 def test_design_range_fits_a_shared_24_gib_machine():
