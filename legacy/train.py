@@ -198,7 +198,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
         # variables, on another device, stay outside them.
         xla = tf.xla.experimental.jit_scope() if jit else contextlib.nullcontext()
         with tf.device(plan.tower_devices[i]), xla, tf.name_scope(
-            '%s_%d' % (model.TOWER_NAME, i)) as scope:
+            f'{model.TOWER_NAME}_{i}') as scope:
           # Deviation from upstream: every tower's loss summary is written
           # (summary_op merges the summaries of every tower's scope).
           loss = tower_loss(scope, images, labels, lrn=lrn)
@@ -260,7 +260,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       # The towers' summaries only: not the input pipeline's queue-fill
       # fractions and image summary, which the modern trainer has no counterpart of.
       summary_op = tf.summary.merge(tf.get_collection(
-          tf.GraphKeys.SUMMARIES, r'%s_\d+/|summaries/' % model.TOWER_NAME))
+          tf.GraphKeys.SUMMARIES, rf'{model.TOWER_NAME}_\d+/|summaries/'))
 
   return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
                 applied, ema, summary_op)
@@ -306,8 +306,8 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
     ValueError: the plan does not have `config.num_gpus` towers.
   """
   if plan.num_towers != config.num_gpus:
-    raise ValueError('the device plan has %d towers, the config asks for %d'
-                     % (plan.num_towers, config.num_gpus))
+    raise ValueError(f'the device plan has {plan.num_towers} towers, the config asks for '
+                     f'{config.num_gpus}')
   with training.starting(config, config.num_gpus, config.train_dir, 'legacy training') as (
       stop, examples_per_epoch, decay_steps):
     with tf.Graph().as_default() as graph:
@@ -349,7 +349,7 @@ def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
     # Deviation from upstream: the dequeues are built here on the CPU, not
     # inside each tower's scope; the placer put them next to the queue on the
     # CPU there too.
-    return [batch_queue.dequeue(name='dequeue_%d' % i)
+    return [batch_queue.dequeue(name=f'dequeue_{i}')
             for i in range(config.num_gpus)]
 
 
@@ -409,11 +409,10 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   contents = checkpoints.read(checkpoint)
   if contents.kind == checkpoints.MODERN:
     raise training.TrainingError(
-        '%s is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer '
-        'cannot resume from it. Convert it (`%s`) and train with --train_dir '
-        '%s, or use another --train_dir.'
-        % (checkpoint, prog.convert_command(train_dir, 'legacy'),
-           prog.converted_dir(train_dir, 'legacy')))
+        f"{checkpoint} is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer cannot "
+        f"resume from it. Convert it (`{prog.convert_command(train_dir, 'legacy')}`) and train "
+        f"with --train_dir {prog.converted_dir(train_dir, 'legacy')}, or use another "
+        "--train_dir.")
   # Before check_fits: an SGD checkpoint lacks Adam's slots, which is not
   # "another model" but another optimizer; an Adam checkpoint resumed with
   # SGD would lose its slots silently.
@@ -467,8 +466,8 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     """The heartbeat line of the first step: the queue's filling, then the step."""
     held = int(sess.run(graph_parts.queue_size))
     if held < fill:
-      return 'Filling the queue: %d of %d examples... %d s' % (held, fill, seconds)
-    return 'Running the first step... %d s' % seconds
+      return f'Filling the queue: {held} of {fill} examples... {seconds} s'
+    return f'Running the first step... {seconds} s'
 
   def run_step(step, first, write_summary):  # pylint: disable=unused-argument
     if coord.should_stop():  # an input thread failed: its error ends the run
@@ -496,7 +495,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     if step != save.last_saved:
       _save(graph_parts.saver, sess, config, step)
       save.last_saved = step
-    return '%s-%d' % (config.checkpoint_prefix(), step)
+    return f'{config.checkpoint_prefix()}-{step}'
 
   save.last_saved = step
 

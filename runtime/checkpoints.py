@@ -81,7 +81,7 @@ STATE_FILE = 'checkpoint'  # TensorFlow's checkpoint state file in a train_dir
 _BASENAME = config_lib.CHECKPOINT_BASENAME  # checkpoints are <train_dir>/model.ckpt-<step>
 _VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'  # of object-based keys
 # The problem of a checkpoint none of whose files is left (only the named one is said).
-GONE = 'gone (`%s` names it, but none of its files is left)' % STATE_FILE
+GONE = f'gone (`{STATE_FILE}` names it, but none of its files is left)'
 
 
 def step_of(path):
@@ -129,7 +129,7 @@ def _read(path):
                for key in sorted(reader.get_variable_to_shape_map())}
   except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError, IndexError) as e:
     # IndexError: the reader's 'Read less bytes than requested' (a .data file ends early).
-    return None, 'damaged (%s)' % reason(e) if tf.io.gfile.glob(path + '.*') else GONE
+    return None, f'damaged ({reason(e)})' if tf.io.gfile.glob(path + '.*') else GONE
   return Contents(path, MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY, tensors), None
 
 
@@ -148,7 +148,7 @@ def read(path):
   """
   contents, problem = _read(path)
   if problem:
-    raise CheckpointError('checkpoint %s is %s' % (path, problem))
+    raise CheckpointError(f'checkpoint {path} is {problem}')
   return contents
 
 
@@ -216,18 +216,17 @@ def _refusal(found, directory, do, flag):
     do: str, what the user may do with the newest intact one, e.g. 'convert'.
     flag: str, the flag that names another directory, e.g. '--from_dir'.
   """
-  moved = '`%s`' % STATE_FILE
+  moved = f'`{STATE_FILE}`'
   if found.state_problem:
-    what = '%s is unreadable' % os.path.join(directory, STATE_FILE)
+    what = f'{os.path.join(directory, STATE_FILE)} is unreadable'
   else:
     prefix, problem = found.skipped[0]
-    what = 'checkpoint %s is %s, and it is the latest checkpoint' % (prefix, problem)
+    what = f'checkpoint {prefix} is {problem}, and it is the latest checkpoint'
     if problem != GONE:
-      moved = '%s.* and %s' % (os.path.basename(prefix), moved)
-  todo = ('the newest intact one is %s: to %s it, move' % (os.path.basename(
-      found.contents.path), do) if found.contents else 'no intact checkpoint is left: move')
-  return CheckpointError('%s; %s %s out of %s; or use another %s.'
-                         % (what, todo, moved, directory, flag))
+      moved = f'{os.path.basename(prefix)}.* and {moved}'
+  todo = (f'the newest intact one is {os.path.basename(found.contents.path)}: to {do} it, move'
+          if found.contents else 'no intact checkpoint is left: move')
+  return CheckpointError(f'{what}; {todo} {moved} out of {directory}; or use another {flag}.')
 
 
 def _say_passed_over(found, directory, doing):
@@ -340,11 +339,11 @@ def skip_notes(found, directory, doing, unfinished=True):
   Returns:
     list of str.
   """
-  notes = (['%s is unreadable; %s found on disk.' % (os.path.join(directory, STATE_FILE), doing)]
+  notes = ([f'{os.path.join(directory, STATE_FILE)} is unreadable; {doing} found on disk.']
            if found.state_problem else [])
   newer = [(prefix, problem + ', newer than the latest checkpoint (a save in progress or '
             'interrupted)') for prefix, problem in (found.unfinished if unfinished else [])]
-  return notes + ['skipping %s: it is %s; %s.' % (prefix, problem, doing)
+  return notes + [f'skipping {prefix}: it is {problem}; {doing}.'
                   for prefix, problem in newer + found.skipped]
 
 
@@ -390,11 +389,11 @@ def check_fits(path, expected_shapes):
     return
   key = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
   name = key.removesuffix(_VALUE_SUFFIX)
-  what = ('it holds %s with shape %s, this model has %s' % (
-      name, saved[key], list(expected_shapes[key])) if key in saved else 'it lacks ' + name)
-  raise CheckpointError('%s is a checkpoint of another model: %s (%d of the %d variables '
-                        'differ). Use another --train_dir, or move its checkpoints away.'
-                        % (path, what, len(differ), len(expected_shapes)))
+  what = (f'it holds {name} with shape {saved[key]}, this model has {list(expected_shapes[key])}'
+          if key in saved else 'it lacks ' + name)
+  raise CheckpointError(f'{path} is a checkpoint of another model: {what} ({len(differ)} of the '
+                        f'{len(expected_shapes)} variables differ). Use another --train_dir, or '
+                        'move its checkpoints away.')
 
 
 _ADVICE = [  # (what to do, how the operating system words a failed write it fixes)
@@ -424,8 +423,8 @@ def write_failed(directory, what, error):
     it. What the run kept is said by the one ending path (runtime.ending).
   """
   cause = reason(error).rsplit('; ', 1)[-1]
-  return CheckpointError('could not write %s in %s (%s). %s, or pass another '
-                         '--train_dir.' % (what, directory, cause, advice(cause)))
+  return CheckpointError(f'could not write {what} in {directory} ({cause}). {advice(cause)}, or '
+                         'pass another --train_dir.')
 
 
 def save_failed(directory, step, error):
@@ -436,7 +435,7 @@ def save_failed(directory, step, error):
   it and is readable (or absent), as test_faults_checkpoints.py's full-disk
   tests check. Returns the error for the caller to raise (see `write_failed`).
   """
-  name = '%s-%d' % (_BASENAME, step)
+  name = f'{_BASENAME}-{step}'
   state, problem = _state(directory)
   named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
   if problem is None and name not in map(os.path.basename, named):

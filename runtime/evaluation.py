@@ -84,7 +84,7 @@ class PrecisionWriter:
     while not os.path.lexists(probe):
       probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-      raise self._error('%s is a file, not a directory' % probe, 'Move that file')
+      raise self._error(f'{probe} is a file, not a directory', 'Move that file')
     try:
       os.makedirs(self.eval_dir, exist_ok=True)
       # An unnamed file, gone when closed: eval_dir is left as it was.
@@ -130,9 +130,9 @@ class PrecisionWriter:
     if isinstance(cause, Exception):
       cause = checkpoints.reason(cause).rsplit('; ', 1)[-1]
     return EvalError(
-        'could not write %s to --eval_dir %s (%s). %s, or pass another '
-        '--eval_dir; the checkpoints are untouched.'
-        % (PRECISION_TAG, self.eval_dir, cause, advice or checkpoints.advice(cause)))
+        f'could not write {PRECISION_TAG} to --eval_dir {self.eval_dir} ({cause}). '
+        f'{advice or checkpoints.advice(cause)}, or pass another --eval_dir; the checkpoints '
+        'are untouched.')
 
 
 def moving_averages(contents, kind, shapes):
@@ -151,16 +151,15 @@ def moving_averages(contents, kind, shapes):
       average of this model (or holds one of another shape).
   """
   if contents.kind != kind:
-    raise EvalError('%s is a %s checkpoint; evaluate it with the %s evaluator.'
-                    % (contents.path, contents.kind, contents.kind))
+    raise EvalError(f'{contents.path} is a {contents.kind} checkpoint; evaluate it with the '
+                    f'{contents.kind} evaluator.')
   for key, shape in sorted(shapes.items()):
     value = contents.tensors.get(key)
     if value is None or list(value.shape) != list(shape):
-      problem = ('no %s' % key if value is None else
-                 '%s has shape %s, this model %s' % (key, list(value.shape), list(shape)))
-      raise EvalError('%s does not hold the moving averages of this model (%s). Point '
-                      '--checkpoint_dir at a train_dir written by `%s`.'
-                      % (contents.path, problem, kind))
+      problem = (f'no {key}' if value is None else
+                 f'{key} has shape {list(value.shape)}, this model {list(shape)}')
+      raise EvalError(f'{contents.path} does not hold the moving averages of this model '
+                      f'({problem}). Point --checkpoint_dir at a train_dir written by `{kind}`.')
   return {key: contents.tensors[key] for key in shapes}
 
 
@@ -193,8 +192,8 @@ def count_correct(batches, data_dir, num_examples, global_step, should_stop=None
       return None
     correct = next(batches, None)
     if correct is None:
-      raise EvalError('evaluated %d of %d test records from %s; the input ended early.'
-                      % (total, num_examples, data_dir))
+      raise EvalError(f'evaluated {total} of {num_examples} test records from {data_dir}; the '
+                      'input ended early.')
     correct = correct[:num_examples - total]  # only the first num_examples records count
     true_count += int(correct.sum())
     total += len(correct)
@@ -298,24 +297,20 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
 def stop_line(signal_name, results, current=None):
   """The one line a signal leaves: what was evaluated, and what was cut short."""
   if results:
-    line = ('Stopped by %s; evaluated %d checkpoint(s), the last %s at global '
-            'step %s' % (signal_name, len(results),
-                         os.path.basename(results[-1].path),
-                         results[-1].global_step))
+    line = (f'Stopped by {signal_name}; evaluated {len(results)} checkpoint(s), the last '
+            f'{os.path.basename(results[-1].path)} at global step {results[-1].global_step}')
   else:
-    line = 'Stopped by %s; evaluated no checkpoint' % signal_name
+    line = f'Stopped by {signal_name}; evaluated no checkpoint'
   if current:
-    line += '; the evaluation of %s was cut short' % os.path.basename(current)
+    line += f'; the evaluation of {os.path.basename(current)} was cut short'
   return line + '.'
 
 
 def _nothing_to_evaluate(checkpoint_dir, found):
   if found.skipped or found.unfinished or found.state_problem:
     return checkpoints.CheckpointError(
-        'no intact checkpoint in %s (what is wrong with each is said above). '
-        'Train again with --train_dir %s, or pass another --checkpoint_dir.'
-        % (checkpoint_dir, checkpoint_dir))
+        f'no intact checkpoint in {checkpoint_dir} (what is wrong with each is said above). '
+        f'Train again with --train_dir {checkpoint_dir}, or pass another --checkpoint_dir.')
   return checkpoints.CheckpointError(
-      'no checkpoint in %s. Train first (`%s` or `modern` with --train_dir '
-      '%s), or pass the --checkpoint_dir you trained into.'
-      % (checkpoint_dir, prog.command('legacy'), checkpoint_dir))
+      f"no checkpoint in {checkpoint_dir}. Train first (`{prog.command('legacy')}` or `modern` "
+      f"with --train_dir {checkpoint_dir}), or pass the --checkpoint_dir you trained into.")

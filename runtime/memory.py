@@ -135,7 +135,7 @@ def _read(*path):
 
 def _field(name, *path):
   """The number after `name` in a file (memory.max's 'max': no limit; kB as bytes), or None."""
-  match = re.search(r'^%s:?\s*(\d+|max)( kB)?' % name, _read(*path), re.M)
+  match = re.search(rf'^{name}:?\s*(\d+|max)( kB)?', _read(*path), re.M)
   if not match:
     return None
   return _NO_LIMIT if match[1] == 'max' else int(match[1]) * (1024 if match[2] else 1)
@@ -150,7 +150,7 @@ _CGROUP_FILES = {  # version: (its limit, its usage, memory.stat's reclaimable p
 def _headrooms(proc, cgroup_root):
   """(bytes or None, where) of MemAvailable and of the headroom under each cgroup memory limit."""
   meminfo = os.path.join(proc, 'meminfo')
-  yield _field('MemAvailable', meminfo), 'MemAvailable in %s' % meminfo
+  yield _field('MemAvailable', meminfo), f'MemAvailable in {meminfo}'
   for line in _read(proc, 'self', 'cgroup').splitlines():
     _, controllers, path = line.split(':', 2)
     if controllers and 'memory' not in controllers.split(','):
@@ -167,7 +167,7 @@ def _headrooms(proc, cgroup_root):
         # Page cache the kernel reclaims before it kills counts as free.
         used = ((_field('', directory, usage_file) or 0)
                 - (_field(cache, directory, 'memory.stat') or 0))
-        yield max(0, limit - max(0, used)), 'under the memory limit of cgroup %s' % directory
+        yield max(0, limit - max(0, used)), f'under the memory limit of cgroup {directory}'
 
 
 def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
@@ -230,16 +230,15 @@ def check_training(impl, plan, batch_size, data_dir):
                                   key=lambda b: host_bytes(b, towers))
   if fit_batch:
     scale = 10 ** max(0, len(str(fit_batch)) - 2)
-    advice.append('--batch_size %d or less' % (fit_batch // scale * scale))
+    advice.append(f'--batch_size {fit_batch // scale * scale} or less')
   fit_towers = max((n for n in range(1, towers) if host_bytes(batch_size, n) <= have),
                    default=0)
   if fit_towers:
-    advice.append('--num_gpus %d or fewer' % fit_towers)
-  todo = ('Pass %s.' % ', or '.join(advice) if advice else
-          'Not even batch 1 fits on %d tower(s): free memory (stop other processes) or '
-          'use a larger machine.' % towers)
+    advice.append(f'--num_gpus {fit_towers} or fewer')
+  todo = (f"Pass {', or '.join(advice)}." if advice else
+          f'Not even batch 1 fits on {towers} tower(s): free memory (stop other processes) or '
+          'use a larger machine.')
   raise NotEnoughMemory(
-      '%s training of %d tower(s) x batch %d needs about %.1f GiB of %smemory '
-      '(estimate), more than the %.1f GiB available to this process (%s). %s'
-      % (impl, towers, batch_size, need.host / GIB, '' if on_host else 'host ',
-         have / GIB, source, todo))
+      f"{impl} training of {towers} tower(s) x batch {batch_size} needs about "
+      f"{need.host / GIB:.1f} GiB of {'' if on_host else 'host '}memory (estimate), more than "
+      f"the {have / GIB:.1f} GiB available to this process ({source}). {todo}")

@@ -76,8 +76,8 @@ class Progress:
     quarters = 4 * done // self.total if 0 < done < self.total else 0
     if quarters > self._quarters and self._clock() - self._said_at >= EVERY_SECS:
       self._quarters = quarters
-      self._say('%s: %d of %d %s (%d%%)...' % (
-          self.label, done, self.total, self.unit, 100 * done // self.total))
+      self._say(f'{self.label}: {done} of {self.total} {self.unit} '
+                f'({100 * done // self.total}%)...')
 
   def _say(self, line):
     click.echo(line, file=self.file)

@@ -35,12 +35,12 @@ def log_line(step, loss, examples_per_sec, sec_per_batch, max_steps=None):
     max_steps: optional int, where the run ends: adds `step/max_steps` and
       the time left at sec_per_batch.
   """
-  line = ('%s: step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)'
-          % (datetime.datetime.now(), step, loss, examples_per_sec, sec_per_batch))
+  line = (f'{datetime.datetime.now()}: step {step}, loss = {loss:.2f} ({examples_per_sec:.1f} '
+          f'examples/sec; {sec_per_batch:.3f} sec/batch)')
   if max_steps:
     # Deviation from upstream: the line also says how far the run is.
     left = datetime.timedelta(seconds=round(max(0, max_steps - step) * sec_per_batch))
-    line += ' %d/%d, %s left' % (step, max_steps, left)
+    line += f' {step}/{max_steps}, {left} left'
   return line
 
 
@@ -210,7 +210,7 @@ def train_loop(config, stop, run, step, on_step=None):
     run.report_stop(stop.signal_name, step, path)
   elif run.chief:
     logger.info('Done: the newest checkpoint is %s. Evaluate it: %s', path, prog.command(
-        'eval --run_once --checkpoint_dir %s --data_dir %s' % (config.train_dir, config.data_dir)))
+        f'eval --run_once --checkpoint_dir {config.train_dir} --data_dir {config.data_dir}'))
   return step
 
 
@@ -263,23 +263,23 @@ def loss_terms():
   """A tower's loss terms, as legacy names them in its 'losses' collection:
   ('local3/weight_loss', 'local4/weight_loss', 'cross_entropy')."""
   from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  return tuple('%s/weight_loss' % layer.name for layer in model_spec.LAYERS
+  return tuple(f'{layer.name}/weight_loss' for layer in model_spec.LAYERS
                if layer.wd is not None) + ('cross_entropy',)
 
 
 def tower_tag(tower, name):
   """'tower_<i>/<name>'."""
-  return '%s_%d/%s' % (hparams.TOWER_NAME, tower, name)
+  return f'{hparams.TOWER_NAME}_{tower}/{name}'
 
 
 def activations_tag(prefix, layer):
   """A layer's activations histogram: '<prefix>/<layer>/activations'."""
-  return '%s%s/activations' % (prefix and prefix + '/', layer)
+  return f"{prefix and prefix + '/'}{layer}/activations"
 
 
 def sparsity_tag(prefix, layer):
   """A layer's fraction of zero activations: '<prefix>/<layer>/sparsity'."""
-  return '%s%s/sparsity' % (prefix and prefix + '/', layer)
+  return f"{prefix and prefix + '/'}{layer}/sparsity"
 
 
 def gradients_tag(variable_name):
@@ -289,7 +289,7 @@ def gradients_tag(variable_name):
 
 def image_tags():
   """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
-  return ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)]
+  return [f'images/image/{i}' for i in range(NUM_SUMMARY_IMAGES)]
 
 
 def summary_tags(num_towers, activations=True):
@@ -350,12 +350,11 @@ def check_divergence(step, tower_losses):
   for i, value in enumerate(map(float, tower_losses)):
     if math.isfinite(value) and value <= DIVERGED_LOSS:
       continue
-    bound = (' (above %.0f, 100 times a fresh model\'s loss of %.2f)'
-             % (DIVERGED_LOSS, INITIAL_LOSS) if math.isfinite(value) else '')
+    bound = (f' (above {DIVERGED_LOSS:.0f}, 100 times a fresh model\'s loss of '
+             f'{INITIAL_LOSS:.2f})' if math.isfinite(value) else '')
     raise TrainingError(
-        'Model diverged with loss = %.4g at step %d in tower %d%s; the last good '
-        'checkpoint is kept. Lower the learning rate or check the input data.'
-        % (value, step, i, bound))
+        f'Model diverged with loss = {value:.4g} at step {step} in tower {i}{bound}; the last '
+        'good checkpoint is kept. Lower the learning rate or check the input data.')
 
 
 def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
@@ -375,11 +374,9 @@ def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
   decay_steps = hparams.decay_steps(examples_per_epoch, batch_size, num_replicas)
   if decay_steps < 1:
     raise TrainingError(
-        'decay_steps = int(%d examples / %d batch / %d towers * %g epochs) '
-        '= 0: too few training examples for this batch size. Use more data '
-        'or a smaller --batch_size.'
-        % (examples_per_epoch, batch_size, num_replicas,
-           hparams.NUM_EPOCHS_PER_DECAY))
+        f'decay_steps = int({examples_per_epoch} examples / {batch_size} batch / {num_replicas} '
+        f'towers * {hparams.NUM_EPOCHS_PER_DECAY:g} epochs) = 0: too few training examples for '
+        'this batch size. Use more data or a smaller --batch_size.')
   return decay_steps
 
 
@@ -413,15 +410,15 @@ def starting(config, num_replicas, write_dir, what):
 
 def stopped_line(signal_name, step, path):
   """The ending line of a run a stop request ended after saving `path`."""
-  return ('Stopped by %s at global step %d; saved %s. The same command resumes '
-          'from it.' % (signal_name, step, path))
+  return (f'Stopped by {signal_name} at global step {step}; saved {path}. The same command '
+          'resumes from it.')
 
 
 def nothing_to_train(step, max_steps, train_dir):
   """The line of a run whose train_dir already holds max_steps steps."""
-  return ('Global step %d in %s already reached max_steps %d; nothing to train '
-          '(--max_steps counts from step 0, not from the resumed step: pass a '
-          'larger one to train on).' % (step, train_dir, max_steps))
+  return (f'Global step {step} in {train_dir} already reached max_steps {max_steps}; nothing to '
+          'train (--max_steps counts from step 0, not from the resumed step: pass a larger one '
+          'to train on).')
 
 
 class Stopped(BaseException):
@@ -434,7 +431,7 @@ class Stopped(BaseException):
   """
 
   def __init__(self, signal_name):
-    super().__init__('Stopped by %s before the first step; nothing was saved.' % signal_name)
+    super().__init__(f'Stopped by {signal_name} before the first step; nothing was saved.')
     self.signal_name = signal_name
 
 
@@ -608,8 +605,8 @@ class StopRequest:
         received += 1
         name = signal.Signals(signum).name
         if received > 1:
-          ending.exit_now(128 + signum, '%s again: stopping at once, without saving; the '
-                          'steps since the last checkpoint are lost.' % name)
+          ending.exit_now(128 + signum, f'{name} again: stopping at once, without saving; the '
+                                        'steps since the last checkpoint are lost.')
         self._stop(signum)
         # On a thread of their own, so that this one stays free to end the
         # process on a second signal even if a callback blocks.
