@@ -258,8 +258,6 @@ def resume_point(directory):
       older one, and what to do. No checkpoint file is changed (only the
       temp files of an interrupted save are removed, as on every call).
   """
-  if not tf.io.gfile.isdir(directory):
-    return None
   _remove_temp_files(directory)
   found = newest_intact(directory)
   problem = dict(found.skipped).get(found.named)

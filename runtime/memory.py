@@ -52,7 +52,6 @@ can be read (not Linux) nothing is checked.
 """
 
 import bisect
-import collections
 import os
 import re
 
@@ -72,12 +71,6 @@ _NO_LIMIT = 2 ** 60  # cgroup v1 reports "no limit" as a number near 2**63
 
 class NotEnoughMemory(training.TrainingError):
   """The run would need more memory than this process can get; says what fits."""
-
-
-Estimate = collections.namedtuple('Estimate', [
-    'host',  # bytes of host memory, what is checked: all but the towers' on GPU plans
-    'towers',  # bytes of the towers' activations and their gradients
-])
 
 
 def activation_bytes_per_image():
@@ -106,7 +99,7 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=Tr
     towers_on_host: bool, False when the towers run on GPUs.
 
   Returns:
-    Estimate.
+    int, bytes of host memory: all but the towers' on GPU plans.
   """
   from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   b, n = batch_size, num_towers
@@ -119,9 +112,8 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=Tr
               (os.cpu_count() or 1) * b * PREPROCESS_BYTES)
   inputs += (3 * n + 1) * b * IMAGE_BYTES  # the batches, in both
   variables = 4 * model_spec.NUM_PARAMETERS * (4 + n)
-  towers = int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image())
-  return Estimate(RUNTIME_BYTES + variables + inputs + (towers if towers_on_host else 0),
-                  towers)
+  towers = int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image()) if towers_on_host else 0
+  return RUNTIME_BYTES + variables + inputs + towers
 
 
 def _read(*path):
@@ -207,7 +199,7 @@ def check_training(impl, plan, batch_size, data_dir):
     data_dir: str, holds the training files (already validated).
 
   Returns:
-    Estimate.
+    int, the estimate (`estimate`) of host memory.
 
   Raises:
     NotEnoughMemory: one line with the estimate, what is available, and the
@@ -217,11 +209,10 @@ def check_training(impl, plan, batch_size, data_dir):
   on_host, towers = plan.kind != 'gpu', plan.num_towers
 
   def host_bytes(b, n):
-    return estimate(impl, b, n, examples, towers_on_host=on_host).host
+    return estimate(impl, b, n, examples, towers_on_host=on_host)
 
-  need = estimate(impl, batch_size, towers, examples, towers_on_host=on_host)
-  have, source = available()
-  if have is None or need.host <= have:
+  need, (have, source) = host_bytes(batch_size, towers), available()
+  if have is None or need <= have:
     return need
   advice = []
   # The largest batch that fits (the estimate grows with the batch), rounded
@@ -240,5 +231,5 @@ def check_training(impl, plan, batch_size, data_dir):
           'use a larger machine.')
   raise NotEnoughMemory(
       f"{impl} training of {towers} tower(s) x batch {batch_size} needs about "
-      f"{need.host / GIB:.1f} GiB of {'' if on_host else 'host '}memory (estimate), more than "
+      f"{need / GIB:.1f} GiB of {'' if on_host else 'host '}memory (estimate), more than "
       f"the {have / GIB:.1f} GiB available to this process ({source}). {todo}")

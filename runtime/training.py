@@ -3,6 +3,7 @@ progress lines during long waits, the TensorBoard tags, stop requests, divergenc
 
 import contextlib
 import datetime
+import itertools
 import logging
 import math
 import signal
@@ -299,21 +300,18 @@ def summary_tags(num_towers, activations=True):
   summaries and the images (False: the subset the replica engines write).
   """
   from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  layers, names = [layer.name for layer in model_spec.LAYERS], model_spec.VARIABLE_NAMES
-  scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
-  histograms = list(names) + [model_spec.average_name(v) for v in names]
-  for i in range(num_towers):
-    scalars.append(tower_tag(i, 'total_loss'))
-    if activations:
-      prefix = tower_tag(i, '')[:-1]
-      scalars += [tower_tag(i, term) for term in loss_terms()]
-      scalars += [sparsity_tag(prefix, layer) for layer in layers]
-      histograms += [activations_tag(prefix, layer) for layer in layers]
-  images = image_tags() if activations else []
+  names = model_spec.VARIABLE_NAMES
+  scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG, *(tower_tag(i, 'total_loss')
+                                                 for i in range(num_towers))]
+  histograms = [*names, *map(model_spec.average_name, names)]
   if activations:
-    histograms += [gradients_tag(v) for v in names]
+    histograms += map(gradients_tag, names)
+    for i, layer in itertools.product(range(num_towers), model_spec.LAYERS):
+      scalars.append(sparsity_tag(tower_tag(i, '')[:-1], layer.name))
+      histograms.append(activations_tag(tower_tag(i, '')[:-1], layer.name))
+    scalars += [tower_tag(i, term) for i in range(num_towers) for term in loss_terms()]
   return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
-          'images': sorted(images)}
+          'images': image_tags() if activations else []}
 
 
 # What a tower's loss can be: its batch's mean cross-entropy plus the weight
@@ -594,24 +592,19 @@ class StopRequest:
 
   def _watch(self):
     received = 0
-    while True:
-      try:
-        data = self._reader.recv(64)
-      except OSError:
-        return
-      if not data:
-        return
-      for signum in (s for s in data if s in STOP_SIGNALS):
-        received += 1
-        name = signal.Signals(signum).name
-        if received > 1:
-          ending.exit_now(128 + signum, f'{name} again: stopping at once, without saving; the '
-                                        'steps since the last checkpoint are lost.')
-        self._stop(signum)
-        # On a thread of their own, so that this one stays free to end the
-        # process on a second signal even if a callback blocks.
-        threading.Thread(target=self._run_callbacks, args=(name,),
-                         name='stop-callbacks', daemon=True).start()
+    with contextlib.suppress(OSError):
+      while data := self._reader.recv(64):  # b'' once the writer is closed
+        for signum in (s for s in data if s in STOP_SIGNALS):
+          received += 1
+          name = signal.Signals(signum).name
+          if received > 1:
+            ending.exit_now(128 + signum, f'{name} again: stopping at once, without saving; '
+                                          'the steps since the last checkpoint are lost.')
+          self._stop(signum)
+          # On a thread of their own, so that this one stays free to end the
+          # process on a second signal even if a callback blocks.
+          threading.Thread(target=self._run_callbacks, args=(name,),
+                           name='stop-callbacks', daemon=True).start()
 
   def _run_callbacks(self, name):
     with self.lock:
