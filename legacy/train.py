@@ -303,11 +303,7 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
     runtime.lock.LockError: another run trains in train_dir.
     runtime.training.Stopped: a stop signal came before the first step;
       nothing was written.
-    ValueError: the plan does not have `config.num_gpus` towers.
   """
-  if plan.num_towers != config.num_gpus:
-    raise ValueError(f'the device plan has {plan.num_towers} towers, the config asks for '
-                     f'{config.num_gpus}')
   with training.starting(config, config.num_gpus, config.train_dir, 'legacy training') as (
       stop, examples_per_epoch, decay_steps):
     with tf.Graph().as_default() as graph:

@@ -108,8 +108,8 @@ def reason(error):
   # header and the last "Node: '<name>'" line.
   text = re.split(r'Original error:|^\s*(?:Graph execution error:|Node: .*)$', text,
                   flags=re.M)[-1]
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  text = lines[0] if lines else type(error).__name__
+  text = next((line.strip() for line in text.splitlines() if line.strip()),
+              type(error).__name__)
   text = re.sub(r'\s*(\[\[|\[Op:).*', '', text)  # a node's decorations, eager's op name
   text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text)
   # 'TensorBundle at <prefix> shard 0 (19200 bytes): Checksum does not match'

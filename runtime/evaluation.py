@@ -61,8 +61,8 @@ class PrecisionWriter:
   """A context writing 'Precision @ 1' to eval_dir at each checkpoint's global step.
 
   Entering creates eval_dir if missing and proves a file can be made in it;
-  leaving closes the event file (quietly when an error is on its way, which
-  says what went wrong). One event file per writer, opened at the first
+  leaving closes the event file (quietly: every point is flushed as it is
+  written, and a failure to write one says so). One event file per writer, opened at the first
   point and flushed after each, so TensorBoard shows a point as soon as its
   evaluation ends. Event files already in eval_dir are kept: a new writer
   adds its own file beside them, and TensorBoard shows the points of all of
@@ -117,13 +117,10 @@ class PrecisionWriter:
     except (tf.errors.OpError, OSError) as e:
       raise self._error(e) from None
 
-  def __exit__(self, exc_type, *exc):
+  def __exit__(self, *exc):
     if self._writer is not None:
-      try:
+      with contextlib.suppress(tf.errors.OpError, OSError):  # every point is flushed already
         self._writer.close()
-      except (tf.errors.OpError, OSError) as e:
-        if exc_type is None:
-          raise self._error(e) from None
 
   def _error(self, cause, advice=None):
     """EvalError of `cause` (a line, or the exception saying it)."""
