@@ -87,7 +87,7 @@ GONE = f'gone (`{STATE_FILE}` names it, but none of its files is left)'
 def step_of(path):
   """The global step in a checkpoint prefix's name (`model.ckpt-1000`), or None."""
   match = re.search(r'-(\d+)$', path)
-  return int(match.group(1)) if match else None
+  return int(match[1]) if match else None
 
 
 def global_step(contents):
@@ -438,4 +438,4 @@ def save_failed(directory, step, error):
   named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
   if problem is None and name not in map(os.path.basename, named):
     _remove(os.path.join(directory, name), '.*', '_temp')
-  return write_failed(directory, 'checkpoint ' + name, error)
+  return write_failed(directory, f'checkpoint {name}', error)

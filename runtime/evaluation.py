@@ -8,7 +8,7 @@ newest intact one, saying what it skipped - and hands it to the evaluator of
 its kind, chosen per checkpoint: one directory can hold either trainer's
 checkpoints over time. It imports neither evaluator; the caller passes the
 dispatch in. Whichever evaluated it, the precision goes to TensorBoard the same
-way: `PrecisionWriter`, upstream's 'Precision @ 1' scalar in eval_dir. The batch loop
+way: `precision_writer`, upstream's 'Precision @ 1' scalar in eval_dir. The batch loop
 that counts correct predictions is here too (`count_correct`), for both.
 
 Deviation from upstream: upstream's loop re-evaluated the newest checkpoint
@@ -57,79 +57,78 @@ class EvalError(errors.Failure):
   message says why and what to do. Both evaluators."""
 
 
-class PrecisionWriter:
+@contextlib.contextmanager
+def precision_writer(eval_dir):
   """A context writing 'Precision @ 1' to eval_dir at each checkpoint's global step.
 
   Entering creates eval_dir if missing and proves a file can be made in it;
-  leaving closes the event file (quietly: every point is flushed as it is
-  written, and a failure to write one says so). One event file per writer, opened at the first
-  point and flushed after each, so TensorBoard shows a point as soon as its
-  evaluation ends. Event files already in eval_dir are kept: a new writer
-  adds its own file beside them, and TensorBoard shows the points of all of
-  them as one series. Every failure to write is an EvalError; nothing
-  outside eval_dir is touched. With eval_dir None it writes nothing.
+  it yields write(precision, global_step), which adds one point, flushed to
+  disk. Leaving closes the event file (quietly: every point is flushed as it
+  is written, and a failure to write one says so). One event file per
+  writer, opened at the first point, so TensorBoard shows a point as soon as
+  its evaluation ends. Event files already in eval_dir are kept: a new
+  writer adds its own file beside them, and TensorBoard shows the points of
+  all of them as one series. Every failure to write is an EvalError (e.g.
+  disk full); nothing outside eval_dir is touched. With eval_dir None it
+  writes nothing.
   """
   # Deviation from upstream: eval_dir is never deleted; new points are added.
   # Deviation from upstream: upstream also wrote the model's summaries by
   # running them over one more batch; only the precision is written.
 
-  def __init__(self, eval_dir):
-    self.eval_dir = eval_dir
-    self._writer = None
-
-  def __enter__(self):
-    if self.eval_dir is None:
-      return self
-    probe = os.path.abspath(self.eval_dir)  # the nearest existing ancestor must be a directory
-    while not os.path.lexists(probe):
-      probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-      raise self._error(f'{probe} is a file, not a directory', 'Move that file')
-    try:
-      os.makedirs(self.eval_dir, exist_ok=True)
-      # An unnamed file, gone when closed: eval_dir is left as it was.
-      with tempfile.TemporaryFile(dir=self.eval_dir):
-        pass
-    except OSError as e:
-      raise self._error(e.strerror or str(e)) from None
-    return self
-
-  def write(self, precision, global_step):
-    """Adds one point, flushed to disk; EvalError if it cannot (e.g. disk full)."""
-    if self.eval_dir is None:
-      return
-    try:
-      if self._writer is None:
-        before = set(os.listdir(self.eval_dir))
-        try:
-          self._writer = tf.summary.create_file_writer(self.eval_dir)
-        except (tf.errors.OpError, OSError):
-          # A full disk leaves the new event file empty: remove it, so a failed
-          # write changes nothing.
-          for name in set(os.listdir(self.eval_dir)) - before:
-            with contextlib.suppress(OSError):
-              if os.path.getsize(os.path.join(self.eval_dir, name)) == 0:
-                os.remove(os.path.join(self.eval_dir, name))
-          raise
-      with self._writer.as_default():
-        tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
-      self._writer.flush()
-    except (tf.errors.OpError, OSError) as e:
-      raise self._error(e) from None
-
-  def __exit__(self, *exc):
-    if self._writer is not None:
-      with contextlib.suppress(tf.errors.OpError, OSError):  # every point is flushed already
-        self._writer.close()
-
-  def _error(self, cause, advice=None):
+  def error(cause, advice=None):
     """EvalError of `cause` (a line, or the exception saying it)."""
     if isinstance(cause, Exception):
       cause = checkpoints.reason(cause).rsplit('; ', 1)[-1]
     return EvalError(
-        f'could not write {PRECISION_TAG} to --eval_dir {self.eval_dir} ({cause}). '
+        f'could not write {PRECISION_TAG} to --eval_dir {eval_dir} ({cause}). '
         f'{advice or checkpoints.advice(cause)}, or pass another --eval_dir; the checkpoints '
         'are untouched.')
+
+  if eval_dir is None:
+    yield lambda precision, global_step: None
+    return
+  probe = os.path.abspath(eval_dir)  # the nearest existing ancestor must be a directory
+  while not os.path.lexists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise error(f'{probe} is a file, not a directory', 'Move that file')
+  try:
+    os.makedirs(eval_dir, exist_ok=True)
+    # An unnamed file, gone when closed: eval_dir is left as it was.
+    with tempfile.TemporaryFile(dir=eval_dir):
+      pass
+  except OSError as e:
+    raise error(e.strerror or str(e)) from None
+  writer = None
+
+  def write(precision, global_step):
+    nonlocal writer
+    try:
+      if writer is None:
+        before = set(os.listdir(eval_dir))
+        try:
+          writer = tf.summary.create_file_writer(eval_dir)
+        except (tf.errors.OpError, OSError):
+          # A full disk leaves the new event file empty: remove it, so a failed
+          # write changes nothing.
+          for name in set(os.listdir(eval_dir)) - before:
+            with contextlib.suppress(OSError):
+              if os.path.getsize(os.path.join(eval_dir, name)) == 0:
+                os.remove(os.path.join(eval_dir, name))
+          raise
+      with writer.as_default():
+        tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
+      writer.flush()
+    except (tf.errors.OpError, OSError) as e:
+      raise error(e) from None
+
+  try:
+    yield write
+  finally:
+    if writer is not None:
+      with contextlib.suppress(tf.errors.OpError, OSError):  # every point is flushed already
+        writer.close()
 
 
 def moving_averages(contents, kind, shapes):
@@ -227,7 +226,7 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
       new checkpoint.
     max_evals: optional int, stop after this many evaluations.
     eval_dir: optional str; when set, each precision is also written there
-      for TensorBoard at the checkpoint's global step (`PrecisionWriter`);
+      for TensorBoard at the checkpoint's global step (`precision_writer`);
       the directory is created, and checked writable, before anything is
       evaluated.
 
@@ -246,7 +245,7 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
   results, seen, said = [], set(), set()
   waiting = False
   current = None  # the checkpoint being evaluated, for the stop line
-  with PrecisionWriter(eval_dir) as writer:
+  with precision_writer(eval_dir) as write:
     while not stop.requested and (max_evals is None or len(results) < max_evals):
       found = checkpoints.newest_intact(checkpoint_dir)
       # A loop beside a trainer sees its saves in progress: those go unsaid.
@@ -283,7 +282,7 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
       logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
                   precision, counts.global_step, os.path.basename(contents.path))
       results.append(Evaluation(contents.path, precision, counts.global_step))
-      writer.write(precision, counts.global_step)
+      write(precision, counts.global_step)
       if once:
         break
   if stop.requested:

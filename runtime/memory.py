@@ -53,6 +53,7 @@ can be read (not Linux) nothing is checked.
 
 import bisect
 import os
+import pathlib
 import re
 
 from cifar10_towers.common import cifar10_format as fmt
@@ -119,8 +120,7 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=Tr
 def _read(*path):
   """The text of the file at os.path.join(*path); '' if it cannot be read."""
   try:
-    with open(os.path.join(*path)) as f:
-      return f.read()
+    return pathlib.Path(*path).read_text()
   except (OSError, UnicodeDecodeError):
     return ''
 

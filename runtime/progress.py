@@ -136,7 +136,7 @@ class LogHandler(logging.Handler):
     stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
     line = self.format(record)
     if getattr(record, 'in_place', False) and _isatty(stream):
-      click.echo('\r' + line + '\x1b[K', file=stream, nl=False)  # \x1b[K: clear the rest
+      click.echo(f'\r{line}\x1b[K', file=stream, nl=False)  # \x1b[K: clear the rest
       _open_line = stream
       return
     end_line()

@@ -570,7 +570,7 @@ class StopRequest:
     signal.set_wakeup_fd(self._previous_wakeup_fd)
     for sig, handler in self._previous.items():
       # None: a handler not set from Python, i.e. the default.
-      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+      signal.signal(sig, handler or signal.SIG_DFL)
     self._writer.close()  # the watcher's recv returns b'': it ends
     self._watcher.join(timeout=5)
     self._reader.close()
