@@ -176,19 +176,6 @@ def _remove(prefix, *suffixes):
   return removed
 
 
-def _remove_temp_files(directory):
-  """Removes the temp files of saves a kill interrupted; they are never read.
-
-  Only TensorFlow's own temp names of this train_dir's checkpoints:
-  `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
-  (test_faults_checkpoints.py: incomplete_newer_checkpoint).
-  """
-  removed = _remove(os.path.join(directory, _BASENAME + '-*'), '.tempstate*', '_temp')
-  if removed:
-    logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
-                   directory)
-
-
 def _state(directory):
   """TensorFlow's CheckpointState of `directory`, and 'unreadable' if its state file is.
 
@@ -258,7 +245,14 @@ def resume_point(directory):
       older one, and what to do. No checkpoint file is changed (only the
       temp files of an interrupted save are removed, as on every call).
   """
-  _remove_temp_files(directory)
+  # The temp files of saves a kill interrupted are never read: removed, only
+  # TensorFlow's own temp names of this train_dir's checkpoints,
+  # `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
+  # (test_faults_checkpoints.py: incomplete_newer_checkpoint).
+  removed = _remove(os.path.join(directory, _BASENAME + '-*'), '.tempstate*', '_temp')
+  if removed:
+    logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
+                   directory)
   found = newest_intact(directory)
   problem = dict(found.skipped).get(found.named)
   # Gone (deleted by hand, e.g. to go back to an older checkpoint): nothing of it to protect.

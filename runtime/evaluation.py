@@ -258,55 +258,40 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
       contents = found.contents
       if contents is None:
         if once:
-          raise _nothing_to_evaluate(checkpoint_dir, found)
+          damaged = found.skipped or found.unfinished or found.state_problem
+          raise checkpoints.CheckpointError(
+              f'no intact checkpoint in {checkpoint_dir} (what is wrong with each is said '
+              f'above). Train again with --train_dir {checkpoint_dir}, or pass another '
+              '--checkpoint_dir.'
+              if damaged else
+              f"no checkpoint in {checkpoint_dir}. Train first (`{prog.command('legacy')}` or "
+              f'`modern` with --train_dir {checkpoint_dir}), or pass the --checkpoint_dir you '
+              'trained into.')
         if not waiting:
           damaged = found.skipped or found.state_problem
           logger.info('No %scheckpoint in %s yet; looking again every %g s.',
                       'intact ' if damaged else '', checkpoint_dir, interval_secs)
-          waiting = True
-        stop.wait(interval_secs)
+        waiting = True
+      elif (identity := _identity(contents)) not in seen:
+        waiting, current = False, contents.path
+        counts = evaluate(contents, should_stop=lambda: stop.requested)
+        if counts is None:  # a signal cut it short
+          break
+        current = None
+        seen.add(identity)
+        precision = counts.true_count / counts.total_count
+        # Upstream's result line, with the global step and the checkpoint evaluated.
+        logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
+                    precision, counts.global_step, os.path.basename(contents.path))
+        results.append(Evaluation(contents.path, precision, counts.global_step))
+        write(precision, counts.global_step)
+        if once:
+          break
         continue
-      identity = _identity(contents)
-      if identity in seen:
-        stop.wait(interval_secs)
-        continue
-      waiting = False
-      current = contents.path
-      counts = evaluate(contents, should_stop=lambda: stop.requested)
-      if counts is None:  # a signal cut it short
-        break
-      current = None
-      seen.add(identity)
-      precision = counts.true_count / counts.total_count
-      # Upstream's result line, with the global step and the checkpoint evaluated.
-      logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
-                  precision, counts.global_step, os.path.basename(contents.path))
-      results.append(Evaluation(contents.path, precision, counts.global_step))
-      write(precision, counts.global_step)
-      if once:
-        break
-  if stop.requested:
-    ending.say(stop_line(stop.signal_name, results, current))  # the one ending line, on stderr
+      stop.wait(interval_secs)
+  if stop.requested:  # the one ending line, on stderr: what was evaluated, and what was cut short
+    done = (f'{len(results)} checkpoint(s), the last {os.path.basename(results[-1].path)} at '
+            f'global step {results[-1].global_step}' if results else 'no checkpoint')
+    cut = f'; the evaluation of {os.path.basename(current)} was cut short' if current else ''
+    ending.say(f'Stopped by {stop.signal_name}; evaluated {done}{cut}.')
   return results
-
-
-def stop_line(signal_name, results, current=None):
-  """The one line a signal leaves: what was evaluated, and what was cut short."""
-  if results:
-    line = (f'Stopped by {signal_name}; evaluated {len(results)} checkpoint(s), the last '
-            f'{os.path.basename(results[-1].path)} at global step {results[-1].global_step}')
-  else:
-    line = f'Stopped by {signal_name}; evaluated no checkpoint'
-  if current:
-    line += f'; the evaluation of {os.path.basename(current)} was cut short'
-  return line + '.'
-
-
-def _nothing_to_evaluate(checkpoint_dir, found):
-  if found.skipped or found.unfinished or found.state_problem:
-    return checkpoints.CheckpointError(
-        f'no intact checkpoint in {checkpoint_dir} (what is wrong with each is said above). '
-        f'Train again with --train_dir {checkpoint_dir}, or pass another --checkpoint_dir.')
-  return checkpoints.CheckpointError(
-      f"no checkpoint in {checkpoint_dir}. Train first (`{prog.command('legacy')}` or `modern` "
-      f"with --train_dir {checkpoint_dir}), or pass the --checkpoint_dir you trained into.")
