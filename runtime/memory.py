@@ -222,8 +222,7 @@ def check_training(impl, plan, batch_size, data_dir):
   if fit_batch:
     scale = 10 ** max(0, len(str(fit_batch)) - 2)
     advice.append(f'--batch_size {fit_batch // scale * scale} or less')
-  fit_towers = max((n for n in range(1, towers) if host_bytes(batch_size, n) <= have),
-                   default=0)
+  fit_towers = bisect.bisect_right(range(1, towers), have, key=lambda n: host_bytes(batch_size, n))
   if fit_towers:
     advice.append(f'--num_gpus {fit_towers} or fewer')
   todo = (f"Pass {', or '.join(advice)}." if advice else

@@ -37,7 +37,7 @@ class Progress:
 
   def __init__(self, total, label, unit, file=None, clock=time.monotonic):
     self.total, self.label, self.unit = total, label, unit
-    self.file = sys.stdout if file is None else file
+    self.file = file or sys.stdout
     self.terminal = _isatty(self.file)  # draw a bar, not lines
     self._bar = click.progressbar(length=total, label=label, file=self.file, show_pos=True,
                                   item_show_func=lambda item: item) if self.terminal else None

@@ -3,7 +3,6 @@ progress lines during long waits, the TensorBoard tags, stop requests, divergenc
 
 import contextlib
 import datetime
-import itertools
 import logging
 import math
 import signal
@@ -300,16 +299,18 @@ def summary_tags(num_towers, activations=True):
   summaries and the images (False: the subset the replica engines write).
   """
   from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  names = model_spec.VARIABLE_NAMES
-  scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG, *(tower_tag(i, 'total_loss')
-                                                 for i in range(num_towers))]
+  names, layers = model_spec.VARIABLE_NAMES, [layer.name for layer in model_spec.LAYERS]
+  scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
   histograms = [*names, *map(model_spec.average_name, names)]
+  for i in range(num_towers):
+    scalars.append(tower_tag(i, 'total_loss'))
+    if activations:
+      prefix = f'{hparams.TOWER_NAME}_{i}'
+      scalars += [tower_tag(i, term) for term in loss_terms()]
+      scalars += [sparsity_tag(prefix, layer) for layer in layers]
+      histograms += [activations_tag(prefix, layer) for layer in layers]
   if activations:
     histograms += map(gradients_tag, names)
-    for i, layer in itertools.product(range(num_towers), model_spec.LAYERS):
-      scalars.append(sparsity_tag(tower_tag(i, '')[:-1], layer.name))
-      histograms.append(activations_tag(tower_tag(i, '')[:-1], layer.name))
-    scalars += [tower_tag(i, term) for i in range(num_towers) for term in loss_terms()]
   return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
           'images': image_tags() if activations else []}
 
