@@ -305,16 +305,16 @@ def newest_intact(directory):
   state, state_problem = _state(directory)
   named = state and os.path.join(directory, os.path.basename(state.model_checkpoint_path))
   named_step = named and step_of(named)
-  candidates = set(_on_disk(directory)) | ({named} if named else set())
-  skipped, unfinished = [], []
-  for prefix in sorted(candidates, key=lambda p: step_of(p) or 0, reverse=True):
+  contents, skipped, unfinished = None, [], []
+  for prefix in sorted({*_on_disk(directory), named} - {None}, key=lambda p: step_of(p) or 0,
+                       reverse=True):
     contents, problem = _read(prefix)
     if contents is not None:
-      return Found(contents, skipped, unfinished, state_problem, named)
+      break
     if prefix == named or problem != GONE:
       newer = named_step is not None and prefix != named and step_of(prefix) > named_step
       (unfinished if newer else skipped).append((prefix, problem))
-  return Found(None, skipped, unfinished, state_problem, named)
+  return Found(contents, skipped, unfinished, state_problem, named)
 
 
 def skip_notes(found, directory, doing, unfinished=True):
