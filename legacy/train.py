@@ -198,7 +198,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
         # variables, on another device, stay outside them.
         xla = tf.xla.experimental.jit_scope() if jit else contextlib.nullcontext()
         with tf.device(plan.tower_devices[i]), xla, tf.name_scope(
-            '%s_%d' % (model.TOWER_NAME, i)) as scope:
+            f'{model.TOWER_NAME}_{i}') as scope:
           # Deviation from upstream: every tower's loss summary is written
           # (summary_op merges the summaries of every tower's scope).
           loss = tower_loss(scope, images, labels, lrn=lrn)
@@ -260,7 +260,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       # The towers' summaries only: not the input pipeline's queue-fill
       # fractions and image summary, which the modern trainer has no counterpart of.
       summary_op = tf.summary.merge(tf.get_collection(
-          tf.GraphKeys.SUMMARIES, r'%s_\d+/|summaries/' % model.TOWER_NAME))
+          tf.GraphKeys.SUMMARIES, rf'{model.TOWER_NAME}_\d+/|summaries/'))
 
   return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
                 applied, ema, summary_op)
@@ -310,11 +310,7 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
     runtime.lock.LockError: another run trains in train_dir.
     runtime.training.Stopped: a stop signal came before the first step;
       nothing was written.
-    ValueError: the plan does not have `config.num_gpus` towers.
   """
-  if plan.num_towers != config.num_gpus:
-    raise ValueError('the device plan has %d towers, the config asks for %d'
-                     % (plan.num_towers, config.num_gpus))
   with training.starting(config, config.num_gpus, config.train_dir, 'legacy training') as (
       stop, examples_per_epoch, decay_steps):
     with tf.Graph().as_default() as graph:
@@ -356,7 +352,7 @@ def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
     # Deviation from upstream: the dequeues are built here on the CPU, not
     # inside each tower's scope; the placer put them next to the queue on the
     # CPU there too.
-    return [batch_queue.dequeue(name='dequeue_%d' % i)
+    return [batch_queue.dequeue(name=f'dequeue_{i}')
             for i in range(config.num_gpus)]
 
 
@@ -395,9 +391,12 @@ def build_train_graph(config, plan, decay_steps,
 def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
-  A train_dir of the upstream script resumes too: its `global_step` is
-  float32 (ours int64), so its values are loaded variable by variable
-  instead of through the Saver, which cannot convert a dtype.
+  The values restored are the ones read (and checked against their
+  checksums) by `runtime.checkpoints.read`, fed variable by variable into
+  each variable's initializer: no new op in the finalized graph, and a
+  train_dir of the upstream script resumes too (its `global_step` is
+  float32, ours int64: each value is cast to its variable's dtype, which
+  the Saver cannot do).
 
   Raises:
     runtime.checkpoints.CheckpointError: the latest checkpoint is damaged, or
@@ -412,14 +411,11 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
     return 0
   contents = checkpoints.read(checkpoint)
   if contents.kind == checkpoints.MODERN:
-    # The Saver would try to rebuild itself for this object-based checkpoint,
-    # which fails in the finalized graph; say what it is instead.
     raise training.TrainingError(
-        '%s is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer '
-        'cannot resume from it. Convert it (`%s`) and train with --train_dir '
-        '%s, or use another --train_dir.'
-        % (checkpoint, prog.convert_command(train_dir, 'legacy'),
-           prog.converted_dir(train_dir, 'legacy')))
+        f"{checkpoint} is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer cannot "
+        f"resume from it. Convert it (`{prog.convert_command(train_dir, 'legacy')}`) and train "
+        f"with --train_dir {prog.converted_dir(train_dir, 'legacy')}, or use another "
+        "--train_dir.")
   # Before check_fits: an SGD checkpoint lacks Adam's slots, which is not
   # "another model" but another optimizer; an Adam checkpoint resumed with
   # SGD would lose its slots silently.
@@ -429,23 +425,12 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
     raise training.TrainingError(refusal)
   checkpoints.check_fits(checkpoint, {
       v.op.name: tuple(v.shape.as_list()) for v in tf.global_variables()})
-  upstream = contents.tensors['global_step'].dtype.kind == 'f'
-  try:
-    if upstream:
-      # Deviation from upstream: train_dir is never deleted; training resumes.
-      # Each value is fed into its variable's initializer: no new op in the
-      # finalized graph.
-      for variable in tf.global_variables():
-        variable.load(contents.tensors[variable.op.name].astype(
-            variable.dtype.base_dtype.as_numpy_dtype), sess)
-    else:
-      graph_parts.saver.restore(sess, checkpoint)
-  except (tf.errors.OpError, ValueError) as e:
-    raise training.TrainingError(
-        '%s does not fit this model (%s). Use another --train_dir, or move '
-        'its checkpoints away.' % (checkpoint, checkpoints.reason(e))) from e
+  # Deviation from upstream: train_dir is never deleted; training resumes.
+  for variable in tf.global_variables():
+    variable.load(contents.tensors[variable.op.name].astype(
+        variable.dtype.base_dtype.as_numpy_dtype), sess)
   step = int(sess.run(graph_parts.towers.global_step))
-  if upstream:
+  if contents.tensors['global_step'].dtype.kind == 'f':
     logger.info('Resuming an upstream train_dir from %s at global step %d (float32 '
                 'global_step); new checkpoints are named by the global step.', checkpoint, step)
   else:
@@ -484,8 +469,8 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     """The heartbeat line of the first step: the queue's filling, then the step."""
     held = int(sess.run(graph_parts.queue_size))
     if held < fill:
-      return 'Filling the queue: %d of %d examples... %d s' % (held, fill, seconds)
-    return 'Running the first step... %d s' % seconds
+      return f'Filling the queue: {held} of {fill} examples... {seconds} s'
+    return f'Running the first step... {seconds} s'
 
   def run_step(step, first, write_summary):  # pylint: disable=unused-argument
     if coord.should_stop():  # an input thread failed: its error ends the run
@@ -513,7 +498,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
     if step != save.last_saved:
       _save(graph_parts.saver, sess, config, step)
       save.last_saved = step
-    return '%s-%d' % (config.checkpoint_prefix(), step)
+    return f'{config.checkpoint_prefix()}-{step}'
 
   save.last_saved = step
 

@@ -81,13 +81,13 @@ STATE_FILE = 'checkpoint'  # TensorFlow's checkpoint state file in a train_dir
 _BASENAME = config_lib.CHECKPOINT_BASENAME  # checkpoints are <train_dir>/model.ckpt-<step>
 _VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'  # of object-based keys
 # The problem of a checkpoint none of whose files is left (only the named one is said).
-GONE = 'gone (`%s` names it, but none of its files is left)' % STATE_FILE
+GONE = f'gone (`{STATE_FILE}` names it, but none of its files is left)'
 
 
 def step_of(path):
   """The global step in a checkpoint prefix's name (`model.ckpt-1000`), or None."""
   match = re.search(r'-(\d+)$', path)
-  return int(match.group(1)) if match else None
+  return int(match[1]) if match else None
 
 
 def global_step(contents):
@@ -108,8 +108,8 @@ def reason(error):
   # header and the last "Node: '<name>'" line.
   text = re.split(r'Original error:|^\s*(?:Graph execution error:|Node: .*)$', text,
                   flags=re.M)[-1]
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  text = lines[0] if lines else type(error).__name__
+  text = next((line.strip() for line in text.splitlines() if line.strip()),
+              type(error).__name__)
   text = re.sub(r'\s*(\[\[|\[Op:).*', '', text)  # a node's decorations, eager's op name
   text = re.sub(r'^\{\{function_node [^}]*\}\}\s*', '', text)
   # 'TensorBundle at <prefix> shard 0 (19200 bytes): Checksum does not match'
@@ -129,7 +129,7 @@ def _read(path):
                for key in sorted(reader.get_variable_to_shape_map())}
   except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError, IndexError) as e:
     # IndexError: the reader's 'Read less bytes than requested' (a .data file ends early).
-    return None, 'damaged (%s)' % reason(e) if tf.io.gfile.glob(path + '.*') else GONE
+    return None, f'damaged ({reason(e)})' if tf.io.gfile.glob(path + '.*') else GONE
   return Contents(path, MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY, tensors), None
 
 
@@ -148,44 +148,32 @@ def read(path):
   """
   contents, problem = _read(path)
   if problem:
-    raise CheckpointError('checkpoint %s is %s' % (path, problem))
+    raise CheckpointError(f'checkpoint {path} is {problem}')
   return contents
 
 
 def _on_disk(directory):
-  """{step: prefix} of the checkpoints with an .index file in `directory`.
+  """The prefixes of the checkpoints with an .index file in `directory`.
 
   The state file's all_model_checkpoint_paths lists only the named ones; a
   complete one a killed run did not get to name is found here
   (test_faults_checkpoints.py: complete_checkpoint_not_yet_named).
   """
   indexes = tf.io.gfile.glob(os.path.join(directory, _BASENAME + '-*.index'))
-  prefixes = [index[:-len('.index')] for index in indexes]
-  return {step_of(prefix): prefix for prefix in prefixes if step_of(prefix) is not None}
+  return [prefix for prefix in (index.removesuffix('.index') for index in indexes)
+          if step_of(prefix) is not None]
 
 
-def _delete(path):
-  """Removes a file or a directory tree; True if it did."""
-  try:
-    (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
-    return True
-  except (tf.errors.OpError, OSError):
-    return False
-
-
-def _remove_temp_files(directory):
-  """Removes the temp files of saves a kill interrupted; they are never read.
-
-  Only TensorFlow's own temp names of this train_dir's checkpoints:
-  `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
-  (test_faults_checkpoints.py: incomplete_newer_checkpoint).
-  """
-  prefix = os.path.join(directory, _BASENAME + '-*')
-  removed = sum(map(_delete, tf.io.gfile.glob(prefix + '.tempstate*')
-                    + tf.io.gfile.glob(prefix + '_temp')))
-  if removed:
-    logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
-                   directory)
+def _remove(prefix, *suffixes):
+  """Removes the files and directory trees `prefix + suffix` matches (globs); how many."""
+  removed = 0
+  for path in (p for suffix in suffixes for p in tf.io.gfile.glob(prefix + suffix)):
+    try:
+      (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
+      removed += 1
+    except (tf.errors.OpError, OSError):
+      pass
+  return removed
 
 
 def _state(directory):
@@ -215,18 +203,17 @@ def _refusal(found, directory, do, flag):
     do: str, what the user may do with the newest intact one, e.g. 'convert'.
     flag: str, the flag that names another directory, e.g. '--from_dir'.
   """
-  moved = '`%s`' % STATE_FILE
+  moved = f'`{STATE_FILE}`'
   if found.state_problem:
-    what = '%s is unreadable' % os.path.join(directory, STATE_FILE)
+    what = f'{os.path.join(directory, STATE_FILE)} is unreadable'
   else:
     prefix, problem = found.skipped[0]
-    what = 'checkpoint %s is %s, and it is the latest checkpoint' % (prefix, problem)
+    what = f'checkpoint {prefix} is {problem}, and it is the latest checkpoint'
     if problem != GONE:
-      moved = '%s.* and %s' % (os.path.basename(prefix), moved)
-  todo = ('the newest intact one is %s: to %s it, move' % (os.path.basename(
-      found.contents.path), do) if found.contents else 'no intact checkpoint is left: move')
-  return CheckpointError('%s; %s %s out of %s; or use another %s.'
-                         % (what, todo, moved, directory, flag))
+      moved = f'{os.path.basename(prefix)}.* and {moved}'
+  todo = (f'the newest intact one is {os.path.basename(found.contents.path)}: to {do} it, move'
+          if found.contents else 'no intact checkpoint is left: move')
+  return CheckpointError(f'{what}; {todo} {moved} out of {directory}; or use another {flag}.')
 
 
 def _say_passed_over(found, directory, doing):
@@ -258,9 +245,14 @@ def resume_point(directory):
       older one, and what to do. No checkpoint file is changed (only the
       temp files of an interrupted save are removed, as on every call).
   """
-  if not tf.io.gfile.isdir(directory):
-    return None
-  _remove_temp_files(directory)
+  # The temp files of saves a kill interrupted are never read: removed, only
+  # TensorFlow's own temp names of this train_dir's checkpoints,
+  # `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
+  # (test_faults_checkpoints.py: incomplete_newer_checkpoint).
+  removed = _remove(os.path.join(directory, _BASENAME + '-*'), '.tempstate*', '_temp')
+  if removed:
+    logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
+                   directory)
   found = newest_intact(directory)
   problem = dict(found.skipped).get(found.named)
   # Gone (deleted by hand, e.g. to go back to an older checkpoint): nothing of it to protect.
@@ -307,24 +299,22 @@ def newest_intact(directory):
   Returns:
     Found.
   """
-  if not tf.io.gfile.isdir(directory):
-    return Found(None, [], [], None, None)
   # Upstream's Saver records absolute paths; the checkpoint is looked up by its
   # base name in `directory`, so a copied or moved train_dir resumes from its own
   # files (test_faults_checkpoints.py: state_file_of_a_moved_directory).
   state, state_problem = _state(directory)
   named = state and os.path.join(directory, os.path.basename(state.model_checkpoint_path))
   named_step = named and step_of(named)
-  candidates = set(_on_disk(directory).values()) | ({named} if named else set())
-  skipped, unfinished = [], []
-  for prefix in sorted(candidates, key=lambda p: step_of(p) or 0, reverse=True):
+  contents, skipped, unfinished = None, [], []
+  for prefix in sorted({*_on_disk(directory), named} - {None}, key=lambda p: step_of(p) or 0,
+                       reverse=True):
     contents, problem = _read(prefix)
     if contents is not None:
-      return Found(contents, skipped, unfinished, state_problem, named)
+      break
     if prefix == named or problem != GONE:
       newer = named_step is not None and prefix != named and step_of(prefix) > named_step
       (unfinished if newer else skipped).append((prefix, problem))
-  return Found(None, skipped, unfinished, state_problem, named)
+  return Found(contents, skipped, unfinished, state_problem, named)
 
 
 def skip_notes(found, directory, doing, unfinished=True):
@@ -341,11 +331,11 @@ def skip_notes(found, directory, doing, unfinished=True):
   Returns:
     list of str.
   """
-  notes = (['%s is unreadable; %s found on disk.' % (os.path.join(directory, STATE_FILE), doing)]
+  notes = ([f'{os.path.join(directory, STATE_FILE)} is unreadable; {doing} found on disk.']
            if found.state_problem else [])
   newer = [(prefix, problem + ', newer than the latest checkpoint (a save in progress or '
             'interrupted)') for prefix, problem in (found.unfinished if unfinished else [])]
-  return notes + ['skipping %s: it is %s; %s.' % (prefix, problem, doing)
+  return notes + [f'skipping {prefix}: it is {problem}; {doing}.'
                   for prefix, problem in newer + found.skipped]
 
 
@@ -384,25 +374,18 @@ def check_fits(path, expected_shapes):
     CheckpointError: a key is missing or has another shape; the message
       names the first such variable, e.g. a checkpoint of another model.
   """
-  try:
-    saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-  except (tf.errors.OpError, ValueError) as e:
-    raise CheckpointError('cannot read checkpoint %s (%s)'
-                          % (path, reason(e))) from e
-  missing = [k for k in expected_shapes if k not in saved]
-  wrong = [k for k in expected_shapes
-           if k in saved and tuple(saved[k]) != tuple(expected_shapes[k])]
-  if wrong:
-    what = 'it holds %s with shape %s, this model has %s' % (
-        wrong[0].removesuffix(_VALUE_SUFFIX), list(saved[wrong[0]]),
-        list(expected_shapes[wrong[0]]))
-  elif missing:
-    what = 'it lacks %s' % missing[0].removesuffix(_VALUE_SUFFIX)
-  else:
+  # The caller has just read it whole (`read`), holding train_dir's lock.
+  saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+  differ = [k for k, shape in expected_shapes.items() if list(saved.get(k, [-1])) != list(shape)]
+  if not differ:
     return
-  raise CheckpointError('%s is a checkpoint of another model: %s (%d of the %d variables '
-                        'differ). Use another --train_dir, or move its checkpoints away.'
-                        % (path, what, len(wrong + missing), len(expected_shapes)))
+  key = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
+  name = key.removesuffix(_VALUE_SUFFIX)
+  what = (f'it holds {name} with shape {saved[key]}, this model has {list(expected_shapes[key])}'
+          if key in saved else 'it lacks ' + name)
+  raise CheckpointError(f'{path} is a checkpoint of another model: {what} ({len(differ)} of the '
+                        f'{len(expected_shapes)} variables differ). Use another --train_dir, or '
+                        'move its checkpoints away.')
 
 
 _ADVICE = [  # (what to do, how the operating system words a failed write it fixes)
@@ -432,8 +415,8 @@ def write_failed(directory, what, error):
     it. What the run kept is said by the one ending path (runtime.ending).
   """
   cause = reason(error).rsplit('; ', 1)[-1]
-  return CheckpointError('could not write %s in %s (%s). %s, or pass another '
-                         '--train_dir.' % (what, directory, cause, advice(cause)))
+  return CheckpointError(f'could not write {what} in {directory} ({cause}). {advice(cause)}, or '
+                         'pass another --train_dir.')
 
 
 def save_failed(directory, step, error):
@@ -444,11 +427,9 @@ def save_failed(directory, step, error):
   it and is readable (or absent), as test_faults_checkpoints.py's full-disk
   tests check. Returns the error for the caller to raise (see `write_failed`).
   """
-  name = '%s-%d' % (_BASENAME, step)
+  name = f'{_BASENAME}-{step}'
   state, problem = _state(directory)
   named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
   if problem is None and name not in map(os.path.basename, named):
-    prefix = os.path.join(directory, name)
-    for path in tf.io.gfile.glob(prefix + '.*') + tf.io.gfile.glob(prefix + '_temp'):
-      _delete(path)
-  return write_failed(directory, 'checkpoint ' + name, error)
+    _remove(os.path.join(directory, name), '.*', '_temp')
+  return write_failed(directory, f'checkpoint {name}', error)

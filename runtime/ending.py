@@ -68,17 +68,17 @@ def cause(error):
   if isinstance(error, errors.Failure):
     return error.line()
   if stream_closed(error):
-    return ('the output stream closed under the run (%s: a pipe\'s reader ended '
-            'or the terminal is gone)' % os.strerror(error.errno))
+    return (f'the output stream closed under the run ({os.strerror(error.errno)}: a pipe\'s '
+            'reader ended or the terminal is gone)')
   if isinstance(error, OSError) and getattr(error, 'filename', None):
-    return '%s: %s' % (error.filename, error.strerror or error)
+    return f'{error.filename}: {error.strerror or error}'
   module = type(error).__module__ or ''
   if module.startswith('tensorflow'):
     from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
     kind = re.sub(r'(?<!^)(?=[A-Z])', ' ', type(error).__name__.replace('Error', ''))
-    return 'TensorFlow failed (%s): %s' % (kind.lower() or 'error', checkpoints.reason(error))
+    return f"TensorFlow failed ({kind.lower() or 'error'}): {checkpoints.reason(error)}"
   text = str(error).strip().splitlines()
-  return '%s: %s' % (type(error).__name__, text[0]) if text else type(error).__name__
+  return f'{type(error).__name__}: {text[0]}' if text else type(error).__name__
 
 
 def failed(error, first_step, step, held, saved, save, train_dir):
@@ -120,17 +120,17 @@ def failed(error, first_step, step, held, saved, save, train_dir):
   problem = ''
   if intact and step != saved and os.path.isdir(train_dir):
     try:
-      return RunFailed(
-          '%s Saved global step %d to %s; the same command resumes from it.'
-          % (line, step, save()))
+      path = save()
+      return RunFailed(f'{line} Saved global step {step} to {path}; the same command resumes '
+                       'from it.')
     except Exception as e:  # pylint: disable=broad-except
       again = cause(e).rstrip('.')  # said already if it is what ended the run
       if again not in line:
-        problem = ' Saving global step %d failed too: %s.' % (step, again)
+        problem = f' Saving global step {step} failed too: {again}.'
   if not os.path.isdir(train_dir):  # removed under the run, before or as it saved
     return RunFailed(
-        '%s %s is gone: no checkpoint remains; the same command starts again at '
-        'step 0.' % (line, train_dir))
+        f'{line} {train_dir} is gone: no checkpoint remains; the same command starts again at '
+        'step 0.')
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
   try:
@@ -139,8 +139,7 @@ def failed(error, first_step, step, held, saved, save, train_dir):
     newest = None
   if newest is None:
     return RunFailed(
-        '%s%s No checkpoint was written; the same command starts again at step 0.'
-        % (line, problem))
+        f'{line}{problem} No checkpoint was written; the same command starts again at step 0.')
   return RunFailed(
-      '%s%s The newest intact checkpoint stays: %s (global step %s); the same '
-      'command resumes from it.' % (line, problem, newest, checkpoints.step_of(newest)))
+      f'{line}{problem} The newest intact checkpoint stays: {newest} (global step '
+      f'{checkpoints.step_of(newest)}); the same command resumes from it.')

@@ -8,7 +8,7 @@ newest intact one, saying what it skipped - and hands it to the evaluator of
 its kind, chosen per checkpoint: one directory can hold either trainer's
 checkpoints over time. It imports neither evaluator; the caller passes the
 dispatch in. Whichever evaluated it, the precision goes to TensorBoard the same
-way: `PrecisionWriter`, upstream's 'Precision @ 1' scalar in eval_dir. The batch loop
+way: `precision_writer`, upstream's 'Precision @ 1' scalar in eval_dir. The batch loop
 that counts correct predictions is here too (`count_correct`), for both.
 
 Deviation from upstream: upstream's loop re-evaluated the newest checkpoint
@@ -57,82 +57,78 @@ class EvalError(errors.Failure):
   message says why and what to do. Both evaluators."""
 
 
-class PrecisionWriter:
+@contextlib.contextmanager
+def precision_writer(eval_dir):
   """A context writing 'Precision @ 1' to eval_dir at each checkpoint's global step.
 
   Entering creates eval_dir if missing and proves a file can be made in it;
-  leaving closes the event file (quietly when an error is on its way, which
-  says what went wrong). One event file per writer, opened at the first
-  point and flushed after each, so TensorBoard shows a point as soon as its
-  evaluation ends. Event files already in eval_dir are kept: a new writer
-  adds its own file beside them, and TensorBoard shows the points of all of
-  them as one series. Every failure to write is an EvalError; nothing
-  outside eval_dir is touched. With eval_dir None it writes nothing.
+  it yields write(precision, global_step), which adds one point, flushed to
+  disk. Leaving closes the event file (quietly: every point is flushed as it
+  is written, and a failure to write one says so). One event file per
+  writer, opened at the first point, so TensorBoard shows a point as soon as
+  its evaluation ends. Event files already in eval_dir are kept: a new
+  writer adds its own file beside them, and TensorBoard shows the points of
+  all of them as one series. Every failure to write is an EvalError (e.g.
+  disk full); nothing outside eval_dir is touched. With eval_dir None it
+  writes nothing.
   """
   # Deviation from upstream: eval_dir is never deleted; new points are added.
   # Deviation from upstream: upstream also wrote the model's summaries by
   # running them over one more batch; only the precision is written.
 
-  def __init__(self, eval_dir):
-    self.eval_dir = eval_dir
-    self._writer = None
-
-  def __enter__(self):
-    if self.eval_dir is None:
-      return self
-    probe = os.path.abspath(self.eval_dir)  # the nearest existing ancestor must be a directory
-    while not os.path.lexists(probe):
-      probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-      raise self._error('%s is a file, not a directory' % probe, 'Move that file')
-    try:
-      os.makedirs(self.eval_dir, exist_ok=True)
-      # An unnamed file, gone when closed: eval_dir is left as it was.
-      with tempfile.TemporaryFile(dir=self.eval_dir):
-        pass
-    except OSError as e:
-      raise self._error(e.strerror or str(e)) from None
-    return self
-
-  def write(self, precision, global_step):
-    """Adds one point, flushed to disk; EvalError if it cannot (e.g. disk full)."""
-    if self.eval_dir is None:
-      return
-    try:
-      if self._writer is None:
-        before = set(os.listdir(self.eval_dir))
-        try:
-          self._writer = tf.summary.create_file_writer(self.eval_dir)
-        except (tf.errors.OpError, OSError):
-          # A full disk leaves the new event file empty: remove it, so a failed
-          # write changes nothing.
-          for name in set(os.listdir(self.eval_dir)) - before:
-            with contextlib.suppress(OSError):
-              if os.path.getsize(os.path.join(self.eval_dir, name)) == 0:
-                os.remove(os.path.join(self.eval_dir, name))
-          raise
-      with self._writer.as_default():
-        tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
-      self._writer.flush()
-    except (tf.errors.OpError, OSError) as e:
-      raise self._error(e) from None
-
-  def __exit__(self, exc_type, *exc):
-    if self._writer is not None:
-      try:
-        self._writer.close()
-      except (tf.errors.OpError, OSError) as e:
-        if exc_type is None:
-          raise self._error(e) from None
-
-  def _error(self, cause, advice=None):
+  def error(cause, advice=None):
     """EvalError of `cause` (a line, or the exception saying it)."""
     if isinstance(cause, Exception):
       cause = checkpoints.reason(cause).rsplit('; ', 1)[-1]
     return EvalError(
-        'could not write %s to --eval_dir %s (%s). %s, or pass another '
-        '--eval_dir; the checkpoints are untouched.'
-        % (PRECISION_TAG, self.eval_dir, cause, advice or checkpoints.advice(cause)))
+        f'could not write {PRECISION_TAG} to --eval_dir {eval_dir} ({cause}). '
+        f'{advice or checkpoints.advice(cause)}, or pass another --eval_dir; the checkpoints '
+        'are untouched.')
+
+  if eval_dir is None:
+    yield lambda precision, global_step: None
+    return
+  probe = os.path.abspath(eval_dir)  # the nearest existing ancestor must be a directory
+  while not os.path.lexists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    raise error(f'{probe} is a file, not a directory', 'Move that file')
+  try:
+    os.makedirs(eval_dir, exist_ok=True)
+    # An unnamed file, gone when closed: eval_dir is left as it was.
+    with tempfile.TemporaryFile(dir=eval_dir):
+      pass
+  except OSError as e:
+    raise error(e.strerror or str(e)) from None
+  writer = None
+
+  def write(precision, global_step):
+    nonlocal writer
+    try:
+      if writer is None:
+        before = set(os.listdir(eval_dir))
+        try:
+          writer = tf.summary.create_file_writer(eval_dir)
+        except (tf.errors.OpError, OSError):
+          # A full disk leaves the new event file empty: remove it, so a failed
+          # write changes nothing.
+          for name in set(os.listdir(eval_dir)) - before:
+            with contextlib.suppress(OSError):
+              if os.path.getsize(os.path.join(eval_dir, name)) == 0:
+                os.remove(os.path.join(eval_dir, name))
+          raise
+      with writer.as_default():
+        tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
+      writer.flush()
+    except (tf.errors.OpError, OSError) as e:
+      raise error(e) from None
+
+  try:
+    yield write
+  finally:
+    if writer is not None:
+      with contextlib.suppress(tf.errors.OpError, OSError):  # every point is flushed already
+        writer.close()
 
 
 def moving_averages(contents, kind, shapes):
@@ -151,16 +147,15 @@ def moving_averages(contents, kind, shapes):
       average of this model (or holds one of another shape).
   """
   if contents.kind != kind:
-    raise EvalError('%s is a %s checkpoint; evaluate it with the %s evaluator.'
-                    % (contents.path, contents.kind, contents.kind))
+    raise EvalError(f'{contents.path} is a {contents.kind} checkpoint; evaluate it with the '
+                    f'{contents.kind} evaluator.')
   for key, shape in sorted(shapes.items()):
     value = contents.tensors.get(key)
     if value is None or list(value.shape) != list(shape):
-      problem = ('no %s' % key if value is None else
-                 '%s has shape %s, this model %s' % (key, list(value.shape), list(shape)))
-      raise EvalError('%s does not hold the moving averages of this model (%s). Point '
-                      '--checkpoint_dir at a train_dir written by `%s`.'
-                      % (contents.path, problem, kind))
+      problem = (f'no {key}' if value is None else
+                 f'{key} has shape {list(value.shape)}, this model {list(shape)}')
+      raise EvalError(f'{contents.path} does not hold the moving averages of this model '
+                      f'({problem}). Point --checkpoint_dir at a train_dir written by `{kind}`.')
   return {key: contents.tensors[key] for key in shapes}
 
 
@@ -193,8 +188,8 @@ def count_correct(batches, data_dir, num_examples, global_step, should_stop=None
       return None
     correct = next(batches, None)
     if correct is None:
-      raise EvalError('evaluated %d of %d test records from %s; the input ended early.'
-                      % (total, num_examples, data_dir))
+      raise EvalError(f'evaluated {total} of {num_examples} test records from {data_dir}; the '
+                      'input ended early.')
     correct = correct[:num_examples - total]  # only the first num_examples records count
     true_count += int(correct.sum())
     total += len(correct)
@@ -231,7 +226,7 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
       new checkpoint.
     max_evals: optional int, stop after this many evaluations.
     eval_dir: optional str; when set, each precision is also written there
-      for TensorBoard at the checkpoint's global step (`PrecisionWriter`);
+      for TensorBoard at the checkpoint's global step (`precision_writer`);
       the directory is created, and checked writable, before anything is
       evaluated.
 
@@ -250,7 +245,7 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
   results, seen, said = [], set(), set()
   waiting = False
   current = None  # the checkpoint being evaluated, for the stop line
-  with PrecisionWriter(eval_dir) as writer:
+  with precision_writer(eval_dir) as write:
     while not stop.requested and (max_evals is None or len(results) < max_evals):
       found = checkpoints.newest_intact(checkpoint_dir)
       # A loop beside a trainer sees its saves in progress: those go unsaid.
@@ -263,59 +258,40 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
       contents = found.contents
       if contents is None:
         if once:
-          raise _nothing_to_evaluate(checkpoint_dir, found)
+          damaged = found.skipped or found.unfinished or found.state_problem
+          raise checkpoints.CheckpointError(
+              f'no intact checkpoint in {checkpoint_dir} (what is wrong with each is said '
+              f'above). Train again with --train_dir {checkpoint_dir}, or pass another '
+              '--checkpoint_dir.'
+              if damaged else
+              f"no checkpoint in {checkpoint_dir}. Train first (`{prog.command('legacy')}` or "
+              f'`modern` with --train_dir {checkpoint_dir}), or pass the --checkpoint_dir you '
+              'trained into.')
         if not waiting:
           damaged = found.skipped or found.state_problem
           logger.info('No %scheckpoint in %s yet; looking again every %g s.',
                       'intact ' if damaged else '', checkpoint_dir, interval_secs)
-          waiting = True
-        stop.wait(interval_secs)
+        waiting = True
+      elif (identity := _identity(contents)) not in seen:
+        waiting, current = False, contents.path
+        counts = evaluate(contents, should_stop=lambda: stop.requested)
+        if counts is None:  # a signal cut it short
+          break
+        current = None
+        seen.add(identity)
+        precision = counts.true_count / counts.total_count
+        # Upstream's result line, with the global step and the checkpoint evaluated.
+        logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
+                    precision, counts.global_step, os.path.basename(contents.path))
+        results.append(Evaluation(contents.path, precision, counts.global_step))
+        write(precision, counts.global_step)
+        if once:
+          break
         continue
-      identity = _identity(contents)
-      if identity in seen:
-        stop.wait(interval_secs)
-        continue
-      waiting = False
-      current = contents.path
-      counts = evaluate(contents, should_stop=lambda: stop.requested)
-      if counts is None:  # a signal cut it short
-        break
-      current = None
-      seen.add(identity)
-      precision = counts.true_count / counts.total_count
-      # Upstream's result line, with the global step and the checkpoint evaluated.
-      logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
-                  precision, counts.global_step, os.path.basename(contents.path))
-      results.append(Evaluation(contents.path, precision, counts.global_step))
-      writer.write(precision, counts.global_step)
-      if once:
-        break
-  if stop.requested:
-    ending.say(stop_line(stop.signal_name, results, current))  # the one ending line, on stderr
+      stop.wait(interval_secs)
+  if stop.requested:  # the one ending line, on stderr: what was evaluated, and what was cut short
+    done = (f'{len(results)} checkpoint(s), the last {os.path.basename(results[-1].path)} at '
+            f'global step {results[-1].global_step}' if results else 'no checkpoint')
+    cut = f'; the evaluation of {os.path.basename(current)} was cut short' if current else ''
+    ending.say(f'Stopped by {stop.signal_name}; evaluated {done}{cut}.')
   return results
-
-
-def stop_line(signal_name, results, current=None):
-  """The one line a signal leaves: what was evaluated, and what was cut short."""
-  if results:
-    line = ('Stopped by %s; evaluated %d checkpoint(s), the last %s at global '
-            'step %s' % (signal_name, len(results),
-                         os.path.basename(results[-1].path),
-                         results[-1].global_step))
-  else:
-    line = 'Stopped by %s; evaluated no checkpoint' % signal_name
-  if current:
-    line += '; the evaluation of %s was cut short' % os.path.basename(current)
-  return line + '.'
-
-
-def _nothing_to_evaluate(checkpoint_dir, found):
-  if found.skipped or found.unfinished or found.state_problem:
-    return checkpoints.CheckpointError(
-        'no intact checkpoint in %s (what is wrong with each is said above). '
-        'Train again with --train_dir %s, or pass another --checkpoint_dir.'
-        % (checkpoint_dir, checkpoint_dir))
-  return checkpoints.CheckpointError(
-      'no checkpoint in %s. Train first (`%s` or `modern` with --train_dir '
-      '%s), or pass the --checkpoint_dir you trained into.'
-      % (checkpoint_dir, prog.command('legacy'), checkpoint_dir))

@@ -49,9 +49,9 @@ def _lock(path, directory):
       holder = handle.read().strip() or 'a process that did not say which'
       handle.close()
       raise LockError(
-          '%s is in use by another run (%s). Wait for it to end, or pass another '
-          '--train_dir; two runs in one train_dir would overwrite each other\'s '
-          'checkpoints.' % (directory, holder)) from None
+          f'{directory} is in use by another run ({holder}). Wait for it to end, or pass '
+          'another --train_dir; two runs in one train_dir would overwrite each other\'s '
+          'checkpoints.') from None
     if _ours(handle, path):
       return handle
     handle.close()
@@ -77,10 +77,9 @@ def exclusive(directory, what='training'):
   try:
     with contextlib.suppress(OSError):  # e.g. a full disk: it holds without the note
       handle.truncate(0)
-      handle.write('PID %d on host %s, %s, since %s (%s)\n' % (
-          os.getpid(), socket.gethostname(), what,
-          datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S'),
-          ' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]))
+      command = ' '.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:200]
+      handle.write(f'PID {os.getpid()} on host {socket.gethostname()}, {what}, since '
+                   f'{datetime.datetime.now():%Y-%m-%d %H:%M:%S} ({command})\n')
       handle.flush()
     yield path
   finally:
@@ -107,7 +106,5 @@ def check(directory):
   if handle is None or _ours(handle, path):
     return
   raise LockError(
-      '%s was removed, or its lock file %s, while this run trained in it; '
-      'stopped without writing there again, as another run may have started in '
-      'it since.'
-      % (directory, LOCK_FILE))
+      f'{directory} was removed, or its lock file {LOCK_FILE}, while this run trained in it; '
+      'stopped without writing there again, as another run may have started in it since.')

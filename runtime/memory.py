@@ -52,8 +52,8 @@ can be read (not Linux) nothing is checked.
 """
 
 import bisect
-import collections
 import os
+import pathlib
 import re
 
 from cifar10_towers.common import cifar10_format as fmt
@@ -72,12 +72,6 @@ _NO_LIMIT = 2 ** 60  # cgroup v1 reports "no limit" as a number near 2**63
 
 class NotEnoughMemory(training.TrainingError):
   """The run would need more memory than this process can get; says what fits."""
-
-
-Estimate = collections.namedtuple('Estimate', [
-    'host',  # bytes of host memory, what is checked: all but the towers' on GPU plans
-    'towers',  # bytes of the towers' activations and their gradients
-])
 
 
 def activation_bytes_per_image():
@@ -106,7 +100,7 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=Tr
     towers_on_host: bool, False when the towers run on GPUs.
 
   Returns:
-    Estimate.
+    int, bytes of host memory: all but the towers' on GPU plans.
   """
   from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
   b, n = batch_size, num_towers
@@ -114,30 +108,26 @@ def estimate(impl, batch_size, num_towers, examples_per_epoch, towers_on_host=Tr
   if impl == 'legacy':
     inputs = ((min_after_dequeue + 3 * b) * IMAGE_BYTES +
               hparams.NUM_PREPROCESS_THREADS * LEGACY_READ_RECORDS * PREPROCESS_BYTES)
-  elif impl == 'modern':
+  else:
     inputs = (max(1, min_after_dequeue) * RAW_RECORD_BYTES +
               (os.cpu_count() or 1) * b * PREPROCESS_BYTES)
-  else:
-    raise ValueError('impl must be legacy or modern, got %r' % impl)
   inputs += (3 * n + 1) * b * IMAGE_BYTES  # the batches, in both
   variables = 4 * model_spec.NUM_PARAMETERS * (4 + n)
-  towers = int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image())
-  return Estimate(RUNTIME_BYTES + variables + inputs + (towers if towers_on_host else 0),
-                  towers)
+  towers = int(n * b * ACTIVATION_FACTOR * activation_bytes_per_image()) if towers_on_host else 0
+  return RUNTIME_BYTES + variables + inputs + towers
 
 
 def _read(*path):
   """The text of the file at os.path.join(*path); '' if it cannot be read."""
   try:
-    with open(os.path.join(*path)) as f:
-      return f.read()
+    return pathlib.Path(*path).read_text()
   except (OSError, UnicodeDecodeError):
     return ''
 
 
 def _field(name, *path):
   """The number after `name` in a file (memory.max's 'max': no limit; kB as bytes), or None."""
-  match = re.search(r'^%s:?\s*(\d+|max)( kB)?' % name, _read(*path), re.M)
+  match = re.search(rf'^{name}:?\s*(\d+|max)( kB)?', _read(*path), re.M)
   if not match:
     return None
   return _NO_LIMIT if match[1] == 'max' else int(match[1]) * (1024 if match[2] else 1)
@@ -149,12 +139,10 @@ _CGROUP_FILES = {  # version: (its limit, its usage, memory.stat's reclaimable p
 }
 
 
-def _cgroup_headroom(proc, cgroup_root):
-  """(bytes, where) of the least headroom under this process's cgroup memory limits.
-
-  None for each without a limit.
-  """
-  found = []
+def _headrooms(proc, cgroup_root):
+  """(bytes or None, where) of MemAvailable and of the headroom under each cgroup memory limit."""
+  meminfo = os.path.join(proc, 'meminfo')
+  yield _field('MemAvailable', meminfo), f'MemAvailable in {meminfo}'
   for line in _read(proc, 'self', 'cgroup').splitlines():
     _, controllers, path = line.split(':', 2)
     if controllers and 'memory' not in controllers.split(','):
@@ -165,16 +153,13 @@ def _cgroup_headroom(proc, cgroup_root):
     # This cgroup and every ancestor: each limit applies. In a container the
     # mount's root is the container's own cgroup, whatever the path says.
     parts = [part for part in path.split('/') if part]
-    for depth in range(len(parts) + 1):
-      directory = os.path.join(base, *parts[:depth])
-      limit = _field('', directory, limit_file)
-      if limit is not None and limit < _NO_LIMIT:
+    for directory in (os.path.join(base, *parts[:depth]) for depth in range(len(parts) + 1)):
+      limit = _field('', directory, limit_file) or _NO_LIMIT
+      if limit < _NO_LIMIT:
         # Page cache the kernel reclaims before it kills counts as free.
-        usage = ((_field('', directory, usage_file) or 0)
-                 - (_field(cache, directory, 'memory.stat') or 0))
-        found.append((max(0, limit - max(0, usage)),
-                      'under the memory limit of cgroup %s' % directory))
-  return min(found, default=(None, None))
+        used = ((_field('', directory, usage_file) or 0)
+                - (_field(cache, directory, 'memory.stat') or 0))
+        yield max(0, limit - max(0, used)), f'under the memory limit of cgroup {directory}'
 
 
 def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
@@ -190,10 +175,8 @@ def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
   Returns:
     (bytes, str naming the source) or (None, None) when neither can be read.
   """
-  meminfo = os.path.join(proc, 'meminfo')
-  found = [(_field('MemAvailable', meminfo), 'MemAvailable in %s' % meminfo),
-           _cgroup_headroom(proc, cgroup_root)]
-  free, source = min([f for f in found if f[0] is not None], default=(None, None))
+  free, source = min((found for found in _headrooms(proc, cgroup_root) if found[0] is not None),
+                     default=(None, None))
   if free is None:
     return None, None
   statm = _read(proc, 'self', 'statm').split()
@@ -216,7 +199,7 @@ def check_training(impl, plan, batch_size, data_dir):
     data_dir: str, holds the training files (already validated).
 
   Returns:
-    Estimate.
+    int, the estimate (`estimate`) of host memory.
 
   Raises:
     NotEnoughMemory: one line with the estimate, what is available, and the
@@ -226,11 +209,10 @@ def check_training(impl, plan, batch_size, data_dir):
   on_host, towers = plan.kind != 'gpu', plan.num_towers
 
   def host_bytes(b, n):
-    return estimate(impl, b, n, examples, towers_on_host=on_host).host
+    return estimate(impl, b, n, examples, towers_on_host=on_host)
 
-  need = estimate(impl, batch_size, towers, examples, towers_on_host=on_host)
-  have, source = available()
-  if have is None or need.host <= have:
+  need, (have, source) = host_bytes(batch_size, towers), available()
+  if have is None or need <= have:
     return need
   advice = []
   # The largest batch that fits (the estimate grows with the batch), rounded
@@ -239,16 +221,14 @@ def check_training(impl, plan, batch_size, data_dir):
                                   key=lambda b: host_bytes(b, towers))
   if fit_batch:
     scale = 10 ** max(0, len(str(fit_batch)) - 2)
-    advice.append('--batch_size %d or less' % (fit_batch // scale * scale))
-  fit_towers = max((n for n in range(1, towers) if host_bytes(batch_size, n) <= have),
-                   default=0)
+    advice.append(f'--batch_size {fit_batch // scale * scale} or less')
+  fit_towers = bisect.bisect_right(range(1, towers), have, key=lambda n: host_bytes(batch_size, n))
   if fit_towers:
-    advice.append('--num_gpus %d or fewer' % fit_towers)
-  todo = ('Pass %s.' % ', or '.join(advice) if advice else
-          'Not even batch 1 fits on %d tower(s): free memory (stop other processes) or '
-          'use a larger machine.' % towers)
+    advice.append(f'--num_gpus {fit_towers} or fewer')
+  todo = (f"Pass {', or '.join(advice)}." if advice else
+          f'Not even batch 1 fits on {towers} tower(s): free memory (stop other processes) or '
+          'use a larger machine.')
   raise NotEnoughMemory(
-      '%s training of %d tower(s) x batch %d needs about %.1f GiB of %smemory '
-      '(estimate), more than the %.1f GiB available to this process (%s). %s'
-      % (impl, towers, batch_size, need.host / GIB, '' if on_host else 'host ',
-         have / GIB, source, todo))
+      f"{impl} training of {towers} tower(s) x batch {batch_size} needs about "
+      f"{need / GIB:.1f} GiB of {'' if on_host else 'host '}memory (estimate), more than "
+      f"the {have / GIB:.1f} GiB available to this process ({source}). {todo}")

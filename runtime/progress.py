@@ -37,7 +37,7 @@ class Progress:
 
   def __init__(self, total, label, unit, file=None, clock=time.monotonic):
     self.total, self.label, self.unit = total, label, unit
-    self.file = sys.stdout if file is None else file
+    self.file = file or sys.stdout
     self.terminal = _isatty(self.file)  # draw a bar, not lines
     self._bar = click.progressbar(length=total, label=label, file=self.file, show_pos=True,
                                   item_show_func=lambda item: item) if self.terminal else None
@@ -76,8 +76,8 @@ class Progress:
     quarters = 4 * done // self.total if 0 < done < self.total else 0
     if quarters > self._quarters and self._clock() - self._said_at >= EVERY_SECS:
       self._quarters = quarters
-      self._say('%s: %d of %d %s (%d%%)...' % (
-          self.label, done, self.total, self.unit, 100 * done // self.total))
+      self._say(f'{self.label}: {done} of {self.total} {self.unit} '
+                f'({100 * done // self.total}%)...')
 
   def _say(self, line):
     click.echo(line, file=self.file)
@@ -136,7 +136,7 @@ class LogHandler(logging.Handler):
     stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
     line = self.format(record)
     if getattr(record, 'in_place', False) and _isatty(stream):
-      click.echo('\r' + line + '\x1b[K', file=stream, nl=False)  # \x1b[K: clear the rest
+      click.echo(f'\r{line}\x1b[K', file=stream, nl=False)  # \x1b[K: clear the rest
       _open_line = stream
       return
     end_line()

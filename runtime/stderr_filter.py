@@ -66,7 +66,8 @@ class _Filter:
 
   def _pass(self, lines):
     """Writes each of `lines` (without its newline) but the known ones."""
-    _write(self.real, b''.join(l + b'\n' for l in lines if not _known(l)))
+    _write(self.real, b''.join(l + b'\n' for l in lines if not KNOWN.fullmatch(
+        l.decode('utf-8', 'replace').rstrip('\r'))))
 
   def close(self):
     os.dup2(self.real, 2)  # from here on, fd 2 writes go straight out
@@ -83,10 +84,6 @@ def install():
     if _state is None:
       _state = _Filter()
       atexit.register(restore)
-
-
-def _known(line):
-  return KNOWN.fullmatch(line.decode('utf-8', 'replace').rstrip('\r')) is not None
 
 
 def _write(fd, data):

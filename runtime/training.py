@@ -35,12 +35,12 @@ def log_line(step, loss, examples_per_sec, sec_per_batch, max_steps=None):
     max_steps: optional int, where the run ends: adds `step/max_steps` and
       the time left at sec_per_batch.
   """
-  line = ('%s: step %d, loss = %.2f (%.1f examples/sec; %.3f sec/batch)'
-          % (datetime.datetime.now(), step, loss, examples_per_sec, sec_per_batch))
+  line = (f'{datetime.datetime.now()}: step {step}, loss = {loss:.2f} ({examples_per_sec:.1f} '
+          f'examples/sec; {sec_per_batch:.3f} sec/batch)')
   if max_steps:
     # Deviation from upstream: the line also says how far the run is.
     left = datetime.timedelta(seconds=round(max(0, max_steps - step) * sec_per_batch))
-    line += ' %d/%d, %s left' % (step, max_steps, left)
+    line += f' {step}/{max_steps}, {left} left'
   return line
 
 
@@ -58,22 +58,19 @@ class LogWindow:
   """
 
   def __init__(self):
-    self._plain = [0, 0.0, 0]  # steps, seconds, images
-    self._extra = [0, 0.0, 0]
+    self._steps = ([], [])  # (seconds, images) of the plain steps, of the extra ones
 
   def add(self, seconds, images, extra=False):
     """One step: its wall seconds and the images it trained on (all towers)."""
-    counts = self._extra if extra else self._plain
-    counts[0] += 1
-    counts[1] += seconds
-    counts[2] += images
+    self._steps[extra].append((seconds, images))
 
   def rates(self):
     """(examples/sec, sec/batch) of the window; (0, 0) when empty."""
-    steps, seconds, images = self._plain if self._plain[0] else self._extra
-    if not steps or seconds <= 0:
+    steps = self._steps[0] or self._steps[1]
+    seconds = sum(s for s, _ in steps)
+    if seconds <= 0:
       return 0.0, 0.0
-    return images / seconds, seconds / steps
+    return sum(i for _, i in steps) / seconds, seconds / len(steps)
 
   def line(self, step, loss, max_steps=None):
     """`log_line` with the window's means; starts the next window."""
@@ -213,7 +210,7 @@ def train_loop(config, stop, run, step, on_step=None):
     run.report_stop(stop.signal_name, step, path)
   elif run.chief:
     logger.info('Done: the newest checkpoint is %s. Evaluate it: %s', path, prog.command(
-        'eval --run_once --checkpoint_dir %s --data_dir %s' % (config.train_dir, config.data_dir)))
+        f'eval --run_once --checkpoint_dir {config.train_dir} --data_dir {config.data_dir}'))
   return step
 
 
@@ -224,7 +221,7 @@ HEARTBEAT_AFTER = 5.0
 HEARTBEAT_EVERY = 10.0
 
 
-class Heartbeat:
+class Heartbeat(threading.Thread):
   """A context: while its block runs past HEARTBEAT_AFTER seconds, one line every HEARTBEAT_EVERY.
 
   The lines come from a thread of its own, as the main thread is inside
@@ -233,31 +230,26 @@ class Heartbeat:
   stop) ends the heartbeat quietly.
   """
 
-  def __init__(self, message, after=None, every=None):
-    self._message = message
-    self._after = HEARTBEAT_AFTER if after is None else after
-    self._every = HEARTBEAT_EVERY if every is None else every
-    self._done = threading.Event()
-    self._thread = threading.Thread(target=self._run, name='heartbeat', daemon=True)
-    self.beats = 0  # lines printed
+  def __init__(self, message):
+    super().__init__(name='heartbeat', daemon=True)
+    self._message, self._done = message, threading.Event()
 
   def __enter__(self):
-    self._thread.start()
+    self.start()
     return self
 
   def __exit__(self, *exc):
     self._done.set()
-    self._thread.join()
+    self.join()
 
-  def _run(self):
-    start, wait = time.monotonic(), self._after
+  def run(self):
+    start, wait = time.monotonic(), HEARTBEAT_AFTER
     while not self._done.wait(wait):
       try:
         logger.info(self._message(int(time.monotonic() - start)))
       except Exception:  # pylint: disable=broad-except
         return
-      self.beats += 1
-      wait = self._every
+      wait = HEARTBEAT_EVERY
 
 
 # --- TensorBoard: the one tag set both trainers write ------------------------
@@ -271,23 +263,23 @@ def loss_terms():
   """A tower's loss terms, as legacy names them in its 'losses' collection:
   ('local3/weight_loss', 'local4/weight_loss', 'cross_entropy')."""
   from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  return tuple('%s/weight_loss' % layer.name for layer in model_spec.LAYERS
+  return tuple(f'{layer.name}/weight_loss' for layer in model_spec.LAYERS
                if layer.wd is not None) + ('cross_entropy',)
 
 
 def tower_tag(tower, name):
   """'tower_<i>/<name>'."""
-  return '%s_%d/%s' % (hparams.TOWER_NAME, tower, name)
+  return f'{hparams.TOWER_NAME}_{tower}/{name}'
 
 
 def activations_tag(prefix, layer):
   """A layer's activations histogram: '<prefix>/<layer>/activations'."""
-  return '%s%s/activations' % (prefix and prefix + '/', layer)
+  return f"{prefix and prefix + '/'}{layer}/activations"
 
 
 def sparsity_tag(prefix, layer):
   """A layer's fraction of zero activations: '<prefix>/<layer>/sparsity'."""
-  return '%s%s/sparsity' % (prefix and prefix + '/', layer)
+  return f"{prefix and prefix + '/'}{layer}/sparsity"
 
 
 def gradients_tag(variable_name):
@@ -297,7 +289,7 @@ def gradients_tag(variable_name):
 
 def image_tags():
   """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
-  return ['images/image/%d' % i for i in range(NUM_SUMMARY_IMAGES)]
+  return [f'images/image/{i}' for i in range(NUM_SUMMARY_IMAGES)]
 
 
 def summary_tags(num_towers, activations=True):
@@ -307,21 +299,20 @@ def summary_tags(num_towers, activations=True):
   summaries and the images (False: the subset the replica engines write).
   """
   from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  layers, names = [layer.name for layer in model_spec.LAYERS], model_spec.VARIABLE_NAMES
+  names, layers = model_spec.VARIABLE_NAMES, [layer.name for layer in model_spec.LAYERS]
   scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
-  histograms = list(names) + [model_spec.average_name(v) for v in names]
+  histograms = [*names, *map(model_spec.average_name, names)]
   for i in range(num_towers):
     scalars.append(tower_tag(i, 'total_loss'))
     if activations:
-      prefix = tower_tag(i, '')[:-1]
+      prefix = f'{hparams.TOWER_NAME}_{i}'
       scalars += [tower_tag(i, term) for term in loss_terms()]
       scalars += [sparsity_tag(prefix, layer) for layer in layers]
       histograms += [activations_tag(prefix, layer) for layer in layers]
-  images = image_tags() if activations else []
   if activations:
-    histograms += [gradients_tag(v) for v in names]
+    histograms += map(gradients_tag, names)
   return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
-          'images': sorted(images)}
+          'images': image_tags() if activations else []}
 
 
 # What a tower's loss can be: its batch's mean cross-entropy plus the weight
@@ -358,12 +349,11 @@ def check_divergence(step, tower_losses):
   for i, value in enumerate(map(float, tower_losses)):
     if math.isfinite(value) and value <= DIVERGED_LOSS:
       continue
-    bound = (' (above %.0f, 100 times a fresh model\'s loss of %.2f)'
-             % (DIVERGED_LOSS, INITIAL_LOSS) if math.isfinite(value) else '')
+    bound = (f' (above {DIVERGED_LOSS:.0f}, 100 times a fresh model\'s loss of '
+             f'{INITIAL_LOSS:.2f})' if math.isfinite(value) else '')
     raise TrainingError(
-        'Model diverged with loss = %.4g at step %d in tower %d%s; the last good '
-        'checkpoint is kept. Lower the learning rate or check the input data.'
-        % (value, step, i, bound))
+        f'Model diverged with loss = {value:.4g} at step {step} in tower {i}{bound}; the last '
+        'good checkpoint is kept. Lower the learning rate or check the input data.')
 
 
 def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
@@ -383,11 +373,9 @@ def checked_decay_steps(examples_per_epoch, batch_size, num_replicas):
   decay_steps = hparams.decay_steps(examples_per_epoch, batch_size, num_replicas)
   if decay_steps < 1:
     raise TrainingError(
-        'decay_steps = int(%d examples / %d batch / %d towers * %g epochs) '
-        '= 0: too few training examples for this batch size. Use more data '
-        'or a smaller --batch_size.'
-        % (examples_per_epoch, batch_size, num_replicas,
-           hparams.NUM_EPOCHS_PER_DECAY))
+        f'decay_steps = int({examples_per_epoch} examples / {batch_size} batch / {num_replicas} '
+        f'towers * {hparams.NUM_EPOCHS_PER_DECAY:g} epochs) = 0: too few training examples for '
+        'this batch size. Use more data or a smaller --batch_size.')
   return decay_steps
 
 
@@ -421,15 +409,15 @@ def starting(config, num_replicas, write_dir, what):
 
 def stopped_line(signal_name, step, path):
   """The ending line of a run a stop request ended after saving `path`."""
-  return ('Stopped by %s at global step %d; saved %s. The same command resumes '
-          'from it.' % (signal_name, step, path))
+  return (f'Stopped by {signal_name} at global step {step}; saved {path}. The same command '
+          'resumes from it.')
 
 
 def nothing_to_train(step, max_steps, train_dir):
   """The line of a run whose train_dir already holds max_steps steps."""
-  return ('Global step %d in %s already reached max_steps %d; nothing to train '
-          '(--max_steps counts from step 0, not from the resumed step: pass a '
-          'larger one to train on).' % (step, train_dir, max_steps))
+  return (f'Global step {step} in {train_dir} already reached max_steps {max_steps}; nothing to '
+          'train (--max_steps counts from step 0, not from the resumed step: pass a larger one '
+          'to train on).')
 
 
 class Stopped(BaseException):
@@ -442,7 +430,7 @@ class Stopped(BaseException):
   """
 
   def __init__(self, signal_name):
-    super().__init__('Stopped by %s before the first step; nothing was saved.' % signal_name)
+    super().__init__(f'Stopped by {signal_name} before the first step; nothing was saved.')
     self.signal_name = signal_name
 
 
@@ -492,8 +480,7 @@ class StopRequest:
 
   def __init__(self):
     self.event = threading.Event()
-    self.lock = threading.Lock()
-    self.running = threading.Lock()  # held while while_blocked callbacks run
+    self.lock = threading.Lock()  # of `callbacks`, held while they run
     self.signal_name = None  # the signal's name ('SIGINT', ...) once requested
     self.callbacks = []  # while_blocked callbacks, innermost last
     self.raising_depth = 0  # depth of `raising` blocks (main thread only)
@@ -537,18 +524,15 @@ class StopRequest:
     block: leaving it waits for a callback still running, so the callback
     may use what the block's owner closes after the block (a Session).
     """
-    if self.event.is_set():
-      with self.running:
-        _run_callback(callback, self.signal_name)
     with self.lock:
+      if self.event.is_set():
+        _run_callback(callback, self.signal_name)
       self.callbacks.append(callback)
     try:
       yield
     finally:
-      with self.lock:
+      with self.lock:  # once a callback started before the removal has ended
         self.callbacks.remove(callback)
-      with self.running:  # a callback started before the removal has ended
-        pass
 
   @contextlib.contextmanager
   def raising(self):
@@ -587,17 +571,16 @@ class StopRequest:
     signal.set_wakeup_fd(self._previous_wakeup_fd)
     for sig, handler in self._previous.items():
       # None: a handler not set from Python, i.e. the default.
-      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+      signal.signal(sig, handler or signal.SIG_DFL)
     self._writer.close()  # the watcher's recv returns b'': it ends
     self._watcher.join(timeout=5)
     self._reader.close()
     self._watcher = None
 
   def _stop(self, signum):
-    name = signal.Signals(signum).name
-    with self.lock:
-      self.signal_name = self.signal_name or name
-      self.event.set()
+    # No lock: the main thread's handler may run while that thread holds one.
+    self.signal_name = self.signal_name or signal.Signals(signum).name
+    self.event.set()
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
     # The main thread's handler: marks the request, and raises in a
@@ -610,30 +593,23 @@ class StopRequest:
 
   def _watch(self):
     received = 0
-    while True:
-      try:
-        data = self._reader.recv(64)
-      except OSError:
-        return
-      if not data:
-        return
-      for signum in (s for s in data if s in STOP_SIGNALS):
-        received += 1
-        name = signal.Signals(signum).name
-        if received > 1:
-          ending.exit_now(128 + signum, '%s again: stopping at once, without saving; the '
-                          'steps since the last checkpoint are lost.' % name)
-        self._stop(signum)
-        # On a thread of their own, so that this one stays free to end the
-        # process on a second signal even if a callback blocks.
-        threading.Thread(target=self._run_callbacks, args=(name,),
-                         name='stop-callbacks', daemon=True).start()
+    with contextlib.suppress(OSError):
+      while data := self._reader.recv(64):  # b'' once the writer is closed
+        for signum in (s for s in data if s in STOP_SIGNALS):
+          received += 1
+          name = signal.Signals(signum).name
+          if received > 1:
+            ending.exit_now(128 + signum, f'{name} again: stopping at once, without saving; '
+                                          'the steps since the last checkpoint are lost.')
+          self._stop(signum)
+          # On a thread of their own, so that this one stays free to end the
+          # process on a second signal even if a callback blocks.
+          threading.Thread(target=self._run_callbacks, args=(name,),
+                           name='stop-callbacks', daemon=True).start()
 
   def _run_callbacks(self, name):
-    with self.running:
-      with self.lock:
-        callbacks = list(self.callbacks)
-      for callback in reversed(callbacks):
+    with self.lock:
+      for callback in reversed(self.callbacks):
         _run_callback(callback, name)
 
 

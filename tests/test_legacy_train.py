@@ -143,13 +143,6 @@ def test_missing_data_fails_before_training(tmp_path):
     train.train(config, _plan(1))
 
 
-def test_plan_must_match_num_gpus(synth_data_dir, tmp_path):
-  config = config_lib.TrainConfig(data_dir=synth_data_dir, num_gpus=2,
-                                  train_dir=str(tmp_path / 'train'))
-  with pytest.raises(ValueError, match='1 towers, the config asks for 2'):
-    train.train(config, _plan(1))
-
-
 def test_modern_checkpoint_in_train_dir_is_a_training_error(synth_data_dir,
                                                            tmp_path):
   train_dir = tmp_path / 'train'
