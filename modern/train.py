@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 
+import numpy as np
 import tensorflow as tf
 
 from cifar10_towers.common import hparams
@@ -23,10 +24,21 @@ from cifar10_towers.runtime import training
 logger = logging.getLogger(__name__)
 
 
-# TF1's image summary op, the one legacy's graph runs (only a graph can run it): it
-# scales float images into [0, 255] as TF1 did, where tf.summary.image wants [0, 1].
-_image_summary = tf.function(lambda images: tf.raw_ops.ImageSummary(
-    tag='images', tensor=images, max_images=training.NUM_SUMMARY_IMAGES))
+def _displayable(image):
+  """A float image scaled into [0, 1] as TF1's image summary scales it.
+
+  Non-negative images: the largest value becomes 1. Otherwise 0 goes to
+  127/255 and the image is scaled so that its smallest value is 0 or its
+  largest 1 (tf.summary.image clips what lies outside [0, 1]).
+  """
+  image = np.asarray(image, np.float32)
+  low, high = float(image.min()), float(image.max())
+  if low >= 0:
+    return image / high if high > 0 else image
+  scale = 127.0 / -low
+  if high > 0:
+    scale = min(scale, 128.0 / high)
+  return (image * scale + 127.0) / 255.0
 
 
 # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
@@ -49,7 +61,8 @@ def _write_summaries(state, step, tower_losses, lr, summaries):
                 for name, var in state.shadow_variables().items())
   for tag, value in values.items():
     if tag == 'images':  # the tags of training.image_tags()
-      tf.summary.experimental.write_raw_pb(_image_summary(value), step=step)
+      for image_tag, image in zip(training.image_tags(), value):
+        tf.summary.image(image_tag, _displayable(image)[np.newaxis], step=step)
     else:  # a histogram of each tensor, a scalar of each scalar
       value = tf.convert_to_tensor(value)
       (tf.summary.histogram if value.shape.rank else tf.summary.scalar)(tag, value, step=step)
