@@ -153,7 +153,7 @@ def contend_training(spec, boundary):
   window of steps) is the ready one.
   """
   plan = devices.plan_devices(spec['num_gpus'])
-  trainer = importlib.import_module('cifar10_towers.%s.train' % spec['impl'])
+  trainer = importlib.import_module(f"cifar10_towers.{spec['impl']}.train")
 
   def on_step(step, *_):  # whole windows are timed
     if step % spec['window_steps'] == 0:
@@ -344,14 +344,14 @@ class Contender:
     try:
       if self._conn.poll(self._timeout):
         return self._conn.recv()
-      problem = 'timed out after %.0f s' % self._timeout
+      problem = f'timed out after {self._timeout:.0f} s'
     except EOFError:
       self._proc.join()
-      problem = 'failed (exit %s): %s' % (self._proc.exitcode, (
-          self._stderr.read().strip().splitlines() or ['no output'])[-1])
+      last_line = (self._stderr.read().strip().splitlines() or ['no output'])[-1]
+      problem = f'failed (exit {self._proc.exitcode}): {last_line}'
     self.kill()
-    raise BenchError('%s %s. Run the measurement again; if it keeps failing, train once with the '
-                     'same flags to see the error.' % (describe(self.spec), problem.rstrip('.')))
+    raise BenchError(f'{describe(self.spec)} {problem.rstrip(".")}. Run the measurement again; if '
+                     'it keeps failing, train once with the same flags to see the error.')
 
   def window(self):
     """Runs one more window (after the last: the contender ends); returns `read()`."""
@@ -367,11 +367,12 @@ def describe(spec):
   """What a contender measures, in words (the progress line)."""
   kind = spec['kind']
   if kind == MATMUL:
-    return 'matmul rate: %(matmul_repeats)d fp32 %(matmul_size)dx%(matmul_size)d matmul(s)' % spec
+    return (f'matmul rate: {spec["matmul_repeats"]} fp32 '
+            f'{spec["matmul_size"]}x{spec["matmul_size"]} matmul(s)')
   what = {'train': 'training', 'input': 'input pipeline alone',
           'baseline': 'Keras model.fit, MirroredStrategy, in-memory data'}.get(kind, kind)
-  return '%(impl)s, %(num_gpus)d tower(s) x batch %(batch_size)d: ' % spec + what + (
-      ' (XLA)' if spec.get('jit') and kind != 'baseline' else '')
+  xla = ' (XLA)' if spec.get('jit') and kind != 'baseline' else ''
+  return f'{spec["impl"]}, {spec["num_gpus"]} tower(s) x batch {spec["batch_size"]}: {what}{xla}'
 
 
 def contender_specs(config, data_dir, records):
@@ -402,38 +403,38 @@ def run(config, launch=Contender):
   with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
     data_dir = config.data_dir or tmp
     if config.data_dir is None:
-      logger.info('Generating %d training records in %s ...', 5 * config.synth_per_file, tmp)
+      logger.info(f'Generating {5 * config.synth_per_file} training records in {tmp} ...')
       synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
     records = fmt.num_examples(fmt.train_files(data_dir))
     specs = contender_specs(config, data_dir, records)
-    logger.info('Starting %d contenders, one process each: %s',
-                len(specs), '; '.join(map(describe, specs)))
+    logger.info(f'Starting {len(specs)} contenders, one process each: '
+                f'{"; ".join(map(describe, specs))}')
     contenders, windows, inputs = [], collections.defaultdict(list), {}
     try:
       contenders.extend(launch(spec, config.timeout_secs) for spec in specs)
       for i, contender in enumerate(contenders):
         contender.read()  # its TensorFlow import, graph or trace: seconds each
-        logger.info('Ready: %s (%d of %d)', describe(contender.spec), i + 1, len(specs))
-      for i in range(config.warmup_rounds + config.rounds):
-        r = i - config.warmup_rounds  # < 0 in warm-up
-        label = ('warm-up %d/%d' % (i + 1, config.warmup_rounds) if r < 0
-                 else 'round %d/%d' % (r + 1, config.rounds))
-        for contender in contenders[i % len(specs):] + contenders[:i % len(specs)]:
+        logger.info(f'Ready: {describe(contender.spec)} ({i + 1} of {len(specs)})')
+      for r in range(-config.warmup_rounds, config.rounds):  # r < 0: warm-up
+        label = (f'warm-up {config.warmup_rounds + r + 1}/{config.warmup_rounds}' if r < 0
+                 else f'round {r + 1}/{config.rounds}')
+        for contender in contenders:
           spec = contender.spec
-          logger.info('[%s] measuring %s%s', label, describe(spec),
-                      '' if spec['kind'] == MATMUL else ', %d steps' % config.window_steps)
+          steps = '' if spec['kind'] == MATMUL else f', {config.window_steps} steps'
+          logger.info(f'[{label}] measuring {describe(spec)}{steps}')
           windows[_key(spec)].append(dict(contender.window(), round=r))
+        contenders.append(contenders.pop(0))  # the order rotates: the next round starts later
       finals = {_key(c.spec): c.window() for c in contenders}
       # Then each input pipeline alone, one process each.
       for spec in [dict(s, kind='input') for s in specs if s['kind'] == 'train']:
-        logger.info('[inputs] measuring %s', describe(spec))
+        logger.info(f'[inputs] measuring {describe(spec)}')
         contenders.append(launch(spec, config.timeout_secs))
         inputs[_key(spec)] = contenders[-1].read()
     finally:
       for contender in contenders:
         contender.kill()
-  return summarize(config, windows, finals, inputs, '%s, %d records' % (
-      config.data_dir or 'generated (datasets.synth)', records))
+  return summarize(config, windows, finals, inputs,
+                   f'{config.data_dir or "generated (datasets.synth)"}, {records} records')
 
 
 def cpu_model():
@@ -463,7 +464,7 @@ def summarize(config, windows, finals, inputs, data_description):
   matmul_runs = [w['flops_per_sec'] for w in windows[(MATMUL, None)]]
   flops = training_flops_per_image()
   estimate = max(matmul_runs) / flops
-  towers_key = 'ratio_to_%d_tower' % min(config.num_gpus)
+  towers_key = f'ratio_to_{min(config.num_gpus)}_tower'
 
   def rates(impl, num_gpus, clock='seconds'):
     """Images/sec (clock 'cpu_seconds': per CPU-second) of each timed window, in round order."""
@@ -473,11 +474,12 @@ def summarize(config, windows, finals, inputs, data_description):
   rows = []
   for num_gpus in config.num_gpus:
     for impl in (BASELINE, *config.impls):
+      measured = rates(impl, num_gpus)
       rounds = [{'round': r, 'images_per_sec': rate, 'images_per_cpu_second': cpu_rate,
                  'baseline_images_per_sec': base, 'ratio_to_baseline': rate / base,
                  towers_key: rate / few}
                 for r, (rate, cpu_rate, base, few) in enumerate(zip(
-                    rates(impl, num_gpus), rates(impl, num_gpus, 'cpu_seconds'),
+                    measured, rates(impl, num_gpus, 'cpu_seconds'),
                     rates(BASELINE, num_gpus), rates(impl, min(config.num_gpus))))]
       row = {key: statistics.median(r[key] for r in rounds) for key in (
           'images_per_sec', 'images_per_cpu_second', 'ratio_to_baseline', towers_key)}
@@ -485,8 +487,7 @@ def summarize(config, windows, finals, inputs, data_description):
       input_rate = result and statistics.median(result['window_images_per_sec'])
       rows.append(dict(
           row, impl=impl, num_gpus=num_gpus, batch_size=config.batch_size, rounds=rounds,
-          jit=config.jit and impl != BASELINE,
-          window_min=min(rates(impl, num_gpus)), window_max=max(rates(impl, num_gpus)),
+          jit=config.jit and impl != BASELINE, window_min=min(measured), window_max=max(measured),
           ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
           peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
           input_images_per_sec=input_rate,
@@ -507,37 +508,34 @@ def summarize(config, windows, finals, inputs, data_description):
   }
 
 
-def _matmul_words(machine):
-  """The machine's figures with the rounds, the matmul rate in GFLOP/s, one image in MFLOP."""
-  return dict(machine, runs=len(machine['matmul_runs_flops_per_sec']),
-              gflops=machine['matmul_flops_per_sec'] / 1e9,
-              mflop=machine['training_flops_per_image'] / 1e6)
-
-
 def format_table(report):
   """The report as a text table with a header of how it was measured."""
-  settings = report['settings']
-  fewest = min(settings['num_gpus'])
-  table = [('impl|towers|batch|img/s|windows min-max|img/cpu-s|vs keras|vs matmul|vs %d tower|'
-            'input img/s|input/train|peak RSS MiB' % fewest).split('|')]
+  settings, machine = report['settings'], report['machine']
+  fewest, size = min(settings['num_gpus']), machine['matmul_size']
+  fewest_key = f'ratio_to_{fewest}_tower'
+  table = [(f'impl|towers|batch|img/s|windows min-max|img/cpu-s|vs keras|vs matmul|vs {fewest} '
+            'tower|input img/s|input/train|peak RSS MiB').split('|')]
   for row in report['rows']:
-    cells = dict(row, impl=row['impl'] + ' (XLA)' * row['jit'],
-                 fewest=row['ratio_to_%d_tower' % fewest], mib=row['peak_rss_bytes'] / 2 ** 20)
-    for key, form in (('input_images_per_sec', '%.0f'), ('input_to_training', '%.1fx')):
-      cells[key] = '-' if row[key] is None else form % row[key]
-    table.append(('%(impl)s|%(num_gpus)s|%(batch_size)s|%(images_per_sec).0f|%(window_min).0f-'
-                  '%(window_max).0f|%(images_per_cpu_second).0f|%(ratio_to_baseline).2fx|'
-                  '%(ratio_to_matmul_estimate).2f|%(fewest).2fx|%(input_images_per_sec)s|'
-                  '%(input_to_training)s|%(mib).0f' % cells).split('|'))
+    inputs = {key: '-' if row[key] is None else form % row[key]  # '-': Keras reads no input
+              for key, form in (('input_images_per_sec', '%.0f'), ('input_to_training', '%.1fx'))}
+    table.append((
+        f'{row["impl"]}{" (XLA)" * row["jit"]}|{row["num_gpus"]}|{row["batch_size"]}|'
+        f'{row["images_per_sec"]:.0f}|{row["window_min"]:.0f}-{row["window_max"]:.0f}|'
+        f'{row["images_per_cpu_second"]:.0f}|{row["ratio_to_baseline"]:.2f}x|'
+        f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|'
+        f'{inputs["input_images_per_sec"]}|{inputs["input_to_training"]}|'
+        f'{row["peak_rss_bytes"] / 2 ** 20:.0f}').split('|'))
   widths = [max(map(len, column)) for column in zip(*table)]
   return '\n'.join([
-      'matmul estimate: best of %(runs)d rounds of fp32 %(matmul_size)dx%(matmul_size)d '
-      'matmuls = %(gflops).1f GFLOP/s / %(mflop).1f MFLOP per training image (forward x 3 '
-      'less conv1\'s input gradient) = %(matmul_estimate_images_per_sec).0f images/sec (a '
-      'sample under the same load, not a bound)' % _matmul_words(report['machine']),
-      'training: median of %(rounds)d rounds, one window of %(window_steps)d steps per '
-      'contender each (the order rotating; %(warmup_rounds)d warm-up rounds first); '
-      'ratios: median of the per-round ratios; data: %(data)s' % settings, ''] + [
+      f'matmul estimate: best of {len(machine["matmul_runs_flops_per_sec"])} rounds of fp32 '
+      f'{size}x{size} matmuls = {machine["matmul_flops_per_sec"] / 1e9:.1f} GFLOP/s / '
+      f'{machine["training_flops_per_image"] / 1e6:.1f} MFLOP per training image (forward x 3 '
+      f"less conv1's input gradient) = {machine['matmul_estimate_images_per_sec']:.0f} "
+      'images/sec (a sample under the same load, not a bound)',
+      f'training: median of {settings["rounds"]} rounds, one window of '
+      f'{settings["window_steps"]} steps per contender each (the order rotating; '
+      f'{settings["warmup_rounds"]} warm-up rounds first); ratios: median of the per-round '
+      f'ratios; data: {settings["data"]}', ''] + [
           '  '.join(c.ljust(w) if i == 0 else c.rjust(w)
                     for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in table])
 
@@ -565,7 +563,7 @@ def read_json(path):
     with open(path, encoding='utf-8') as f:
       report = json.load(f)
   except (OSError, ValueError) as e:
-    raise BenchError('cannot read %s: %s' % (path, e)) from e
+    raise BenchError(f'cannot read {path}: {e}') from e
   try:
     machine = report['machine']
     if machine.pop('ceiling_images_per_sec', None) is not None:
@@ -579,8 +577,7 @@ def read_json(path):
     format_table(report)  # reads every other figure that the table and the plot show
     return report
   except (KeyError, TypeError, AttributeError, ValueError) as e:
-    raise BenchError('%s is not a bench results file (one written by bench --json)'
-                     % path) from e
+    raise BenchError(f'{path} is not a bench results file (one written by bench --json)') from e
 
 
 COLOURS = {BASELINE: 'grey', 'legacy': 'C0', 'modern': 'C1'}  # matplotlib's first two
@@ -621,27 +618,28 @@ def figure(report):
   axes = fig.add_subplot()
   for row in report['rows']:
     rate = row['images_per_sec']
-    bar = axes.bar('%s%s\n%d tower(s)' % (row['impl'], ' (XLA)' * row['jit'], row['num_gpus']),
+    bar = axes.bar(f'{row["impl"]}{" (XLA)" * row["jit"]}\n{row["num_gpus"]} tower(s)',
                    rate, yerr=[[rate - row['window_min']], [row['window_max'] - rate]],
                    capsize=4, color=COLOURS[row['impl']])
-    axes.bar_label(bar, ['%.0f\n%.2fx Keras' % (rate, row['ratio_to_baseline'])], padding=3,
+    axes.bar_label(bar, [f'{rate:.0f}\n{row["ratio_to_baseline"]:.2f}x Keras'], padding=3,
                    fontsize=8)
-  axes.axhline(machine['matmul_estimate_images_per_sec'], color='black', linestyle=':',
-               label='matmul estimate %(matmul_estimate_images_per_sec).0f = best fp32 '
-               '%(matmul_size)dx%(matmul_size)d matmul rate, %(gflops).1f GFLOP/s, / '
-               '%(mflop).1f MFLOP per training image' % _matmul_words(machine))
+  estimate, size = machine['matmul_estimate_images_per_sec'], machine['matmul_size']
+  axes.axhline(estimate, color='black', linestyle=':',
+               label=f'matmul estimate {estimate:.0f} = best fp32 {size}x{size} matmul rate, '
+               f'{machine["matmul_flops_per_sec"] / 1e9:.1f} GFLOP/s, / '
+               f'{machine["training_flops_per_image"] / 1e6:.1f} MFLOP per training image')
   axes.margins(y=0.3)  # room for the legend and the labels
   axes.set_ylabel('training images/sec')
-  axes.set_title('Training images/sec, batch %d per tower: bars median, error bars '
-                 'windows min-max' % settings['batch_size'], fontsize=10)
+  axes.set_title(f'Training images/sec, batch {settings["batch_size"]} per tower: bars median, '
+                 'error bars windows min-max', fontsize=10)
   axes.legend(loc='upper left', fontsize=8, frameon=False)
   caption = '\n'.join(filter(None, [
       'keras: Keras model.fit of the same net (MirroredStrategy, in-memory data); the '
       'trainers: their own train() loop and input pipeline',
-      '%(rounds)d rounds of one %(window_steps)d-step window per contender (after '
-      '%(warmup_rounds)d warm-up); ratios: median of per-round ratios to Keras; data: '
-      '%(data)s' % settings,
-      'machine: %(cpu_count)s CPUs, %(cpu_model)s, ' % machine + report['measured_at'],
+      f'{settings["rounds"]} rounds of one {settings["window_steps"]}-step window per contender '
+      f'(after {settings["warmup_rounds"]} warm-up); ratios: median of per-round ratios to '
+      f'Keras; data: {settings["data"]}',
+      f'machine: {machine["cpu_count"]} CPUs, {machine["cpu_model"]}, {report["measured_at"]}',
       report.get('note')]))
   fig.text(0.01, 0.01, caption, fontsize=7, va='bottom', wrap=True)
   fig.tight_layout(rect=(0, 0.15, 1, 1))

@@ -103,7 +103,7 @@ def canonical_device(name):
   A GPU trace lane such as '/device:GPU:0/stream:all' maps to its device.
   """
   matches = _DEVICE.findall(name)
-  return '/device:%s:%s' % (matches[-1][0].upper(), matches[-1][1]) if matches else name
+  return f'/device:{matches[-1][0].upper()}:{matches[-1][1]}' if matches else name
 
 
 def pieces(spans, window):
@@ -213,10 +213,10 @@ def verdict(report):
   """One line: overlap, input wait, misplaced towers."""
   median = report['median']
   parts = ['1 tower, nothing to overlap' if median['tower_overlap'] is None
-           else 'towers overlap %.2f' % median['tower_overlap']]
+           else f'towers overlap {median["tower_overlap"]:.2f}']
   if median['step_us']:
-    parts.append('input waits %.0f%% of the step'
-                 % (100.0 * median['split_us'][INPUT] / median['step_us']))
-  parts += ['tower %(tower)d ran on %(main_device)s, planned %(planned)s' % p
+    parts.append(f'input waits {100.0 * median["split_us"][INPUT] / median["step_us"]:.0f}% '
+                 'of the step')
+  parts += [f'tower {p["tower"]} ran on {p["main_device"]}, planned {p["planned"]}'
             for p in report['placement'] if p['misplaced']] or ['no misplaced ops']
   return '; '.join(parts)

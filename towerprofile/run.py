@@ -54,11 +54,11 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
       synth.generate(data_dir, train_per_file=SYNTH_PER_FILE, num_test=10, seed=0)
     examples = cifar10_format.num_examples(cifar10_format.train_files(data_dir))
     if impl == 'legacy':
-      logger.warning('legacy: the first step waits until the shuffle queue holds %d images.',
-                     hparams.min_queue_examples(examples))
+      logger.warning('legacy: the first step waits until the shuffle queue holds '
+                     f'{hparams.min_queue_examples(examples)} images.')
     config = config_lib.TrainConfig(data_dir=data_dir, train_dir=scratch,
                                     num_gpus=plan.num_towers, batch_size=batch_size, seed=0)
-    adapter = importlib.import_module('cifar10_towers.towerprofile.%s_trace' % impl)
+    adapter = importlib.import_module(f'cifar10_towers.towerprofile.{impl}_trace')
     events, windows, wall_us, sources = adapter.trace(
         config, trainer_plan, max(1, hparams.decay_steps(examples, batch_size, plan.num_towers)),
         steps, warmup)
@@ -104,7 +104,7 @@ def png_timeline(events, windows, report, path):
   axes.barh([names.index(e.device) for e in events],
             [(e.end_us - e.start_us) / 1e3 for e in events], 0.8,
             [(e.start_us - origin) / 1e3 for e in events], linewidth=0,
-            color=['C%d' % analysis.CATEGORIES.index(e.category) for e in events])
+            color=[f'C{analysis.CATEGORIES.index(e.category)}' for e in events])
   axes.use_sticky_edges = False  # a margin, so the first and last step bounds show
   for edge in sum(windows, ()):
     axes.axvline((edge - origin) / 1e3, color='black', linestyle=':', linewidth=0.6)
@@ -112,7 +112,7 @@ def png_timeline(events, windows, report, path):
   axes.invert_yaxis()
   axes.set_xlabel('ms')
   axes.set_title(report['verdict'], fontsize=9)
-  axes.legend(handles=[patches.Patch(color='C%d' % i, label=category)
+  axes.legend(handles=[patches.Patch(color=f'C{i}', label=category)
                        for i, category in enumerate(analysis.CATEGORIES)],
               loc='lower center', bbox_to_anchor=(0.5, 1.08), ncol=len(analysis.CATEGORIES),
               fontsize=8, frameon=False)
@@ -145,19 +145,18 @@ def format_report(report):
   """The report as lines for the terminal."""
   median = report['median']
   step, slowest = median['step_us'] or 1.0, median['step_over_slowest_tower']
-  lines = ['%(num_towers)d tower(s); variables on %(variable_device)s; input on '
-           '%(input_device)s' % report,
-           'step %.1f ms (traced), %.1f ms (wall); step / slowest tower %s'
-           % (step / 1e3, (median['wall_us'] or 0) / 1e3,
-              '%.2f' % slowest if slowest else '-'),
+  lines = [f'{report["num_towers"]} tower(s); variables on {report["variable_device"]}; '
+           f'input on {report["input_device"]}',
+           f'step {step / 1e3:.1f} ms (traced), {(median["wall_us"] or 0) / 1e3:.1f} ms (wall); '
+           f'step / slowest tower {format(slowest, ".2f") if slowest else "-"}',
            'median split of the step (idle: no op ran, e.g. the runtime dispatching):']
-  lines += ['  %-15s %8.2f ms %5.1f%%' % (category, value / 1e3, 100.0 * value / step)
+  lines += [f'  {category:<15} {value / 1e3:8.2f} ms {100.0 * value / step:5.1f}%'
             for category, value in median['split_us'].items()]
   lines += ['busy fraction per device:'] + [
-      '  %-15s %.2f' % item for item in median['busy_fraction'].items()] + ['placement:']
+      f'  {device:<15} {busy:.2f}' for device, busy in median['busy_fraction'].items()]
+  lines += ['placement:']
   for p in report['placement']:
-    ran_on = ', '.join('%s %.1f%%' % (d, 100 * s) for d, s in p['ran_on'].items() if s >= 0.001)
-    lines.append('  tower %d planned %s ran on %s%s' % (
-        p['tower'], p['planned'], ran_on or 'nowhere (no compute traced)',
-        '  MISPLACED' if p['misplaced'] else ''))
-  return lines + ['verdict: %s' % report['verdict']]
+    ran_on = ', '.join(f'{d} {100 * s:.1f}%' for d, s in p['ran_on'].items() if s >= 0.001)
+    lines.append(f'  tower {p["tower"]} planned {p["planned"]} ran on '
+                 f'{ran_on or "nowhere (no compute traced)"}{"  MISPLACED" * p["misplaced"]}')
+  return lines + [f'verdict: {report["verdict"]}']
