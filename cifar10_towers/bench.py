@@ -232,7 +232,7 @@ def contend_matmul(spec, boundary):
   """Measures fp32 matmul FLOP/s: each window, the best of `matmul_repeats` products."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   n = spec['matmul_size']
-  a, b = tf.random.normal([n, n]), tf.random.normal([n, n])
+  a, b = tf.random.normal([2, n, n])  # two n x n matrices
 
   def product():  # eager CPU ops are synchronous; .numpy() makes sure
     tf.matmul(a, b)[0, 0].numpy()
@@ -375,15 +375,6 @@ def describe(spec):
   return f'{spec["impl"]}, {spec["num_gpus"]} tower(s) x batch {spec["batch_size"]}: {what}{xla}'
 
 
-def contender_specs(config, data_dir, records):
-  """The paced contenders: per tower count Keras and each trainer; then the matmul."""
-  common = dict(dataclasses.asdict(config), data_dir=data_dir, records=records,
-                windows=config.warmup_rounds + config.rounds)
-  return [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
-          for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]
-          ] + [dict(common, kind=MATMUL, impl=MATMUL, num_gpus=None)]
-
-
 def _key(spec):
   return spec['impl'], spec['num_gpus']
 
@@ -406,7 +397,12 @@ def run(config, launch=Contender):
       logger.info(f'Generating {5 * config.synth_per_file} training records in {tmp} ...')
       synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
     records = fmt.num_examples(fmt.train_files(data_dir))
-    specs = contender_specs(config, data_dir, records)
+    common = dict(dataclasses.asdict(config), data_dir=data_dir, records=records,
+                  windows=config.warmup_rounds + config.rounds)
+    # The paced contenders: per tower count Keras and each trainer; then the matmul.
+    specs = [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
+             for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]
+             ] + [dict(common, kind=MATMUL, impl=MATMUL, num_gpus=None)]
     logger.info(f'Starting {len(specs)} contenders, one process each: '
                 f'{"; ".join(map(describe, specs))}')
     contenders, windows, inputs = [], collections.defaultdict(list), {}
@@ -423,7 +419,7 @@ def run(config, launch=Contender):
           steps = '' if spec['kind'] == MATMUL else f', {config.window_steps} steps'
           logger.info(f'[{label}] measuring {describe(spec)}{steps}')
           windows[_key(spec)].append(dict(contender.window(), round=r))
-        contenders.append(contenders.pop(0))  # the order rotates: the next round starts later
+        contenders.append(contenders.pop(0))  # the next round starts one contender later
       finals = {_key(c.spec): c.window() for c in contenders}
       # Then each input pipeline alone, one process each.
       for spec in [dict(s, kind='input') for s in specs if s['kind'] == 'train']:
@@ -623,9 +619,9 @@ def figure(report):
                    capsize=4, color=COLOURS[row['impl']])
     axes.bar_label(bar, [f'{rate:.0f}\n{row["ratio_to_baseline"]:.2f}x Keras'], padding=3,
                    fontsize=8)
-  estimate, size = machine['matmul_estimate_images_per_sec'], machine['matmul_size']
-  axes.axhline(estimate, color='black', linestyle=':',
-               label=f'matmul estimate {estimate:.0f} = best fp32 {size}x{size} matmul rate, '
+  axes.axhline(machine['matmul_estimate_images_per_sec'], color='black', linestyle=':',
+               label=f'matmul estimate {machine["matmul_estimate_images_per_sec"]:.0f} = best '
+               f'fp32 {machine["matmul_size"]}x{machine["matmul_size"]} matmul rate, '
                f'{machine["matmul_flops_per_sec"] / 1e9:.1f} GFLOP/s, / '
                f'{machine["training_flops_per_image"] / 1e6:.1f} MFLOP per training image')
   axes.margins(y=0.3)  # room for the legend and the labels

@@ -191,7 +191,6 @@ def analyze(events, windows, planned, variable_device, wall_us=None):
   """
   steps = [analyze_step([e for e in events if e.step == k], window, len(planned),
                         wall_us and wall_us[k]) for k, window in enumerate(windows)]
-  median = _median(steps)
   placement = []
   for i, device in enumerate(map(canonical_device, planned)):
     times = _time_per_device([e for e in events if e.tower == i])
@@ -204,7 +203,7 @@ def analyze(events, windows, planned, variable_device, wall_us=None):
   report = {'num_towers': len(planned), 'planned': [p['planned'] for p in placement],
             'variable_device': canonical_device(variable_device),
             'input_device': max(inputs, key=inputs.get, default='unknown'),  # where it ran longest
-            'steps': steps, 'median': median, 'placement': placement}
+            'steps': steps, 'median': _median(steps), 'placement': placement}
   report['verdict'] = verdict(report)
   return report
 

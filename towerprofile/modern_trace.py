@@ -17,7 +17,6 @@ devices every op has a kernel, so the placer keeps it).
 """
 
 import glob
-import os
 import tempfile
 import time
 
@@ -52,7 +51,7 @@ def _stats(plane, holder):
           for stat in holder.stats}
 
 
-def events_from_xspace(space, device_of, logical_gpus=False):
+def events_from_xspace(space, device_of, logical_gpus):
   """Normalized events and step windows of an XSpace.
 
   Args:
@@ -138,8 +137,7 @@ def trace(config, plan, decay_steps, steps, warmup):
         with tf.profiler.experimental.Trace(STEP_EVENT, step_num=k, _r=1):
           trainer.train_step(next(iterator)).numpy()  # the step ends when its result exists
         wall_us.append((time.perf_counter() - began) * 1e6)
-    with open(sorted(glob.glob(os.path.join(logdir, 'plugins/profile/*/*.xplane.pb')))[-1],
-              'rb') as f:
+    with open(max(glob.glob(f'{logdir}/plugins/profile/*/*.xplane.pb')), 'rb') as f:  # newest
       space = xplane_pb2.XSpace.FromString(f.read())
   logical_gpus = any(tf.config.get_logical_device_configuration(gpu)
                      for gpu in tf.config.list_physical_devices('GPU'))

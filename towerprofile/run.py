@@ -78,7 +78,7 @@ def chrome_trace(events):
   """
   names = sorted({e.device for e in events})
   origin = min((e.start_us for e in events), default=0.0)
-  trace = [{'ph': 'M', 'name': kind + '_name', 'pid': pid, 'tid': tid, 'args': {'name': name}}
+  trace = [{'ph': 'M', 'name': f'{kind}_name', 'pid': pid, 'tid': tid, 'args': {'name': name}}
            for pid, device in enumerate(names) for kind, tid, name in
            [('process', 0, device)] + [('thread', *c) for c in enumerate(analysis.CATEGORIES)]]
   trace += [{'ph': 'X', 'name': e.name, 'cat': e.category, 'pid': names.index(e.device),
@@ -130,7 +130,7 @@ def write_all(events, windows, report, out_dir):
   os.makedirs(out_dir, exist_ok=True)
   written = {}
   for name, content in (('trace', chrome_trace(events)), ('report', report)):
-    written[name] = os.path.join(out_dir, name + '.json')
+    written[name] = os.path.join(out_dir, f'{name}.json')
     with open(written[name], 'w', encoding='utf-8') as f:
       json.dump(content, f, indent=1, sort_keys=True)
   try:
