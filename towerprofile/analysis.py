@@ -194,7 +194,7 @@ def analyze(events, windows, planned, variable_device, wall_us=None):
   placement = []
   for i, device in enumerate(map(canonical_device, planned)):
     times = _time_per_device([e for e in events if e.tower == i])
-    shares = {d: t / sum(times.values()) for d, t in sorted(times.items())}
+    shares = {d: t / times.total() for d, t in sorted(times.items())}
     main = max(shares, key=shares.get, default=None)
     placement.append({'tower': i, 'planned': device, 'ran_on': shares, 'main_device': main,
                       'misplaced': bool(shares) and 1 - shares.get(device, 0) > MISPLACED_SHARE,

@@ -17,7 +17,6 @@ devices every op has a kernel, so the placer keeps it).
 """
 
 import glob
-import tempfile
 import time
 
 import tensorflow as tf
@@ -110,10 +109,11 @@ def events_from_xspace(space, device_of, logical_gpus):
 
 
 def trace(config, plan, decay_steps, steps, warmup):
-  """Trains `warmup` then `steps` profiled steps; nothing goes to train_dir.
+  """Trains `warmup` then `steps` profiled steps; the profiler writes into train_dir.
 
   Args:
-    config: runtime.config.TrainConfig (train_dir is not used).
+    config: runtime.config.TrainConfig; its train_dir is the caller's scratch
+      dir (run.profile's), where tf.profiler writes the trace.
     plan: common.devices.DevicePlan the trainer builds with.
     decay_steps: int, of the learning rate schedule.
     steps: int >= 1.
@@ -130,15 +130,15 @@ def trace(config, plan, decay_steps, steps, warmup):
   for _ in range(warmup):
     trainer.train_step(next(iterator))
   wall_us = []
-  with tempfile.TemporaryDirectory(prefix='towerprofile_') as logdir:
-    with tf.profiler.experimental.Profile(logdir):
-      for k in range(steps):
-        began = time.perf_counter()
-        with tf.profiler.experimental.Trace(STEP_EVENT, step_num=k, _r=1):
-          trainer.train_step(next(iterator)).numpy()  # the step ends when its result exists
-        wall_us.append((time.perf_counter() - began) * 1e6)
-    with open(max(glob.glob(f'{logdir}/plugins/profile/*/*.xplane.pb')), 'rb') as f:  # newest
-      space = xplane_pb2.XSpace.FromString(f.read())
+  with tf.profiler.experimental.Profile(config.train_dir):
+    for k in range(steps):
+      began = time.perf_counter()
+      with tf.profiler.experimental.Trace(STEP_EVENT, step_num=k, _r=1):
+        trainer.train_step(next(iterator)).numpy()  # the step ends when its result exists
+      wall_us.append((time.perf_counter() - began) * 1e6)
+  # The profile's one run: <train_dir>/plugins/profile/<run>/<host>.xplane.pb.
+  with open(max(glob.glob(f'{config.train_dir}/plugins/profile/*/*.xplane.pb')), 'rb') as f:
+    space = xplane_pb2.XSpace.FromString(f.read())
   logical_gpus = any(tf.config.get_logical_device_configuration(gpu)
                      for gpu in tf.config.list_physical_devices('GPU'))
   events, windows, sources = events_from_xspace(space, device_of, logical_gpus)
