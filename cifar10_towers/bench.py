@@ -457,7 +457,7 @@ def summarize(config, windows, finals, inputs, data_description):
   Returns:
     dict, JSON-serializable: settings, machine and one row per contender.
   """
-  matmul_runs = [w['flops_per_sec'] for w in windows[(MATMUL, None)]]
+  matmul_runs = [w['flops_per_sec'] for w in windows[MATMUL, None]]
   flops = training_flops_per_image()
   estimate = max(matmul_runs) / flops
   towers_key = f'ratio_to_{min(config.num_gpus)}_tower'
@@ -465,7 +465,7 @@ def summarize(config, windows, finals, inputs, data_description):
   def rates(impl, num_gpus, clock='seconds'):
     """Images/sec (clock 'cpu_seconds': per CPU-second) of each timed window, in round order."""
     images = config.window_steps * config.batch_size * num_gpus
-    return [images / w[clock] for w in windows[(impl, num_gpus)] if w['round'] >= 0]
+    return [images / w[clock] for w in windows[impl, num_gpus] if w['round'] >= 0]
 
   rows = []
   for num_gpus in config.num_gpus:
@@ -485,15 +485,14 @@ def summarize(config, windows, finals, inputs, data_description):
           row, impl=impl, num_gpus=num_gpus, batch_size=config.batch_size, rounds=rounds,
           jit=config.jit and impl != BASELINE, window_min=min(measured), window_max=max(measured),
           ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
-          peak_rss_bytes=finals[(impl, num_gpus)]['peak_rss_bytes'],
+          peak_rss_bytes=finals[impl, num_gpus]['peak_rss_bytes'],
           input_images_per_sec=input_rate,
           input_window_images_per_sec=result and result['window_images_per_sec'],
           input_to_training=input_rate and input_rate / row['images_per_sec'],
           input_peak_rss_bytes=result and result['peak_rss_bytes']))
   return {
       'settings': dict(dataclasses.asdict(config), data=data_description),
-      'measured_at': datetime.datetime.now(datetime.timezone.utc).strftime(
-          '%Y-%m-%d %H:%M UTC'),
+      'measured_at': f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}',
       'machine': {
           'cpu_count': os.cpu_count(), 'cpu_model': cpu_model(),
           'matmul_size': config.matmul_size, 'matmul_flops_per_sec': max(matmul_runs),
@@ -512,14 +511,15 @@ def format_table(report):
   table = [(f'impl|towers|batch|img/s|windows min-max|img/cpu-s|vs keras|vs matmul|vs {fewest} '
             'tower|input img/s|input/train|peak RSS MiB').split('|')]
   for row in report['rows']:
-    inputs = {key: '-' if row[key] is None else form % row[key]  # '-': Keras reads no input
-              for key, form in (('input_images_per_sec', '%.0f'), ('input_to_training', '%.1fx'))}
+    input_cells = {key: '-' if row[key] is None else form % row[key]  # '-': Keras reads no input
+                   for key, form in (('input_images_per_sec', '%.0f'),
+                                     ('input_to_training', '%.1fx'))}
     table.append((
         f'{row["impl"]}{" (XLA)" * row["jit"]}|{row["num_gpus"]}|{row["batch_size"]}|'
         f'{row["images_per_sec"]:.0f}|{row["window_min"]:.0f}-{row["window_max"]:.0f}|'
         f'{row["images_per_cpu_second"]:.0f}|{row["ratio_to_baseline"]:.2f}x|'
         f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|'
-        f'{inputs["input_images_per_sec"]}|{inputs["input_to_training"]}|'
+        f'{input_cells["input_images_per_sec"]}|{input_cells["input_to_training"]}|'
         f'{row["peak_rss_bytes"] / 2 ** 20:.0f}').split('|'))
   widths = [max(map(len, column)) for column in zip(*table)]
   return '\n'.join([
@@ -539,7 +539,7 @@ def format_table(report):
 def write_json(report, path):
   """Writes the report as JSON (`bench --json`)."""
   with open(path, 'w', encoding='utf-8') as f:
-    f.write(json.dumps(report, indent=2, sort_keys=True) + '\n')
+    print(json.dumps(report, indent=2, sort_keys=True), file=f)
 
 
 def read_json(path):
