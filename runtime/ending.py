@@ -24,10 +24,7 @@ def say(line):
 
 def exit_now(status, line=None):
   """Flushes stdout, writes `line` (if any) to the real stderr, and exits with `status` at once."""
-  try:
-    sys.stdout.flush()
-  except (OSError, ValueError):
-    pass
+  stderr_filter.flush_python()
   if line is not None:
     say(line)
   stderr_filter.restore()
@@ -81,10 +78,10 @@ def cause(error):
   return f'{type(error).__name__}: {text[0]}' if text else type(error).__name__
 
 
-def failed(error, first_step, step, held, saved, save, train_dir):
+def failed(error, first_step, step, run, train_dir):
   """The error a training run ends with after `error` crossed its loop, its work kept.
 
-  Where the variables still hold the last completed step (`held() == step`:
+  Where the variables still hold the last completed step (`run.held() == step`:
   the failure came before the step's update, which is where input and output
   failures happen), that step is saved unless it already is. Where they may
   not (a NaN, a failure during the update) or the save fails too (disk
@@ -97,10 +94,10 @@ def failed(error, first_step, step, held, saved, save, train_dir):
     error: the exception that crossed the loop.
     first_step: int, the global step this run started from.
     step: int, the last global step this run completed and checked.
-    held: callable() -> int, the global step the variables hold now.
-    saved: int or None, the step of the checkpoint this run last wrote or
-      resumed from.
-    save: callable() -> str, saves the variables; the checkpoint's path.
+    run: runtime.training.Run: its held() (the global step the variables
+      hold now) and save() (saves them; the checkpoint's path), whose
+      last_saved is the step of the checkpoint this run last wrote or
+      resumed from (or None).
     train_dir: str, where the checkpoints are.
 
   Returns:
@@ -114,13 +111,13 @@ def failed(error, first_step, step, held, saved, save, train_dir):
     return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
   line = cause(error).rstrip('.') + '.'
   try:
-    intact = held() == step
+    intact = run.held() == step
   except Exception:  # pylint: disable=broad-except
     intact = False
   problem = ''
-  if intact and step != saved and os.path.isdir(train_dir):
+  if intact and step != run.save.last_saved and os.path.isdir(train_dir):
     try:
-      path = save()
+      path = run.save()
       return RunFailed(f'{line} Saved global step {step} to {path}; the same command resumes '
                        'from it.')
     except Exception as e:  # pylint: disable=broad-except

@@ -94,7 +94,8 @@ def _write(fd, data):
       return
 
 
-def _flush_python():
+def flush_python():
+  """Flushes sys.stdout and sys.stderr, quietly (either may be closed, or None)."""
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
@@ -113,7 +114,7 @@ def restore():
   with _lock:
     state, _state = _state, None
   if state is not None:
-    _flush_python()
+    flush_python()
     state.close()
 
 
@@ -131,7 +132,7 @@ def say(line):
     except (OSError, ValueError):
       pass
     return
-  _flush_python()
+  flush_python()
   _write(2, _SAY + (line + '\n').encode('utf-8', 'replace'))
 
 
