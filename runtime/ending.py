@@ -23,9 +23,9 @@ def say(line):
 
 
 def exit_now(status, line=None):
-  """Flushes stdout, writes `line` (if any) to the real stderr, and exits with `status` at once."""
+  """Flushes Python's streams, writes `line` (if any) to the real stderr, exits with `status`."""
   stderr_filter.flush_python()
-  if line is not None:
+  if line:
     say(line)
   stderr_filter.restore()
   os._exit(status)  # pylint: disable=protected-access
@@ -40,7 +40,7 @@ class RunFailed(errors.Failure):
 
 def stream_closed(error):
   """True for a failed write to a stream whose reader is gone (a pipe, a terminal)."""
-  return (isinstance(error, OSError) and not getattr(error, 'filename', None)
+  return (isinstance(error, OSError) and not error.filename
           and error.errno in (errno.EPIPE, errno.EIO, errno.EBADF))
 
 
@@ -67,7 +67,7 @@ def cause(error):
   if stream_closed(error):
     return (f'the output stream closed under the run ({os.strerror(error.errno)}: a pipe\'s '
             'reader ended or the terminal is gone)')
-  if isinstance(error, OSError) and getattr(error, 'filename', None):
+  if isinstance(error, OSError) and error.filename:
     return f'{error.filename}: {error.strerror or error}'
   module = type(error).__module__ or ''
   if module.startswith('tensorflow'):
@@ -134,7 +134,7 @@ def failed(error, first_step, step, run, train_dir):
     newest = tf.train.latest_checkpoint(train_dir)
   except (tf.errors.OpError, OSError, ValueError):
     newest = None
-  if newest is None:
+  if not newest:
     return RunFailed(
         f'{line}{problem} No checkpoint was written; the same command starts again at step 0.')
   return RunFailed(

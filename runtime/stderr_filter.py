@@ -81,7 +81,7 @@ def install():
   """Filters fd 2 for the rest of the process; a no-op when already installed."""
   global _state  # pylint: disable=global-statement
   with _lock:
-    if _state is None:
+    if not _state:
       _state = _Filter()
       atexit.register(restore)
 
@@ -113,7 +113,7 @@ def restore():
   global _state  # pylint: disable=global-statement
   with _lock:
     state, _state = _state, None
-  if state is not None:
+  if state:
     flush_python()
     state.close()
 
@@ -126,7 +126,7 @@ def say(line):
   writes to sys.stderr. Without the filter (a library call, a test's
   CliRunner), to sys.stderr. Never raises.
   """
-  if _state is None:
+  if not _state:
     try:
       print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -139,4 +139,4 @@ def say(line):
 def real_stderr():
   """The fd of the real stderr (2 when no filter is installed), for a child that outlives us."""
   with _lock:
-    return _state.real if _state is not None else 2
+    return _state.real if _state else 2

@@ -489,7 +489,7 @@ class StopRequest:
     self._watcher = None
 
   def __enter__(self):
-    if StopRequest._active is not None:
+    if StopRequest._active:
       return StopRequest._active  # nested: share the outer request
     if threading.current_thread() is threading.main_thread():
       for sig in STOP_SIGNALS:
@@ -508,7 +508,7 @@ class StopRequest:
     if StopRequest._active is not self:
       return
     StopRequest._active = None
-    if self._watcher is not None:  # installed (in the main thread)
+    if self._watcher:  # installed (in the main thread)
       signal.set_wakeup_fd(self._previous_wakeup_fd)
       for sig, handler in self._previous.items():
         # None: a handler not set from Python, i.e. the default.
