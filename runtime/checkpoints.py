@@ -95,7 +95,7 @@ def global_step(contents):
 
   Upstream's float32 `global_step` is read as the int it counts.
   """
-  for key in ('global_step', 'global_step' + _VALUE_SUFFIX):
+  for key in ('global_step', f'global_step{_VALUE_SUFFIX}'):
     if key in contents.tensors:
       return int(round(float(contents.tensors[key])))
   return step_of(contents.path)
@@ -129,7 +129,7 @@ def _read(path):
                for key in sorted(reader.get_variable_to_shape_map())}
   except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError, IndexError) as e:
     # IndexError: the reader's 'Read less bytes than requested' (a .data file ends early).
-    return None, f'damaged ({reason(e)})' if tf.io.gfile.glob(path + '.*') else GONE
+    return None, f'damaged ({reason(e)})' if tf.io.gfile.glob(f'{path}.*') else GONE
   return Contents(path, MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY, tensors), None
 
 
@@ -159,7 +159,7 @@ def _on_disk(directory):
   complete one a killed run did not get to name is found here
   (test_faults_checkpoints.py: complete_checkpoint_not_yet_named).
   """
-  indexes = tf.io.gfile.glob(os.path.join(directory, _BASENAME + '-*.index'))
+  indexes = tf.io.gfile.glob(os.path.join(directory, f'{_BASENAME}-*.index'))
   return [prefix for prefix in (index.removesuffix('.index') for index in indexes)
           if step_of(prefix) is not None]
 
@@ -249,7 +249,7 @@ def resume_point(directory):
   # TensorFlow's own temp names of this train_dir's checkpoints,
   # `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
   # (test_faults_checkpoints.py: incomplete_newer_checkpoint).
-  if removed := _remove(os.path.join(directory, _BASENAME + '-*'), '.tempstate*', '_temp'):
+  if removed := _remove(os.path.join(directory, f'{_BASENAME}-*'), '.tempstate*', '_temp'):
     logger.warning(f'removed {removed} temp file(s) of an interrupted save from {directory}.')
   found = newest_intact(directory)
   problem = dict(found.skipped).get(found.named)
@@ -330,7 +330,7 @@ def skip_notes(found, directory, doing, unfinished=True):
   """
   notes = ([f'{os.path.join(directory, STATE_FILE)} is unreadable; {doing} found on disk.']
            if found.state_problem else [])
-  newer = [(prefix, problem + ', newer than the latest checkpoint (a save in progress or '
+  newer = [(prefix, f'{problem}, newer than the latest checkpoint (a save in progress or '
             'interrupted)') for prefix, problem in (found.unfinished if unfinished else [])]
   return notes + [f'skipping {prefix}: it is {problem}; {doing}.'
                   for prefix, problem in newer + found.skipped]

@@ -109,7 +109,7 @@ def failed(error, first_step, step, run, train_dir):
     silence_stdout()  # the lines to come (a flush at exit) would fail again
   if step == first_step:
     return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
-  line = cause(error).rstrip('.') + '.'
+  line = f"{cause(error).rstrip('.')}."
   try:
     intact = run.held() == step
   except Exception:  # pylint: disable=broad-except

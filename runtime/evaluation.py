@@ -200,7 +200,7 @@ def count_correct(batches, data_dir, num_examples, global_step, should_stop=None
 def _identity(contents):
   """What tells a new checkpoint from one already evaluated: name and time."""
   try:
-    mtime = os.stat(contents.path + '.index').st_mtime_ns
+    mtime = os.stat(f'{contents.path}.index').st_mtime_ns
   except OSError:
     mtime = None  # deleted since it was read; its contents are still whole
   return contents.path, mtime

@@ -133,7 +133,7 @@ def say(line):
       pass
     return
   flush_python()
-  _write(2, _SAY + (line + '\n').encode('utf-8', 'replace'))
+  _write(2, _SAY + f'{line}\n'.encode('utf-8', 'replace'))
 
 
 def real_stderr():

@@ -284,7 +284,7 @@ def sparsity_tag(prefix, layer):
 
 def gradients_tag(variable_name):
   """The averaged gradient of a variable: 'conv1/weights/gradients'."""
-  return variable_name + '/gradients'
+  return f'{variable_name}/gradients'
 
 
 def image_tags():
@@ -541,7 +541,7 @@ class StopRequest:
     may use what the block's owner closes after the block (a Session).
     """
     with self.lock:
-      if self.event.is_set():
+      if self.requested:
         _run_callback(callback, self.signal_name)
       self.callbacks.append(callback)
     try:
@@ -562,7 +562,7 @@ class StopRequest:
     as soon as a call into C++ returns. Raises at entry if a stop came
     before. Blocks nest; outside the main thread nothing is raised.
     """
-    if self.event.is_set():
+    if self.requested:
       raise Stopped(self.signal_name)
     self.raising_depth += 1
     try:
