@@ -95,7 +95,7 @@ def global_step(contents):
 
   Upstream's float32 `global_step` is read as the int it counts.
   """
-  for key in ('global_step', 'global_step' + _VALUE_SUFFIX):
+  for key in ('global_step', f'global_step{_VALUE_SUFFIX}'):
     if key in contents.tensors:
       return int(round(float(contents.tensors[key])))
   return step_of(contents.path)
@@ -129,7 +129,7 @@ def _read(path):
                for key in sorted(reader.get_variable_to_shape_map())}
   except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError, IndexError) as e:
     # IndexError: the reader's 'Read less bytes than requested' (a .data file ends early).
-    return None, f'damaged ({reason(e)})' if tf.io.gfile.glob(path + '.*') else GONE
+    return None, f'damaged ({reason(e)})' if tf.io.gfile.glob(f'{path}.*') else GONE
   return Contents(path, MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY, tensors), None
 
 
@@ -159,7 +159,7 @@ def _on_disk(directory):
   complete one a killed run did not get to name is found here
   (test_faults_checkpoints.py: complete_checkpoint_not_yet_named).
   """
-  indexes = tf.io.gfile.glob(os.path.join(directory, _BASENAME + '-*.index'))
+  indexes = tf.io.gfile.glob(os.path.join(directory, f'{_BASENAME}-*.index'))
   return [prefix for prefix in (index.removesuffix('.index') for index in indexes)
           if step_of(prefix) is not None]
 
@@ -223,8 +223,8 @@ def _say_passed_over(found, directory, doing):
   path = found.contents and found.contents.path
   if (path and path != found.named and not found.state_problem
       and found.named not in dict(found.skipped)):
-    logger.warning('%s is complete, but `%s` does not name it (the file is missing, or a run '
-                   'was interrupted as it saved); %s.', path, STATE_FILE, doing)
+    logger.warning(f'{path} is complete, but `{STATE_FILE}` does not name it (the file is '
+                   f'missing, or a run was interrupted as it saved); {doing}.')
 
 
 def resume_point(directory):
@@ -249,10 +249,8 @@ def resume_point(directory):
   # TensorFlow's own temp names of this train_dir's checkpoints,
   # `<basename>-<step>.*.tempstate*` and `<basename>-<step>_temp/`
   # (test_faults_checkpoints.py: incomplete_newer_checkpoint).
-  removed = _remove(os.path.join(directory, _BASENAME + '-*'), '.tempstate*', '_temp')
-  if removed:
-    logger.warning('removed %d temp file(s) of an interrupted save from %s.', removed,
-                   directory)
+  if removed := _remove(os.path.join(directory, f'{_BASENAME}-*'), '.tempstate*', '_temp'):
+    logger.warning(f'removed {removed} temp file(s) of an interrupted save from {directory}.')
   found = newest_intact(directory)
   problem = dict(found.skipped).get(found.named)
   # Gone (deleted by hand, e.g. to go back to an older checkpoint): nothing of it to protect.
@@ -263,7 +261,7 @@ def resume_point(directory):
 
 
 def replace_unreadable_state(directory, prefix):
-  """Rewrites an unreadable `checkpoint` state file to name `prefix`; True if it did.
+  """Rewrites an unreadable `checkpoint` state file to name `prefix`.
 
   For a trainer about to resume from `prefix` (None: to start from scratch)
   whose checkpoint manager reads the state file before its first save
@@ -272,14 +270,13 @@ def replace_unreadable_state(directory, prefix):
   rewrites the file anyway; this only does it first: naming `prefix`, or,
   without one, removing the file. A readable state file is left alone.
   """
-  if _state(directory)[1] is None:
-    return False
+  if not _state(directory)[1]:  # readable, or absent
+    return
   if prefix is None:
     tf.io.gfile.remove(os.path.join(directory, STATE_FILE))
   else:
     name = os.path.basename(prefix)
     tf.compat.v1.train.update_checkpoint_state(directory, name, [name])
-  return True
 
 
 def newest_intact(directory):
@@ -309,10 +306,10 @@ def newest_intact(directory):
   for prefix in sorted({*_on_disk(directory), named} - {None}, key=lambda p: step_of(p) or 0,
                        reverse=True):
     contents, problem = _read(prefix)
-    if contents is not None:
+    if contents:
       break
     if prefix == named or problem != GONE:
-      newer = named_step is not None and prefix != named and step_of(prefix) > named_step
+      newer = named_step is not None and step_of(prefix) > named_step  # never the named one
       (unfinished if newer else skipped).append((prefix, problem))
   return Found(contents, skipped, unfinished, state_problem, named)
 
@@ -333,7 +330,7 @@ def skip_notes(found, directory, doing, unfinished=True):
   """
   notes = ([f'{os.path.join(directory, STATE_FILE)} is unreadable; {doing} found on disk.']
            if found.state_problem else [])
-  newer = [(prefix, problem + ', newer than the latest checkpoint (a save in progress or '
+  newer = [(prefix, f'{problem}, newer than the latest checkpoint (a save in progress or '
             'interrupted)') for prefix, problem in (found.unfinished if unfinished else [])]
   return notes + [f'skipping {prefix}: it is {problem}; {doing}.'
                   for prefix, problem in newer + found.skipped]
@@ -382,7 +379,7 @@ def check_fits(path, expected_shapes):
   key = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
   name = key.removesuffix(_VALUE_SUFFIX)
   what = (f'it holds {name} with shape {saved[key]}, this model has {list(expected_shapes[key])}'
-          if key in saved else 'it lacks ' + name)
+          if key in saved else f'it lacks {name}')
   raise CheckpointError(f'{path} is a checkpoint of another model: {what} ({len(differ)} of the '
                         f'{len(expected_shapes)} variables differ). Use another --train_dir, or '
                         'move its checkpoints away.')

@@ -23,12 +23,9 @@ def say(line):
 
 
 def exit_now(status, line=None):
-  """Flushes stdout, writes `line` (if any) to the real stderr, and exits with `status` at once."""
-  try:
-    sys.stdout.flush()
-  except (OSError, ValueError):
-    pass
-  if line is not None:
+  """Flushes Python's streams, writes `line` (if any) to the real stderr, exits with `status`."""
+  stderr_filter.flush_python()
+  if line:
     say(line)
   stderr_filter.restore()
   os._exit(status)  # pylint: disable=protected-access
@@ -43,7 +40,7 @@ class RunFailed(errors.Failure):
 
 def stream_closed(error):
   """True for a failed write to a stream whose reader is gone (a pipe, a terminal)."""
-  return (isinstance(error, OSError) and not getattr(error, 'filename', None)
+  return (isinstance(error, OSError) and not error.filename
           and error.errno in (errno.EPIPE, errno.EIO, errno.EBADF))
 
 
@@ -70,7 +67,7 @@ def cause(error):
   if stream_closed(error):
     return (f'the output stream closed under the run ({os.strerror(error.errno)}: a pipe\'s '
             'reader ended or the terminal is gone)')
-  if isinstance(error, OSError) and getattr(error, 'filename', None):
+  if isinstance(error, OSError) and error.filename:
     return f'{error.filename}: {error.strerror or error}'
   module = type(error).__module__ or ''
   if module.startswith('tensorflow'):
@@ -81,10 +78,10 @@ def cause(error):
   return f'{type(error).__name__}: {text[0]}' if text else type(error).__name__
 
 
-def failed(error, first_step, step, held, saved, save, train_dir):
+def failed(error, first_step, step, run, train_dir):
   """The error a training run ends with after `error` crossed its loop, its work kept.
 
-  Where the variables still hold the last completed step (`held() == step`:
+  Where the variables still hold the last completed step (`run.held() == step`:
   the failure came before the step's update, which is where input and output
   failures happen), that step is saved unless it already is. Where they may
   not (a NaN, a failure during the update) or the save fails too (disk
@@ -97,10 +94,10 @@ def failed(error, first_step, step, held, saved, save, train_dir):
     error: the exception that crossed the loop.
     first_step: int, the global step this run started from.
     step: int, the last global step this run completed and checked.
-    held: callable() -> int, the global step the variables hold now.
-    saved: int or None, the step of the checkpoint this run last wrote or
-      resumed from.
-    save: callable() -> str, saves the variables; the checkpoint's path.
+    run: runtime.training.Run: its held() (the global step the variables
+      hold now) and save() (saves them; the checkpoint's path), whose
+      last_saved is the step of the checkpoint this run last wrote or
+      resumed from (or None).
     train_dir: str, where the checkpoints are.
 
   Returns:
@@ -112,15 +109,15 @@ def failed(error, first_step, step, held, saved, save, train_dir):
     silence_stdout()  # the lines to come (a flush at exit) would fail again
   if step == first_step:
     return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
-  line = cause(error).rstrip('.') + '.'
+  line = f"{cause(error).rstrip('.')}."
   try:
-    intact = held() == step
+    intact = run.held() == step
   except Exception:  # pylint: disable=broad-except
     intact = False
   problem = ''
-  if intact and step != saved and os.path.isdir(train_dir):
+  if intact and step != run.save.last_saved and os.path.isdir(train_dir):
     try:
-      path = save()
+      path = run.save()
       return RunFailed(f'{line} Saved global step {step} to {path}; the same command resumes '
                        'from it.')
     except Exception as e:  # pylint: disable=broad-except
@@ -137,7 +134,7 @@ def failed(error, first_step, step, held, saved, save, train_dir):
     newest = tf.train.latest_checkpoint(train_dir)
   except (tf.errors.OpError, OSError, ValueError):
     newest = None
-  if newest is None:
+  if not newest:
     return RunFailed(
         f'{line}{problem} No checkpoint was written; the same command starts again at step 0.')
   return RunFailed(

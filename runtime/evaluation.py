@@ -77,9 +77,7 @@ def precision_writer(eval_dir):
   # running them over one more batch; only the precision is written.
 
   def error(cause, advice=None):
-    """EvalError of `cause` (a line, or the exception saying it)."""
-    if isinstance(cause, Exception):
-      cause = checkpoints.reason(cause).rsplit('; ', 1)[-1]
+    """EvalError of `cause`, the line saying what failed."""
     return EvalError(
         f'could not write {PRECISION_TAG} to --eval_dir {eval_dir} ({cause}). '
         f'{advice or checkpoints.advice(cause)}, or pass another --eval_dir; the checkpoints '
@@ -113,15 +111,16 @@ def precision_writer(eval_dir):
           # A full disk leaves the new event file empty: remove it, so a failed
           # write changes nothing.
           for name in set(os.listdir(eval_dir)) - before:
+            path = os.path.join(eval_dir, name)
             with contextlib.suppress(OSError):
-              if os.path.getsize(os.path.join(eval_dir, name)) == 0:
-                os.remove(os.path.join(eval_dir, name))
+              if os.path.getsize(path) == 0:
+                os.remove(path)
           raise
       with writer.as_default():
         tf.summary.scalar(PRECISION_TAG, precision, step=int(global_step))
       writer.flush()
     except (tf.errors.OpError, OSError) as e:
-      raise error(e) from None
+      raise error(checkpoints.reason(e).rsplit('; ', 1)[-1]) from None
 
   try:
     yield write
@@ -201,7 +200,7 @@ def count_correct(batches, data_dir, num_examples, global_step, should_stop=None
 def _identity(contents):
   """What tells a new checkpoint from one already evaluated: name and time."""
   try:
-    mtime = os.stat(contents.path + '.index').st_mtime_ns
+    mtime = os.stat(f'{contents.path}.index').st_mtime_ns
   except OSError:
     mtime = None  # deleted since it was read; its contents are still whole
   return contents.path, mtime
@@ -243,8 +242,7 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
       return run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, eval_dir)
   once = interval_secs is None
   results, seen, said = [], set(), set()
-  waiting = False
-  current = None  # the checkpoint being evaluated, for the stop line
+  waiting, cut = False, ''  # cut: a stop line's note of an evaluation the stop cut short
   with precision_writer(eval_dir) as write:
     while not stop.requested and (max_evals is None or len(results) < max_evals):
       found = checkpoints.newest_intact(checkpoint_dir)
@@ -269,20 +267,20 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
               'trained into.')
         if not waiting:
           damaged = found.skipped or found.state_problem
-          logger.info('No %scheckpoint in %s yet; looking again every %g s.',
-                      'intact ' if damaged else '', checkpoint_dir, interval_secs)
+          logger.info(f"No {'intact ' if damaged else ''}checkpoint in {checkpoint_dir} yet; "
+                      f'looking again every {interval_secs:g} s.')
         waiting = True
       elif (identity := _identity(contents)) not in seen:
-        waiting, current = False, contents.path
+        waiting = False
         counts = evaluate(contents, should_stop=lambda: stop.requested)
         if counts is None:  # a signal cut it short
+          cut = f'; the evaluation of {os.path.basename(contents.path)} was cut short'
           break
-        current = None
         seen.add(identity)
         precision = counts.true_count / counts.total_count
         # Upstream's result line, with the global step and the checkpoint evaluated.
-        logger.info('%s: precision @ 1 = %.3f (global step %s, %s)', datetime.datetime.now(),
-                    precision, counts.global_step, os.path.basename(contents.path))
+        logger.info(f'{datetime.datetime.now()}: precision @ 1 = {precision:.3f} (global step '
+                    f'{counts.global_step}, {os.path.basename(contents.path)})')
         results.append(Evaluation(contents.path, precision, counts.global_step))
         write(precision, counts.global_step)
         if once:
@@ -292,6 +290,5 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
   if stop.requested:  # the one ending line, on stderr: what was evaluated, and what was cut short
     done = (f'{len(results)} checkpoint(s), the last {os.path.basename(results[-1].path)} at '
             f'global step {results[-1].global_step}' if results else 'no checkpoint')
-    cut = f'; the evaluation of {os.path.basename(current)} was cut short' if current else ''
     ending.say(f'Stopped by {stop.signal_name}; evaluated {done}{cut}.')
   return results

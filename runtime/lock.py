@@ -103,8 +103,7 @@ def check(directory):
   """
   path = os.path.join(directory, LOCK_FILE)
   handle = _held.get(path)
-  if handle is None or _ours(handle, path):
-    return
-  raise LockError(
-      f'{directory} was removed, or its lock file {LOCK_FILE}, while this run trained in it; '
-      'stopped without writing there again, as another run may have started in it since.')
+  if handle and not _ours(handle, path):
+    raise LockError(
+        f'{directory} was removed, or its lock file {LOCK_FILE}, while this run trained in '
+        'it; stopped without writing there again, as another run may have started in it since.')

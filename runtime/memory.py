@@ -133,23 +133,21 @@ def _field(name, *path):
   return _NO_LIMIT if match[1] == 'max' else int(match[1]) * (1024 if match[2] else 1)
 
 
-_CGROUP_FILES = {  # version: (its limit, its usage, memory.stat's reclaimable page cache)
-    'v2': ('memory.max', 'memory.current', 'inactive_file'),
-    'v1': ('memory.limit_in_bytes', 'memory.usage_in_bytes', 'total_inactive_file'),
-}
-
-
 def _headrooms(proc, cgroup_root):
-  """(bytes or None, where) of MemAvailable and of the headroom under each cgroup memory limit."""
+  """(bytes, where) of MemAvailable, if known, and of the headroom under each cgroup limit."""
   meminfo = os.path.join(proc, 'meminfo')
-  yield _field('MemAvailable', meminfo), f'MemAvailable in {meminfo}'
+  if (free := _field('MemAvailable', meminfo)) is not None:
+    yield free, f'MemAvailable in {meminfo}'
   for line in _read(proc, 'self', 'cgroup').splitlines():
     _, controllers, path = line.split(':', 2)
     if controllers and 'memory' not in controllers.split(','):
       continue
-    # v2 ('0::/path'): one unified hierarchy; v1: the memory controller's own.
-    base = os.path.join(cgroup_root, 'memory') if controllers else cgroup_root
-    limit_file, usage_file, cache = _CGROUP_FILES['v1' if controllers else 'v2']
+    # Where the hierarchy is, its limit, its usage, memory.stat's reclaimable page cache:
+    # v1's memory controller, or v2's one unified hierarchy ('0::/path').
+    base, limit_file, usage_file, cache = (
+        (os.path.join(cgroup_root, 'memory'), 'memory.limit_in_bytes', 'memory.usage_in_bytes',
+         'total_inactive_file') if controllers else
+        (cgroup_root, 'memory.max', 'memory.current', 'inactive_file'))
     # This cgroup and every ancestor: each limit applies. In a container the
     # mount's root is the container's own cgroup, whatever the path says.
     parts = [part for part in path.split('/') if part]
@@ -175,8 +173,7 @@ def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
   Returns:
     (bytes, str naming the source) or (None, None) when neither can be read.
   """
-  free, source = min((found for found in _headrooms(proc, cgroup_root) if found[0] is not None),
-                     default=(None, None))
+  free, source = min(_headrooms(proc, cgroup_root), default=(None, None))
   if free is None:
     return None, None
   statm = _read(proc, 'self', 'statm').split()

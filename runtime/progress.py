@@ -46,12 +46,12 @@ class Progress:
     self._quarters = 0  # quarters of the total said so far
 
   def __enter__(self):
-    if self._bar is not None:
+    if self.terminal:
       self._bar.__enter__()
     return self
 
   def __exit__(self, *exc):
-    if self._bar is not None:
+    if self.terminal:
       self._bar.__exit__(*exc)  # ends the bar's line
 
   def stage(self, done, line, item=None):
@@ -62,14 +62,14 @@ class Progress:
       line: str, what the stage does, printed without a terminal.
       item: optional str, what the bar shows beside it on a terminal.
     """
-    if self._bar is None:
-      self._say(line)
-    else:
+    if self.terminal:
       self._move(done, item)
+    else:
+      self._say(line)
 
   def update(self, done):
     """`done` units of the total are done; prints at most a quarter's line."""
-    if self._bar is not None:
+    if self.terminal:
       self._move(done)
       return
     # Nothing to say at 0, nor at the end: the result comes next.
@@ -109,7 +109,7 @@ def end_line():
   """Ends the line a log line left open on a terminal, so what follows starts on its own."""
   global _open_line  # pylint: disable=global-statement
   stream, _open_line = _open_line, None
-  if stream is not None:
+  if stream:
     try:
       stream.write('\n')
       stream.flush()

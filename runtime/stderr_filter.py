@@ -81,7 +81,7 @@ def install():
   """Filters fd 2 for the rest of the process; a no-op when already installed."""
   global _state  # pylint: disable=global-statement
   with _lock:
-    if _state is None:
+    if not _state:
       _state = _Filter()
       atexit.register(restore)
 
@@ -94,7 +94,8 @@ def _write(fd, data):
       return
 
 
-def _flush_python():
+def flush_python():
+  """Flushes sys.stdout and sys.stderr, quietly (either may be closed, or None)."""
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
@@ -112,8 +113,8 @@ def restore():
   global _state  # pylint: disable=global-statement
   with _lock:
     state, _state = _state, None
-  if state is not None:
-    _flush_python()
+  if state:
+    flush_python()
     state.close()
 
 
@@ -125,17 +126,17 @@ def say(line):
   writes to sys.stderr. Without the filter (a library call, a test's
   CliRunner), to sys.stderr. Never raises.
   """
-  if _state is None:
+  if not _state:
     try:
       print(line, file=sys.stderr, flush=True)
     except (OSError, ValueError):
       pass
     return
-  _flush_python()
-  _write(2, _SAY + (line + '\n').encode('utf-8', 'replace'))
+  flush_python()
+  _write(2, _SAY + f'{line}\n'.encode('utf-8', 'replace'))
 
 
 def real_stderr():
   """The fd of the real stderr (2 when no filter is installed), for a child that outlives us."""
   with _lock:
-    return _state.real if _state is not None else 2
+    return _state.real if _state else 2

@@ -74,9 +74,9 @@ class LogWindow:
 
   def line(self, step, loss, max_steps=None):
     """`log_line` with the window's means; starts the next window."""
-    examples_per_sec, sec_per_batch = self.rates()
+    rates = self.rates()  # (examples/sec, sec/batch)
     self.__init__()
-    return log_line(step, loss, examples_per_sec, sec_per_batch, max_steps)
+    return log_line(step, loss, *rates, max_steps)
 
 
 class Run:
@@ -152,6 +152,7 @@ def train_loop(config, stop, run, step, on_step=None):
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
   first_step, window, writer, voted = step, LogWindow(), None, False
+  write_errors = (RuntimeError, OSError, tf.errors.OpError)  # e.g. disk full
   try:
     try:
       while step < config.max_steps and not voted and not (run.alone and stop.requested):
@@ -176,12 +177,12 @@ def train_loop(config, stop, run, step, on_step=None):
         if step % config.log_every == 0 and run.chief:
           logger.info(window.line(step, sum(tower_losses) / len(tower_losses), config.max_steps),
                       extra=progress.IN_PLACE)
-        if on_step is not None:
+        if on_step:
           on_step(step, seconds if step_seconds is None else step_seconds, run.images)
         if write_summary:
           try:
             run.write_summaries(writer, step, summary)
-          except (RuntimeError, OSError, tf.errors.OpError) as e:  # e.g. disk full
+          except write_errors as e:
             raise checkpoints.write_failed(run.write_dir, 'TensorBoard summaries', e) from e
         if step % config.save_every == 0:
           run.save()
@@ -196,20 +197,19 @@ def train_loop(config, stop, run, step, on_step=None):
         try:
           if writer is not None:
             writer.close()
-        except (RuntimeError, OSError, tf.errors.OpError) as e:
-          logger.warning('could not write the last TensorBoard summaries to %s (%s).',
-                         run.write_dir, str(e).strip().splitlines()[0])
+        except write_errors as e:
+          logger.warning(f'could not write the last TensorBoard summaries to {run.write_dir} '
+                         f'({str(e).strip().splitlines()[0]}).')
   except run.peer_errors as e:
     return run.lost_peers(e, step, first_step, run.save, stop)
   except Exception as e:  # pylint: disable=broad-except
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
-    raise ending.failed(e, first_step, step, run.held, run.save.last_saved, run.save,
-                        config.train_dir) from e
+    raise ending.failed(e, first_step, step, run, config.train_dir) from e
   if voted or (run.alone and stop.requested):  # a stop during the last save too
     run.report_stop(stop.signal_name, step, path)
   elif run.chief:
-    logger.info('Done: the newest checkpoint is %s. Evaluate it: %s', path, prog.command(
+    logger.info(f'Done: the newest checkpoint is {path}. Evaluate it: ' + prog.command(
         f'eval --run_once --checkpoint_dir {config.train_dir} --data_dir {config.data_dir}'))
   return step
 
@@ -284,7 +284,7 @@ def sparsity_tag(prefix, layer):
 
 def gradients_tag(variable_name):
   """The averaged gradient of a variable: 'conv1/weights/gradients'."""
-  return variable_name + '/gradients'
+  return f'{variable_name}/gradients'
 
 
 def image_tags():
@@ -485,22 +485,38 @@ class StopRequest:
     self.callbacks = []  # while_blocked callbacks, innermost last
     self.raising_depth = 0  # depth of `raising` blocks (main thread only)
     self._raised = False  # a `raising` block has raised Stopped
-    self._previous = {}  # signal -> its handler before `install`
+    self._previous = {}  # signal -> its handler before `__enter__`
     self._watcher = None
 
   def __enter__(self):
-    if StopRequest._active is not None:
+    if StopRequest._active:
       return StopRequest._active  # nested: share the outer request
     if threading.current_thread() is threading.main_thread():
-      self._install()
+      for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
+          self._previous[sig] = signal.signal(sig, self._handle)
+      self._reader, self._writer = socket.socketpair()
+      self._writer.setblocking(False)
+      self._previous_wakeup_fd = signal.set_wakeup_fd(
+          self._writer.fileno(), warn_on_full_buffer=False)
+      self._watcher = threading.Thread(target=self._watch, name='stop-request', daemon=True)
+      self._watcher.start()
     StopRequest._active = self
     return self
 
   def __exit__(self, *exc):
-    if StopRequest._active is self:
-      StopRequest._active = None
-      self._uninstall()
-    return False
+    if StopRequest._active is not self:
+      return
+    StopRequest._active = None
+    if self._watcher:  # installed (in the main thread)
+      signal.set_wakeup_fd(self._previous_wakeup_fd)
+      for sig, handler in self._previous.items():
+        # None: a handler not set from Python, i.e. the default.
+        signal.signal(sig, handler or signal.SIG_DFL)
+      self._writer.close()  # the watcher's recv returns b'': it ends
+      self._watcher.join(timeout=5)
+      self._reader.close()
+      self._watcher = None
 
   @property
   def requested(self):
@@ -525,7 +541,7 @@ class StopRequest:
     may use what the block's owner closes after the block (a Session).
     """
     with self.lock:
-      if self.event.is_set():
+      if self.requested:
         _run_callback(callback, self.signal_name)
       self.callbacks.append(callback)
     try:
@@ -546,36 +562,13 @@ class StopRequest:
     as soon as a call into C++ returns. Raises at entry if a stop came
     before. Blocks nest; outside the main thread nothing is raised.
     """
-    if self.event.is_set():
+    if self.requested:
       raise Stopped(self.signal_name)
     self.raising_depth += 1
     try:
       yield
     finally:
       self.raising_depth -= 1
-
-  def _install(self):
-    for sig in STOP_SIGNALS:
-      if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
-        self._previous[sig] = signal.signal(sig, self._handle)
-    self._reader, self._writer = socket.socketpair()
-    self._writer.setblocking(False)
-    self._previous_wakeup_fd = signal.set_wakeup_fd(
-        self._writer.fileno(), warn_on_full_buffer=False)
-    self._watcher = threading.Thread(target=self._watch, name='stop-request', daemon=True)
-    self._watcher.start()
-
-  def _uninstall(self):
-    if self._watcher is None:
-      return
-    signal.set_wakeup_fd(self._previous_wakeup_fd)
-    for sig, handler in self._previous.items():
-      # None: a handler not set from Python, i.e. the default.
-      signal.signal(sig, handler or signal.SIG_DFL)
-    self._writer.close()  # the watcher's recv returns b'': it ends
-    self._watcher.join(timeout=5)
-    self._reader.close()
-    self._watcher = None
 
   def _stop(self, signum):
     # No lock: the main thread's handler may run while that thread holds one.
@@ -617,17 +610,10 @@ def _run_callback(callback, name):
   try:
     callback(name)
   except Exception as e:  # pylint: disable=broad-except
-    logger.warning('while stopping: %s: %s', type(e).__name__, e)
+    logger.warning(f'while stopping: {type(e).__name__}: {e}')
 
 
 def exit_status(signal_name):
-  """The shell's exit status of a run stopped by `signal_name`: 128 + its number.
-
-  130 for SIGINT (also for a KeyboardInterrupt), 143 for SIGTERM, 1 otherwise.
-  """
-  if signal_name == 'KeyboardInterrupt':
-    signal_name = 'SIGINT'
-  try:
-    return 128 + int(signal.Signals[signal_name])
-  except KeyError:
-    return 1
+  """The shell's exit status of a run stopped by `signal_name` (a StopRequest's): 128 + its
+  number, as if the signal had killed it: 130 for SIGINT, 143 for SIGTERM."""
+  return 128 + signal.Signals[signal_name]
