@@ -68,11 +68,12 @@ def state_of(contents):
   found = {}
   for name, shape in modern_checkpoints.legacy_shapes(optimizer).items():
     tensor = found[name] = tensors.get(key_of(name))
-    if tensor is None or tensor.shape != tuple(shape):
-      raise ConvertError('%s is a checkpoint of another model%s; %s' % (
-          path, ', or an incomplete one: it lacks %s' % name if tensor is None else
-          ': it holds %s with shape %s, this model has %s' % (name, list(tensor.shape),
-                                                              list(shape)), _PASS_A_TRAIN_DIR))
+    if tensor is None:
+      raise ConvertError(f'{path} is a checkpoint of another model, or an incomplete one: it '
+                         f'lacks {name}; {_PASS_A_TRAIN_DIR}')
+    if tensor.shape != tuple(shape):
+      raise ConvertError(f'{path} is a checkpoint of another model: it holds {name} with shape '
+                         f'{list(tensor.shape)}, this model has {list(shape)}; {_PASS_A_TRAIN_DIR}')
   names = model_spec.VARIABLE_NAMES
   return (kind, {name: found[name] for name in names},
           {name: found[model_spec.average_name(name)] for name in names},
@@ -161,10 +162,10 @@ def _check_directories(from_dir, to_dir):
   """
   source, target = os.path.realpath(from_dir), os.path.realpath(to_dir)
   if os.path.commonpath([source, target]) == source:
-    raise ConvertError('--to_dir %s is %s, --from_dir %s or inside it: the converted checkpoint '
-                       'goes to a directory of its own. Pass a new or empty directory outside '
-                       'it as --to_dir, e.g. %s_converted; nothing was converted.'
-                       % (to_dir, target, from_dir, source))
+    raise ConvertError(f'--to_dir {to_dir} is {target}, --from_dir {from_dir} or inside it: the '
+                       'converted checkpoint goes to a directory of its own. Pass a new or empty '
+                       f'directory outside it as --to_dir, e.g. {source}_converted; nothing was '
+                       'converted.')
 
 
 def convert(from_dir, to_dir):
@@ -191,19 +192,19 @@ def convert(from_dir, to_dir):
   _check_directories(from_dir, to_dir)
   contents = checkpoints.for_conversion(from_dir)
   if contents is None:
-    raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
-                       % from_dir)
+    raise ConvertError(f'no checkpoint in {from_dir}; pass as --from_dir the train_dir you '
+                       'trained into.')
   if os.path.isdir(to_dir) and os.listdir(to_dir):
-    raise ConvertError('%s is not empty; pass a new or empty directory as '
-                       '--to_dir (nothing there was changed).' % to_dir)
+    raise ConvertError(f'{to_dir} is not empty; pass a new or empty directory as '
+                       '--to_dir (nothing there was changed).')
   kind, values, shadows, step, optimizer, slots = state_of(contents)
-  to_kind = checkpoints.MODERN if kind == checkpoints.LEGACY else checkpoints.LEGACY
+  to_kind, writer = ((checkpoints.MODERN, write_modern) if kind == checkpoints.LEGACY
+                     else (checkpoints.LEGACY, write_legacy))
   target = os.path.abspath(to_dir)
-  staging = '%s.converting-%d' % (target, os.getpid())
+  staging = f'{target}.converting-{os.getpid()}'
   shutil.rmtree(staging, ignore_errors=True)
   os.makedirs(staging)
   try:
-    writer = write_modern if to_kind == checkpoints.MODERN else write_legacy
     prefix = writer(staging, values, shadows, step, optimizer, slots)
     if os.path.isdir(target):
       os.rmdir(target)  # empty, checked above
@@ -213,9 +214,10 @@ def convert(from_dir, to_dir):
     raise
   path = os.path.join(target, os.path.basename(prefix))
   # A resume with another --optimizer is refused: say which one it needs.
-  again = '' if optimizer == optimizer_lib.SGD else ' --optimizer ' + optimizer
-  logger.info('Converted the %s checkpoint of %s at global step %d to a %s checkpoint '
-              '(optimizer %s, its slots included): %s\nContinue with `%s`.', kind, from_dir,
-              step, to_kind, optimizer, path,
-              prog.command('%s --train_dir %s%s' % (to_kind, to_dir, again)))
+  again = '' if optimizer == optimizer_lib.SGD else f' --optimizer {optimizer}'
+  command = prog.command(f'{to_kind} --train_dir {to_dir}{again}')
+  logger.info(f'Converted the {kind} checkpoint of {from_dir} at global step {step} to a '
+              f'{to_kind} checkpoint (optimizer {optimizer}, its slots included): {path}\n'
+              f'Continue with `{command}`.')
+
   return kind, to_kind, step, path
