@@ -127,8 +127,7 @@ def _download(data_dir):
                           file=sys.stderr)
   try:
     return download.maybe_download_and_extract(
-        data_dir, url=url, sha256=download.ARCHIVE_SHA256,
-        progress=lambda done, total: bar.update(done - bar.pos))
+        data_dir, url=url, progress=lambda done, total: bar.update(done - bar.pos))
   finally:
     if bar.pos:  # drawn: end its line
       bar.render_finish()
@@ -207,8 +206,7 @@ def _train(impl, run_crosscheck, **options):
   # Until the first step nothing is written, so there a stop ends the run at
   # once (training.Stopped, which _Group.invoke reports).
   with click.get_current_context().obj.raising():
-    why = _cannot_write(options['train_dir'])
-    if why:
+    if why := _cannot_write(options['train_dir']):
       raise click.BadParameter(why + '; pass another --train_dir.', param_hint='--train_dir')
     if impl == 'modern':
       _check_distribution(run_crosscheck=run_crosscheck, **options)
@@ -476,7 +474,7 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
   failed = [engine for engine, report in reports.items() if not report.passed]
   if not failed:
     return
-  if all(' identity ' in row[0] for engine in failed for row in reports[engine].failures()):
+  if all(' identity ' in check for report in reports.values() for check, *_ in report.failures()):
     why = ('legacy and modern agree, but in both N towers differ from 1 tower on their images; '
            'on a GPU, cuDNN\'s arithmetic changes with the batch (docs/equivalence.md §3): '
            'try another --batch_size.')
@@ -561,10 +559,10 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 
 
 @cli.command()
-@click.option('--from_dir', type=click.Path(exists=True, file_okay=False), required=True,
-              help='A train_dir of either trainer; its newest checkpoint is converted.')
-@click.option('--to_dir', type=_DIR, required=True, help='A new or empty directory, '
-              'outside --from_dir, for the other trainer\'s checkpoint.')
+@_option('--from_dir', click.Path(exists=True, file_okay=False), None,
+         'A train_dir of either trainer; its newest checkpoint is converted.', required=True)
+@_option('--to_dir', _DIR, None, 'A new or empty directory, outside --from_dir, for the other '
+         'trainer\'s checkpoint.', required=True)
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
 
@@ -763,8 +761,9 @@ def main():
   try:
     cli()  # pylint: disable=no-value-for-parameter
   except SystemExit as e:
-    if _stopped_by_signal:
-      ending.exit_now(e.code if isinstance(e.code, int) else 1)
+    if _stopped_by_signal:  # by ctx.exit(training.exit_status(...)): an int
+      ending.exit_now(e.code)
+
     raise
 
 

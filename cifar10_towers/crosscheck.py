@@ -73,8 +73,8 @@ def initial_values(seed):
     w = rng.standard_normal(layer.weight_shape)
     while (bad := np.abs(w) > 2.0).any():
       w[bad] = rng.standard_normal(int(bad.sum()))
-    values[layer.name + '/weights'] = (w * layer.stddev).astype(np.float32)
-    values[layer.name + '/biases'] = np.full(layer.weight_shape[-1:],
+    values[f'{layer.name}/weights'] = (w * layer.stddev).astype(np.float32)
+    values[f'{layer.name}/biases'] = np.full(layer.weight_shape[-1:],
                                              layer.bias_init, np.float32)
   return values
 
@@ -238,7 +238,7 @@ def write_evidence(path_dir, images, labels, init, report):
   if report.optimizer.clips_averaged:
     groups.append(('clipped_grad', 'applied'))
   for impl, result in (('legacy', report.legacy), ('modern', report.modern)):
-    arrays[impl + '/tower_loss'] = np.asarray(result.tower_losses, np.float32)
+    arrays[f'{impl}/tower_loss'] = np.asarray(result.tower_losses, np.float32)
     for what, field in groups:
       arrays.update((f'{impl}/{what}/{key}', np.asarray(value, np.float32))
                     for key, value in getattr(result, field).items())
@@ -256,8 +256,10 @@ def _legacy_run(plan, images, labels, steps, init, decay_steps, optimizer):
   prefetch queue (convert.legacy_session); the variables and their moving
   averages start at `init`, the optimizer's slots as TF1 creates them.
   """
-  with convert.legacy_session(images, labels, plan, decay_steps, optimizer, init, init) as (
-      sess, towers, variables):
+  shadows = {model_spec.average_name(name): value for name, value in init.items()}
+  with convert.legacy_session(images, labels, plan, decay_steps, optimizer,
+                              {**init, **shadows}) as (sess, towers, variables):
+
     start = sess.run([{v.op.name: g for g, v in gv}
                       for gv in (towers.averaged_grads, towers.applied_grads)]
                      + [towers.tower_losses])
