@@ -127,7 +127,8 @@ def _download(data_dir):
                           file=sys.stderr)
   try:
     return download.maybe_download_and_extract(
-        data_dir, url=url, progress=lambda done, total: bar.update(done - bar.pos))
+        data_dir, url=url, sha256=download.ARCHIVE_SHA256,
+        progress=lambda done, total: bar.update(done - bar.pos))
   finally:
     if bar.pos:  # drawn: end its line
       bar.render_finish()
@@ -423,7 +424,8 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   if (num_examples or 0) > num_records:
     logger.warning(f'--num_examples {num_examples} is more than the {num_records} records of '
                    f'the test set in {data_dir}; evaluating all {num_records}.')
-  num_records = min(num_examples or num_records, num_records)
+  elif num_examples:
+    num_records = num_examples
   if eval_dir is None:
     # Deviation from upstream: eval's summaries go under the train_dir it
     # evaluates, so `tensorboard --logdir TRAIN_DIR` shows a run's training and
@@ -648,6 +650,7 @@ def data(ctx):
 _DATA_DIR = _data_dir('Directory that holds (or will hold) cifar-10-batches-bin/.')
 _FORCE = _option('--force', bool, False, 'Also replace data this command did not write: '
                  'CIFAR-10, your own, or the other generator\'s.')
+_SEED = _option('--seed', int, 0)
 
 
 def _generate(data_dir, generator, force, write):
@@ -689,7 +692,7 @@ def _say_if_generated(data_dir, doing):
 @_DATA_DIR
 @_option('--train_per_file', _POSITIVE, 1000, 'Records in each of the 5 training files.')
 @_option('--num_test', _POSITIVE, 1000, 'Records in test_batch.bin.')
-@_option('--seed', int, 0)
+@_SEED
 @_FORCE
 def synth(data_dir, train_per_file, num_test, seed, force):
   """Generate learnable CIFAR-format data (works offline)."""
@@ -742,7 +745,7 @@ def check(data_dir):
 
 @data.command()
 @_DATA_DIR
-@_option('--seed', int, 0)
+@_SEED
 @_FORCE
 def digits(data_dir, seed, force):
   """Convert scikit-learn's bundled handwritten digits (a real image set) to CIFAR format."""

@@ -197,9 +197,7 @@ def convert(from_dir, to_dir):
   os.makedirs(staging)
   try:
     prefix = writer(staging, values, optimizer)
-    if os.path.isdir(target):
-      os.rmdir(target)  # empty, checked above
-    os.rename(staging, target)
+    os.rename(staging, target)  # POSIX: also onto an empty directory (checked above)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
