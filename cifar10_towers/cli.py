@@ -486,7 +486,6 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
       f'cross-check failed for legacy vs {" and ".join(failed)} (rows marked FAIL above): {why}')
 
 
-
 # `crosscheck` and `profile`: N towers, two by default.
 _NUM_TOWERS_N = _option('--num_gpus', _TOWERS, 2, 'Number of towers N.')
 
@@ -671,7 +670,8 @@ def _generate(data_dir, generator, force, write):
       raise click.ClickException(
           f'{data_dir} holds {marker["what"]}; left it as it is. Pass --force to replace it '
           f'with generated data ({generator}), or pass another --data_dir.')
-    replacing = f', replacing the {marker["what"]} there{"" if own else " (--force)"}'
+    forced = '' if own else ' (--force)'
+    replacing = f', replacing the {marker["what"]} there{forced}'
   counts = write()
   test = counts.pop('test_batch.bin', 0)  # the others: training files
   click.echo(f'Wrote {sum(counts.values())} training and {test} test records of generated data '

@@ -204,7 +204,6 @@ def compare(legacy, modern, optimizer, lr_total, grad_rtol=GRAD_RTOL):
   return Report(rows, legacy, modern, optimizer)
 
 
-
 def format_report(report):
   """The per-variable table, one row per figure, then the verdict."""
   lines = [f'{"check":56} {"variable / tower":32} {"rel diff":>11} {"tolerance":>9}  ']
@@ -226,7 +225,6 @@ def format_report(report):
                else f'PASS: all {len(report.rows)} figures within the contract '
                '(docs/equivalence.md §2).')
   return '\n'.join(lines)
-
 
 
 def write_evidence(path_dir, images, labels, init, report):
@@ -259,7 +257,6 @@ def _legacy_run(plan, images, labels, steps, init, decay_steps, optimizer):
   shadows = {model_spec.average_name(name): value for name, value in init.items()}
   with convert.legacy_session(images, labels, plan, decay_steps, optimizer,
                               {**init, **shadows}) as (sess, towers, variables):
-
     start = sess.run([{v.op.name: g for g, v in gv}
                       for gv in (towers.averaged_grads, towers.applied_grads)]
                      + [towers.tower_losses])
@@ -295,7 +292,6 @@ def _modern_run(engine, plan, images, labels, steps, init, decay_steps, optimize
 
 def _numpy(tensors):
   return {name: np.asarray(value) for name, value in tensors.items()}
-
 
 
 def _result(run, plan, images, labels, *args):
