@@ -95,10 +95,10 @@ def _cannot_write(directory):
   while not os.path.exists(probe):
     probe = os.path.dirname(probe) or '.'
   if not os.path.isdir(probe):
-    return '%s is a file, %s' % (probe, 'not a directory' if probe == directory
-                                 else 'so %s cannot be created under it' % directory)
+    why = 'not a directory' if probe == directory else f'so {directory} cannot be created under it'
+    return f'{probe} is a file, {why}'
   if not os.access(probe, os.W_OK | os.X_OK):
-    return '%s is not writable' % probe
+    return f'{probe} is not writable'
 
 
 def _ensure_train_data(data_dir):
@@ -115,15 +115,15 @@ def _ensure_train_data(data_dir):
     _download(data_dir)
   # Fail before building a graph on sizes and label bytes; say which files
   # cannot be real data (all one image, one label, copies), and go on.
-  fmt.checked_files(data_dir, True, 'training goes on (`%s` lists every problem).'
-                    % prog.command('data check --data_dir %s' % data_dir))
+  check = prog.command(f'data check --data_dir {data_dir}')
+  fmt.checked_files(data_dir, True, f'training goes on (`{check}` lists every problem).')
 
 
 def _download(data_dir):
   """Downloads and unpacks CIFAR-10 unless it is there, with a bar on stderr once it begins."""
   from cifar10_towers.datasets import download
   url = os.environ.get('CIFAR10_DATA_URL', download.DATA_URL)
-  bar = click.progressbar(length=download.ARCHIVE_BYTES, label='Downloading %s' % url,
+  bar = click.progressbar(length=download.ARCHIVE_BYTES, label=f'Downloading {url}',
                           file=sys.stderr)
   try:
     return download.maybe_download_and_extract(
@@ -194,8 +194,8 @@ def _optimizer_from(options):
   for name in _given('momentum', 'adam_beta1', 'adam_beta2', 'adam_epsilon'):
     needs = name.split('_')[0]  # momentum, or adam for the adam_* flags
     if optimizer.name != needs:
-      raise click.UsageError('--%s is for --optimizer %s (this run has --optimizer '
-                             '%s).' % (name, needs, optimizer.name))
+      raise click.UsageError(f'--{name} is for --optimizer {needs} (this run has --optimizer '
+                             f'{optimizer.name}).')
   if _given('clip_where') and optimizer.clip_norm is None:
     raise click.UsageError('--clip_where needs --clip_norm.')
   return optimizer
@@ -207,8 +207,7 @@ def _train(impl, run_crosscheck, **options):
   # Until the first step nothing is written, so there a stop ends the run at
   # once (training.Stopped, which _Group.invoke reports).
   with click.get_current_context().obj.raising():
-    why = _cannot_write(options['train_dir'])
-    if why:
+    if why := _cannot_write(options['train_dir']):
       raise click.BadParameter(why + '; pass another --train_dir.', param_hint='--train_dir')
     if impl == 'modern':
       _check_distribution(run_crosscheck=run_crosscheck, **options)
@@ -224,7 +223,7 @@ def _train(impl, run_crosscheck, **options):
       # (docs/equivalence.md §3), which the N-tower identity cannot survive.
       _crosscheck(plan, optimizer, config.strategy, seed=config.seed or 0,
                   data_dir=config.data_dir)
-    trainer = importlib.import_module('cifar10_towers.%s.train' % impl)
+    trainer = importlib.import_module(f'cifar10_towers.{impl}.train')
   try:
     trainer.train(config, plan)
   finally:
@@ -282,8 +281,8 @@ class _Group(click.Group):
         raise
       name, command = getattr(e, 'signal_name', stop.signal_name), ctx.meta.get(_COMMAND)
       ending.say(str(training.Stopped(name)) if command in _IMPLS
-                 else 'Stopped by %s; `%s` did not finish, and left nothing '
-                 'half-written.' % (name, command))
+                 else f'Stopped by {name}; `{command}` did not finish, and left nothing '
+                 'half-written.')
     if not stop.requested:
       return
     # Set when a signal stopped the command. By then the checkpoint is
@@ -341,12 +340,11 @@ def _check_distribution(num_gpus, strategy, worker_hosts, task_index, run_crossc
   given = _given('worker_hosts', 'task_index', 'startup_timeout')
   if strategy != 'multiworker':
     if given:
-      raise click.UsageError('--%s is for --strategy multiworker.' % given[0])
+      raise click.UsageError(f'--{given[0]} is for --strategy multiworker.')
     return
   if run_crosscheck:
-    raise click.UsageError('--crosscheck runs in one process; run `%s` before '
-                           'a --strategy multiworker run.'
-                           % prog.command('crosscheck'))
+    raise click.UsageError(f'--crosscheck runs in one process; run `{prog.command("crosscheck")}` '
+                           'before a --strategy multiworker run.')
   if 'task_index' in given and not worker_hosts:
     raise click.UsageError('--task_index needs --worker_hosts (or set TF_CONFIG '
                            'instead of both).')
@@ -362,8 +360,8 @@ def _check_distribution(num_gpus, strategy, worker_hosts, task_index, run_crossc
   if found < num_gpus:
     raise click.UsageError(
         '--strategy multiworker runs one replica per GPU, and this machine has '
-        '%d GPU(s) for --num_gpus %d; on CPUs TensorFlow runs one replica per '
-        'worker: pass --num_gpus 1 and start more workers.' % (found, num_gpus))
+        f'{found} GPU(s) for --num_gpus {num_gpus}; on CPUs TensorFlow runs one replica per '
+        'worker: pass --num_gpus 1 and start more workers.')
 
 
 @cli.command()
@@ -405,8 +403,8 @@ def modern(**options):
          'Where precision @ 1 goes for TensorBoard (tag "Precision @ 1", at each checkpoint\'s '
          'global step); created if missing, its event files kept (env CIFAR10_EVAL_DIR). '
          'Default: <checkpoint_dir>/eval, so `tensorboard --logdir <checkpoint_dir>` shows '
-         'training and precision together; %s if the checkpoint_dir cannot be written.'
-         % config_lib.DEFAULT_EVAL_DIR, envvar='CIFAR10_EVAL_DIR')
+         f'training and precision together; {config_lib.DEFAULT_EVAL_DIR} if the checkpoint_dir '
+         'cannot be written.', envvar='CIFAR10_EVAL_DIR')
 @click.pass_obj
 def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_once,
                  eval_interval_secs, eval_dir):
@@ -424,9 +422,10 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   _say_if_generated(data_dir, 'Evaluating')
   num_records = fmt.num_examples(paths)
   if (num_examples or 0) > num_records:
-    logger.warning('--num_examples %d is more than the %d records of the test set in '
-                   '%s; evaluating all %d.', num_examples, num_records, data_dir, num_records)
-  num_records = min(num_examples or num_records, num_records)
+    logger.warning(f'--num_examples {num_examples} is more than the {num_records} records of '
+                   f'the test set in {data_dir}; evaluating all {num_records}.')
+  elif num_examples:
+    num_records = num_examples
   if eval_dir is None:
     # Deviation from upstream: eval's summaries go under the train_dir it
     # evaluates, so `tensorboard --logdir TRAIN_DIR` shows a run's training and
@@ -434,8 +433,8 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
     # cannot be written (a read-only copy), said in one line.
     eval_dir = os.path.join(checkpoint_dir, config_lib.EVAL_SUBDIR)
     if _cannot_write(eval_dir):
-      logger.warning('%s cannot be written; precision @ 1 goes to %s for TensorBoard (pass '
-                     '--eval_dir to choose).', checkpoint_dir, config_lib.DEFAULT_EVAL_DIR)
+      logger.warning(f'{checkpoint_dir} cannot be written; precision @ 1 goes to '
+                     f'{config_lib.DEFAULT_EVAL_DIR} for TensorBoard (pass --eval_dir to choose).')
       eval_dir = config_lib.DEFAULT_EVAL_DIR
 
   def evaluate(contents, should_stop):
@@ -448,9 +447,9 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
     begins and a few more if it is slow.
     """
     name = os.path.basename(contents.path)
-    with progress.Progress(num_records, 'Evaluating %s' % name, 'records') as shown:
-      shown.stage(0, 'Evaluating %s on %d test records...' % (name, num_records))
-      evaluator = importlib.import_module('cifar10_towers.%s.eval' % contents.kind)
+    with progress.Progress(num_records, f'Evaluating {name}', 'records') as shown:
+      shown.stage(0, f'Evaluating {name} on {num_records} test records...')
+      evaluator = importlib.import_module(f'cifar10_towers.{contents.kind}.eval')
       return evaluator.evaluate_contents(contents, data_dir, batch_size, num_examples,
                                          should_stop, progress=shown.update)
 
@@ -470,21 +469,21 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
   reports, images, labels, init = crosscheck_lib.run(
       plan, engines=engines, optimizer=optimizer, **run_args)
   for engine, report in reports.items():
-    click.echo('legacy vs modern (%s):\n%s' % (engine, crosscheck_lib.format_report(report)))
+    click.echo(f'legacy vs modern ({engine}):\n{crosscheck_lib.format_report(report)}')
   if dump:
     path = crosscheck_lib.write_evidence(dump, images, labels, init, reports[engines[0]])
-    click.echo('Evidence written to %s.' % path)
+    click.echo(f'Evidence written to {path}.')
   failed = [engine for engine, report in reports.items() if not report.passed]
   if not failed:
     return
-  rows = [row[0] for engine in failed for row in reports[engine].failures()]
+  if all(' identity ' in check for report in reports.values() for check, *_ in report.failures()):
+    why = ('legacy and modern agree, but in both N towers differ from 1 tower on their images; '
+           'on a GPU, cuDNN\'s arithmetic changes with the batch (docs/equivalence.md §3): '
+           'try another --batch_size.')
+  else:
+    why = 'legacy and modern do not compute the same thing.'
   raise click.ClickException(
-      'cross-check failed for legacy vs %s (rows marked FAIL above): %s' % (
-          ' and '.join(failed),
-          'legacy and modern agree, but in both N towers differ from 1 tower on their images; '
-          'on a GPU, cuDNN\'s arithmetic changes with the batch (docs/equivalence.md §3): '
-          'try another --batch_size.' if all(' identity ' in row for row in rows)
-          else 'legacy and modern do not compute the same thing.'))
+      f'cross-check failed for legacy vs {" and ".join(failed)} (rows marked FAIL above): {why}')
 
 
 # `crosscheck` and `profile`: N towers, two by default.
@@ -545,26 +544,26 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
   planned. Writes a Chrome trace, a PNG timeline and the report as JSON.
   """
   if misplace_tower is not None and misplace_tower >= num_gpus:
-    raise click.BadParameter('must be below --num_gpus (%d), got %d'
-                             % (num_gpus, misplace_tower), param_hint='--misplace_tower')
+    raise click.BadParameter(f'must be below --num_gpus ({num_gpus}), got {misplace_tower}',
+                             param_hint='--misplace_tower')
   _ensure_train_data(data_dir)
   plan = devices.plan_devices(num_gpus)  # before TensorFlow starts
   from cifar10_towers.towerprofile import run as profile_lib
-  click.echo('Profiling %d step(s) of %s on %d tower(s) under TensorFlow\'s tracing...'
-             % (steps, impl, num_gpus))
+  click.echo(f'Profiling {steps} step(s) of {impl} on {num_gpus} tower(s) under TensorFlow\'s '
+             'tracing...')
   report, written = profile_lib.profile(
       impl, plan, batch_size, steps, data_dir=data_dir, out_dir=out_dir,
       misplace_tower=misplace_tower)
   click.echo('\n'.join(profile_lib.format_report(report)))
   for name, path in sorted(written.items()):
-    click.echo('Wrote %s (%s).' % (path, name))
+    click.echo(f'Wrote {path} ({name}).')
 
 
 @cli.command()
-@click.option('--from_dir', type=click.Path(exists=True, file_okay=False), required=True,
-              help='A train_dir of either trainer; its newest checkpoint is converted.')
-@click.option('--to_dir', type=_DIR, required=True, help='A new or empty directory, '
-              'outside --from_dir, for the other trainer\'s checkpoint.')
+@_option('--from_dir', click.Path(exists=True, file_okay=False), None,
+         'A train_dir of either trainer; its newest checkpoint is converted.', required=True)
+@_option('--to_dir', _DIR, None, 'A new or empty directory, outside --from_dir, for the other '
+         'trainer\'s checkpoint.', required=True)
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
 
@@ -572,7 +571,7 @@ def convert(from_dir, to_dir):
   (momentum, Adam) move bit for bit; training continues from the converted
   checkpoint and eval gives the same precision.
   """
-  click.echo('Converting the newest checkpoint of %s into %s...' % (from_dir, to_dir))
+  click.echo(f'Converting the newest checkpoint of {from_dir} into {to_dir}...')
   from cifar10_towers import convert as convert_lib
   convert_lib.convert(from_dir, to_dir)
 
@@ -624,7 +623,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
              if p.name not in ('plot_path', 'from_json') and _given(p.name)]
     if given:
       raise click.UsageError('--from_json draws results measured earlier; it takes '
-                             'only --plot, not %s.' % ', '.join(given))
+                             f'only --plot, not {", ".join(given)}.')
     report = bench_lib.read_json(from_json)
   else:
     if plot_path is not None:
@@ -634,22 +633,23 @@ def bench(ctx, json_path, plot_path, from_json, **options):
   click.echo(bench_lib.format_table(report))
   if json_path:  # never with --from_json
     bench_lib.write_json(report, json_path)
-    click.echo('Wrote %s.' % json_path)
+    click.echo(f'Wrote {json_path}.')
   if plot_path is not None:
     bench_lib.plot(report, plot_path)
-    click.echo('Wrote %s.' % plot_path)
+    click.echo(f'Wrote {plot_path}.')
 
 
 @cli.group()
 @click.pass_context
 def data(ctx):
   """Get, generate or check CIFAR-10 data in the binary format."""
-  ctx.meta[_COMMAND] = 'data %s' % ctx.invoked_subcommand
+  ctx.meta[_COMMAND] = f'data {ctx.invoked_subcommand}'
 
 
 _DATA_DIR = _data_dir('Directory that holds (or will hold) cifar-10-batches-bin/.')
 _FORCE = _option('--force', bool, False, 'Also replace data this command did not write: '
                  'CIFAR-10, your own, or the other generator\'s.')
+_SEED = _option('--seed', int, 0)
 
 
 def _generate(data_dir, generator, force, write):
@@ -668,14 +668,15 @@ def _generate(data_dir, generator, force, write):
   if marker['generator'] or generated.holds_data(data_dir):
     if not (own or force):
       raise click.ClickException(
-          '%s holds %s; left it as it is. Pass --force to replace it with generated data '
-          '(%s), or pass another --data_dir.' % (data_dir, marker['what'], generator))
-    replacing = ', replacing the %s there%s' % (marker['what'], '' if own else ' (--force)')
+          f'{data_dir} holds {marker["what"]}; left it as it is. Pass --force to replace it '
+          f'with generated data ({generator}), or pass another --data_dir.')
+    forced = '' if own else ' (--force)'
+    replacing = f', replacing the {marker["what"]} there{forced}'
   counts = write()
   test = counts.pop('test_batch.bin', 0)  # the others: training files
-  click.echo('Wrote %d training and %d test records of generated data (%s) to %s%s. It is '
-             'not CIFAR-10 (%s).' % (sum(counts.values()), test, generator, data_dir,
-                                     replacing, generated.CIFAR10_RESULT))
+  click.echo(f'Wrote {sum(counts.values())} training and {test} test records of generated data '
+             f'({generator}) to {data_dir}{replacing}. It is not CIFAR-10 '
+             f'({generated.CIFAR10_RESULT}).')
 
 
 def _say_if_generated(data_dir, doing):
@@ -683,15 +684,15 @@ def _say_if_generated(data_dir, doing):
   from cifar10_towers.datasets import generated
   marker = generated.read(data_dir)
   if marker is not None:
-    logger.warning('%s on %s in %s, not on CIFAR-10 (%s).', doing, marker['what'], data_dir,
-                   generated.CIFAR10_RESULT)
+    logger.warning(f'{doing} on {marker["what"]} in {data_dir}, not on CIFAR-10 '
+                   f'({generated.CIFAR10_RESULT}).')
 
 
 @data.command()
 @_DATA_DIR
 @_option('--train_per_file', _POSITIVE, 1000, 'Records in each of the 5 training files.')
 @_option('--num_test', _POSITIVE, 1000, 'Records in test_batch.bin.')
-@_option('--seed', int, 0)
+@_SEED
 @_FORCE
 def synth(data_dir, train_per_file, num_test, seed, force):
   """Generate learnable CIFAR-format data (works offline)."""
@@ -705,7 +706,7 @@ def synth(data_dir, train_per_file, num_test, seed, force):
       counts = synth_lib.generate(
           data_dir, train_per_file=train_per_file, num_test=num_test, seed=seed,
           progress=lambda name, number, count: shown.stage(
-              number - 1, 'Generating %s (%d of %d)...' % (name, number, count), name))
+              number - 1, f'Generating {name} ({number} of {count})...', name))
       shown.update(shown.total)
     return counts
 
@@ -717,7 +718,7 @@ def synth(data_dir, train_per_file, num_test, seed, force):
 def download(data_dir):
   """Download and unpack CIFAR-10 (sha256-verified); skipped when present."""
   result = _download(data_dir)
-  click.echo('CIFAR-10 in %s: %s.' % (data_dir, result.replace('_', ' ')))
+  click.echo(f'CIFAR-10 in {data_dir}: {result.replace("_", " ")}.')
 
 
 @data.command()
@@ -729,29 +730,29 @@ def check(data_dir):
   problems, counts = fmt.check_data_dir(data_dir)
   marker = generated.read(data_dir)
   for name, count in counts.items():
-    click.echo('%s: %d records, ok' % (name, count))
+    click.echo(f'{name}: {count} records, ok')
   for problem in problems:
     logger.warning(problem)
-  kind = marker['what'] if marker else ''
   if problems:
-    fix = ('Re-download (`%s`) or regenerate (`%s`)' % (
-        prog.command('data download'), prog.command('data synth --force')) if marker is None
-           else 'Regenerate it (`%s`)' % marker['command'])
-    raise click.ClickException('%d problem(s) in %s%s. %s.' % (
-        len(problems), data_dir, kind and ' (%s)' % kind, fix))
-  click.echo('%s: all %d files are valid%s.' % (
-      data_dir, len(counts), kind and ' %s, not CIFAR-10' % kind))
+    kind = f' ({marker["what"]})' if marker else ''
+    fix = (f'Regenerate it (`{marker["command"]}`)' if marker
+           else f'Re-download (`{prog.command("data download")}`) or regenerate '
+           f'(`{prog.command("data synth --force")}`)')
+    raise click.ClickException(f'{len(problems)} problem(s) in {data_dir}{kind}. {fix}.')
+  kind = f' {marker["what"]}, not CIFAR-10' if marker else ''
+  click.echo(f'{data_dir}: all {len(counts)} files are valid{kind}.')
 
 
 @data.command()
 @_DATA_DIR
-@_option('--seed', int, 0)
+@_SEED
 @_FORCE
 def digits(data_dir, seed, force):
   """Convert scikit-learn's bundled handwritten digits (a real image set) to CIFAR format."""
 
   def write():
-    click.echo('Converting scikit-learn\'s digits to CIFAR format in %s...' % data_dir)
+    click.echo(f'Converting scikit-learn\'s digits to CIFAR format in {data_dir}...')
+
     from cifar10_towers.datasets import digits as digits_lib
     return digits_lib.convert_digits(data_dir, seed=seed)
 
@@ -763,8 +764,9 @@ def main():
   try:
     cli()  # pylint: disable=no-value-for-parameter
   except SystemExit as e:
-    if _stopped_by_signal:
-      ending.exit_now(e.code if isinstance(e.code, int) else 1)
+    if _stopped_by_signal:  # by ctx.exit(training.exit_status(...)): an int
+      ending.exit_now(e.code)
+
     raise
 
 

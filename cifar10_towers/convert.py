@@ -50,12 +50,14 @@ def state_of(contents):
     contents: runtime.checkpoints.Contents.
 
   Returns:
-    (kind, values, shadows, step, optimizer, slots): kind is
-    checkpoints.LEGACY or MODERN; values and shadows map 'conv1/weights' etc.
-    to numpy arrays; step is int (upstream's float32 global step as the int
-    it counts); optimizer is the name of the optimizer that wrote it ('sgd',
-    'momentum', 'adam', by the slots it holds); slots maps each of its slot
-    names (common.optimizer.slot_names) to a numpy array.
+    (kind, optimizer, values): kind is checkpoints.LEGACY or MODERN;
+    optimizer is the name of the optimizer that wrote it ('sgd', 'momentum',
+    'adam', by the slots it holds); values maps the legacy name of every
+    variable a training checkpoint of that optimizer holds
+    (modern.checkpoints.legacy_shapes: 'conv1/weights',
+    'conv1/weights/ExponentialMovingAverage', its slots, 'global_step') to a
+    numpy array, the global step to an int (upstream's float32 global step as
+    the int it counts).
 
   Raises:
     ConvertError: it lacks a variable of this model (or of its optimizer,
@@ -64,34 +66,34 @@ def state_of(contents):
   path, kind, tensors = contents
   key_of = modern_checkpoints.checkpoint_key if kind == checkpoints.MODERN else str
   optimizer = optimizer_lib.of_names(tensors, key_of)
-  slot_names = optimizer_lib.slot_names(optimizer)
-  found = {}
+  values = {}
   for name, shape in modern_checkpoints.legacy_shapes(optimizer).items():
-    tensor = found[name] = tensors.get(key_of(name))
-    if tensor is None or tensor.shape != tuple(shape):
-      raise ConvertError('%s is a checkpoint of another model%s; %s' % (
-          path, ', or an incomplete one: it lacks %s' % name if tensor is None else
-          ': it holds %s with shape %s, this model has %s' % (name, list(tensor.shape),
-                                                              list(shape)), _PASS_A_TRAIN_DIR))
-  names = model_spec.VARIABLE_NAMES
-  return (kind, {name: found[name] for name in names},
-          {name: found[model_spec.average_name(name)] for name in names},
-          checkpoints.global_step(contents), optimizer,
-          {name: found[name] for name in slot_names})
+    tensor = values[name] = tensors.get(key_of(name))
+    if tensor is None:
+      raise ConvertError(f'{path} is a checkpoint of another model, or an incomplete one: it '
+                         f'lacks {name}; {_PASS_A_TRAIN_DIR}')
+    if tensor.shape != tuple(shape):
+      raise ConvertError(f'{path} is a checkpoint of another model: it holds {name} with shape '
+                         f'{list(tensor.shape)}, this model has {list(shape)}; {_PASS_A_TRAIN_DIR}')
+  values['global_step'] = checkpoints.global_step(contents)
+  return kind, optimizer, values
 
 
-def write_modern(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
-                 slots=None):
+def write_modern(directory, values, optimizer):
   """Saves the state as the modern trainer does; returns the checkpoint prefix.
 
-  `optimizer` names the optimizer whose `slots` (name -> array) are saved.
+  `values` is a state as `state_of` returns it, of the optimizer named
+  `optimizer`.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
   state = modern_step.TrainState(_HOST_PLAN, decay_steps=1,
                                  optimizer=optimizer_lib.Optimizer(name=optimizer))
-  state.assign_variables(values, shadows)
-  state.assign_slots(slots or {})
+  names = model_spec.VARIABLE_NAMES
+  state.assign_variables({name: values[name] for name in names},
+                         {name: values[model_spec.average_name(name)] for name in names})
+  state.assign_slots({name: values[name] for name in state.slot_variables()})
+  step = values['global_step']
   state.global_step.assign(step)
   manager = tf.train.CheckpointManager(
       modern_checkpoints.checkpoint_object(state), directory,
@@ -100,33 +102,35 @@ def write_modern(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
   return manager.save(checkpoint_number=step)
 
 
-def write_legacy(directory, values, shadows, step, optimizer=optimizer_lib.SGD,
-                 slots=None):
+def write_legacy(directory, values, optimizer):
   """Saves the state as the legacy trainer does; returns the checkpoint prefix.
 
-  `optimizer` names the optimizer whose `slots` (name -> array) are saved:
-  the graph holds TF1's own optimizer, so the slots are the variables it makes.
+  `values` is a state as `state_of` returns it, of the optimizer named
+  `optimizer`: the graph holds TF1's own optimizer, so the slots are the
+  variables it makes.
 
   The graph is legacy's own (`legacy_session`, fed zeros it never runs), so
   the Saver sees exactly the variables a legacy train_dir holds.
   """
   import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
   with legacy_session(np.zeros([1, 1, 24, 24, 3], np.float32), np.zeros([1, 1], np.int32),
-                      _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer), values, shadows,
-                      {**(slots or {}), 'global_step': np.int64(step)}) as (sess, _, _):
+                      _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer), values) as (
+                          sess, _, _):
     return tf1.train.Saver(tf1.global_variables(), save_relative_paths=True).save(
-        sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME), global_step=step)
+        sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),
+        global_step=values['global_step'])
 
 
 @contextlib.contextmanager
-def legacy_session(images, labels, plan, decay_steps, optimizer, values, shadows, more=None):
+def legacy_session(images, labels, plan, decay_steps, optimizer, values):
   """A Session on legacy's own graph with the variables set as given.
 
   The graph is legacy's `build_towers`, fed the constant tower batches
   `images` [N, B, 24, 24, 3] and `labels` [N, B] instead of the prefetch
-  queue. The weights and their moving averages are set to `values` and
-  `shadows` (name -> array), and each variable `more` names (optimizer
-  slots, 'global_step') to its value there; the rest keep their initial values.
+  queue. Each variable `values` names by its legacy name ('conv1/weights',
+  'conv1/weights/ExponentialMovingAverage', an optimizer slot,
+  'global_step') is set to its value there; the rest keep their initial
+  values.
 
   Yields:
     (tf.compat.v1.Session, legacy.train.Towers, dict name -> tf.Variable of
@@ -142,29 +146,9 @@ def legacy_session(images, labels, plan, decay_steps, optimizer, values, shadows
     variables = {v.op.name: v for v in tf1.global_variables()}
     with tf1.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(tf1.global_variables_initializer())
-      for name in model_spec.VARIABLE_NAMES:
-        variables[name].load(values[name], sess)
-        towers.ema.average(variables[name]).load(shadows[name], sess)
-      for name, value in (more or {}).items():
+      for name, value in values.items():
         variables[name].load(value, sess)
       yield sess, towers, variables
-
-
-def _check_directories(from_dir, to_dir):
-  """Refuses a --to_dir that is --from_dir or inside it, however either is spelled.
-
-  A trailing slash, a relative path or a symlink can name one directory
-  twice: the real paths are compared.
-
-  Raises:
-    ConvertError: naming both as given, and the directory they reach.
-  """
-  source, target = os.path.realpath(from_dir), os.path.realpath(to_dir)
-  if os.path.commonpath([source, target]) == source:
-    raise ConvertError('--to_dir %s is %s, --from_dir %s or inside it: the converted checkpoint '
-                       'goes to a directory of its own. Pass a new or empty directory outside '
-                       'it as --to_dir, e.g. %s_converted; nothing was converted.'
-                       % (to_dir, target, from_dir, source))
 
 
 def convert(from_dir, to_dir):
@@ -175,7 +159,7 @@ def convert(from_dir, to_dir):
   not passed over. `to_dir` must not hold a checkpoint yet; it is written in
   a temporary directory beside it first, so a failure leaves nothing
   half-written. Nothing in `from_dir` is changed: `to_dir` must be neither
-  `from_dir` nor inside it (`_check_directories`). Then it says (logger.info)
+  `from_dir` nor inside it, however either is spelled. Then it says (logger.info)
   what it wrote, and the command that trains on from it.
 
   Args:
@@ -188,34 +172,41 @@ def convert(from_dir, to_dir):
   Raises:
     ConvertError, runtime.checkpoints.CheckpointError: as the message says.
   """
-  _check_directories(from_dir, to_dir)
+  # A trailing slash, a relative path or a symlink can name one directory
+  # twice: the real paths are compared, and the message names both as given
+  # and the directory they reach.
+  source, real_to_dir = os.path.realpath(from_dir), os.path.realpath(to_dir)
+  if os.path.commonpath([source, real_to_dir]) == source:
+    raise ConvertError(f'--to_dir {to_dir} is {real_to_dir}, --from_dir {from_dir} or inside it: '
+                       'the converted checkpoint goes to a directory of its own. Pass a new or '
+                       f'empty directory outside it as --to_dir, e.g. {source}_converted; nothing '
+                       'was converted.')
   contents = checkpoints.for_conversion(from_dir)
   if contents is None:
-    raise ConvertError('no checkpoint in %s; pass as --from_dir the train_dir you trained into.'
-                       % from_dir)
+    raise ConvertError(f'no checkpoint in {from_dir}; pass as --from_dir the train_dir you '
+                       'trained into.')
   if os.path.isdir(to_dir) and os.listdir(to_dir):
-    raise ConvertError('%s is not empty; pass a new or empty directory as '
-                       '--to_dir (nothing there was changed).' % to_dir)
-  kind, values, shadows, step, optimizer, slots = state_of(contents)
-  to_kind = checkpoints.MODERN if kind == checkpoints.LEGACY else checkpoints.LEGACY
+    raise ConvertError(f'{to_dir} is not empty; pass a new or empty directory as '
+                       '--to_dir (nothing there was changed).')
+  kind, optimizer, values = state_of(contents)
+  to_kind, writer = ((checkpoints.MODERN, write_modern) if kind == checkpoints.LEGACY
+                     else (checkpoints.LEGACY, write_legacy))
   target = os.path.abspath(to_dir)
-  staging = '%s.converting-%d' % (target, os.getpid())
+  staging = f'{target}.converting-{os.getpid()}'
   shutil.rmtree(staging, ignore_errors=True)
   os.makedirs(staging)
   try:
-    writer = write_modern if to_kind == checkpoints.MODERN else write_legacy
-    prefix = writer(staging, values, shadows, step, optimizer, slots)
-    if os.path.isdir(target):
-      os.rmdir(target)  # empty, checked above
-    os.rename(staging, target)
+    prefix = writer(staging, values, optimizer)
+    os.rename(staging, target)  # POSIX: also onto an empty directory (checked above)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
   path = os.path.join(target, os.path.basename(prefix))
   # A resume with another --optimizer is refused: say which one it needs.
-  again = '' if optimizer == optimizer_lib.SGD else ' --optimizer ' + optimizer
-  logger.info('Converted the %s checkpoint of %s at global step %d to a %s checkpoint '
-              '(optimizer %s, its slots included): %s\nContinue with `%s`.', kind, from_dir,
-              step, to_kind, optimizer, path,
-              prog.command('%s --train_dir %s%s' % (to_kind, to_dir, again)))
+  step = values['global_step']
+  again = '' if optimizer == optimizer_lib.SGD else f' --optimizer {optimizer}'
+  command = prog.command(f'{to_kind} --train_dir {to_dir}{again}')
+  logger.info(f'Converted the {kind} checkpoint of {from_dir} at global step {step} to a '
+              f'{to_kind} checkpoint (optimizer {optimizer}, its slots included): {path}\n'
+              f'Continue with `{command}`.')
   return kind, to_kind, step, path

@@ -36,7 +36,6 @@ import numpy as np
 
 from cifar10_towers import convert
 from cifar10_towers.common import cifar10_format as fmt
-from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
@@ -74,8 +73,8 @@ def initial_values(seed):
     w = rng.standard_normal(layer.weight_shape)
     while (bad := np.abs(w) > 2.0).any():
       w[bad] = rng.standard_normal(int(bad.sum()))
-    values[layer.name + '/weights'] = (w * layer.stddev).astype(np.float32)
-    values[layer.name + '/biases'] = np.full(layer.weight_shape[-1:],
+    values[f'{layer.name}/weights'] = (w * layer.stddev).astype(np.float32)
+    values[f'{layer.name}/biases'] = np.full(layer.weight_shape[-1:],
                                              layer.bias_init, np.float32)
   return values
 
@@ -110,8 +109,8 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
         break
     raw, labels = (np.concatenate(parts) for parts in zip(*records))
     if len(labels) < n:
-      raise fmt.DataError('%s holds %d training records; the cross-check needs '
-                          '%d (num_gpus x batch_size).' % (data_dir, len(labels), n))
+      raise fmt.DataError(f'{data_dir} holds {len(labels)} training records; the cross-check '
+                          f'needs {n} (num_gpus x batch_size).')
     pick = rng.choice(len(labels), n, replace=False)
     raw, labels = raw[pick], labels[pick].astype(np.int32)
   tf.random.set_seed(seed)
@@ -171,56 +170,60 @@ def compare(legacy, modern, optimizer, lr_total, grad_rtol=GRAD_RTOL):
   grad_rtol: the tolerance of the averaged gradients and the identity (--rtol).
   """
   names = model_spec.VARIABLE_NAMES
-  plain = (None, np.max)  # max|a - b| / max|b|
-  groups = [('1 averaged gradient', 'grads', names, grad_rtol) + plain]
+  rows = []
+
+  def add(check, field, tol, keys=names, scale=None, stat=np.max):
+    """A row per key of legacy's and modern's `field`: rel_diff(legacy, modern, scale, stat)."""
+    rows.extend((check, key, rel_diff(getattr(legacy, field)[key], getattr(modern, field)[key],
+                                      scale, stat), tol) for key in keys)
+
+  add('1 averaged gradient', 'grads', grad_rtol)
   if optimizer.clips_averaged:
-    groups.append(('1 clipped averaged gradient', 'applied', names, grad_rtol) + plain)
-  groups.append(('2 tower loss', 'tower_losses', range(len(legacy.tower_losses)), LOSS_RTOL)
-                + plain)
-  # With Adam, rounding can steer a step by up to ~lr per element (a max-pool
-  # tie flipped, a rounding-sized gradient): its median element is held, the
-  # variables in units of the K steps' summed lr (docs/equivalence.md §2).
-  var_rule, slot_rule = (
-      ((' [median / sum lr]', ADAM_LR_TOL, lr_total, np.median),
-       (' [median]', ADAM_SLOT_RTOL, None, np.median))
-      if optimizer.name == optimizer_lib.ADAM else (('', FINAL_RTOL) + plain,) * 2)
-  groups += [('3 variable after K steps' + var_rule[0], 'final', names) + var_rule[1:],
-             ('3 moving average after K steps' + var_rule[0], 'final_ema', names)
-             + var_rule[1:],
-             ('3 slot after K steps' + slot_rule[0], 'final_slots', optimizer.slot_names())
-             + slot_rule[1:]]
-  rows = [(check, 'tower_%d' % key if field == 'tower_losses' else key,
-           rel_diff(getattr(legacy, field)[key], getattr(modern, field)[key], scale, stat), tol)
-          for check, field, keys, tol, scale, stat in groups for key in keys]
+    add('1 clipped averaged gradient', 'applied', grad_rtol)
+  rows += [('2 tower loss', f'tower_{i}', rel_diff(a, b), LOSS_RTOL)
+           for i, (a, b) in enumerate(zip(legacy.tower_losses, modern.tower_losses))]
+  slots = optimizer.slot_names()
+  if optimizer.name == optimizer_lib.ADAM:
+    # Rounding can steer an Adam step by up to ~lr per element (a max-pool
+    # tie flipped, a rounding-sized gradient): its median element is held, the
+    # variables in units of the K steps' summed lr (docs/equivalence.md §2).
+    add('3 variable after K steps [median / sum lr]', 'final', ADAM_LR_TOL, scale=lr_total,
+        stat=np.median)
+    add('3 moving average after K steps [median / sum lr]', 'final_ema', ADAM_LR_TOL,
+        scale=lr_total, stat=np.median)
+    add('3 slot after K steps [median]', 'final_slots', ADAM_SLOT_RTOL, slots, stat=np.median)
+  else:
+    add('3 variable after K steps', 'final', FINAL_RTOL)
+    add('3 moving average after K steps', 'final_ema', FINAL_RTOL)
+    add('3 slot after K steps', 'final_slots', FINAL_RTOL, slots)
   # Per-tower clipping breaks the identity by design: reported, not held.
-  held = not optimizer.clips_per_tower
-  rows += [('4 identity (%s): N towers vs 1 on concat%s' % (impl, '' if held else ' [per_tower]'),
-            name, rel_diff(result.applied[name], result.single_tower_grads[name]),
-            grad_rtol if held else NOT_HELD)
+  mark, tol = (' [per_tower]', NOT_HELD) if optimizer.clips_per_tower else ('', grad_rtol)
+  rows += [(f'4 identity ({impl}): N towers vs 1 on concat{mark}', name,
+            rel_diff(result.applied[name], result.single_tower_grads[name]), tol)
            for impl, result in (('legacy', legacy), ('modern', modern)) for name in names]
   return Report(rows, legacy, modern, optimizer)
 
 
 def format_report(report):
   """The per-variable table, one row per figure, then the verdict."""
-  lines = ['%-56s %-32s %11s %9s  %s' % ('check', 'variable / tower', 'rel diff',
-                                        'tolerance', '')]
+  lines = [f'{"check":56} {"variable / tower":32} {"rel diff":>11} {"tolerance":>9}  ']
   for check, name, measured, tol in report.rows:
-    held = tol != NOT_HELD
-    lines.append('%-56s %-32s %11.3e %9s  %s' % (
-        check, name, measured, '%.0e' % tol if held else '-',
-        ('ok' if measured <= tol else 'FAIL') if held else 'not held'))
+    if tol == NOT_HELD:
+      tol_shown, verdict = '-', 'not held'
+    else:
+      tol_shown, verdict = f'{tol:.0e}', 'ok' if measured <= tol else 'FAIL'
+    lines.append(f'{check:56} {name:32} {measured:11.3e} {tol_shown:>9}  {verdict}')
   gap = report.per_tower_identity_gap()
   if gap is not None:
     lines.append('Note: with --clip_where per_tower, N towers are NOT 1 tower on the '
                  'concatenation: each tower is clipped by its own norm, which is '
                  'not clipping their mean; the applied gradients differ by up to '
-                 '%.3e (max|a-b|/max|b|) on these batches. --clip_where averaged '
-                 'keeps the identity.' % gap)
+                 f'{gap:.3e} (max|a-b|/max|b|) on these batches. --clip_where averaged '
+                 'keeps the identity.')
   failed = len(report.failures())
-  lines.append('FAIL: %d of %d figures outside the contract.' % (failed, len(report.rows))
-               if failed else 'PASS: all %d figures within the contract '
-               '(docs/equivalence.md §2).' % len(report.rows))
+  lines.append(f'FAIL: {failed} of {len(report.rows)} figures outside the contract.' if failed
+               else f'PASS: all {len(report.rows)} figures within the contract '
+               '(docs/equivalence.md §2).')
   return '\n'.join(lines)
 
 
@@ -228,14 +231,14 @@ def write_evidence(path_dir, images, labels, init, report):
   """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2."""
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images, 'labels': labels}  # float32, int32 (draw_batches)
-  arrays.update(('init/' + name, init[name]) for name in model_spec.VARIABLE_NAMES)
+  arrays.update((f'init/{name}', value) for name, value in init.items())
   groups = [('grad', 'grads'), ('final', 'final'), ('slot', 'final_slots')]
   if report.optimizer.clips_averaged:
     groups.append(('clipped_grad', 'applied'))
   for impl, result in (('legacy', report.legacy), ('modern', report.modern)):
-    arrays[impl + '/tower_loss'] = np.asarray(result.tower_losses, np.float32)
+    arrays[f'{impl}/tower_loss'] = np.asarray(result.tower_losses, np.float32)
     for what, field in groups:
-      arrays.update(('%s/%s/%s' % (impl, what, key), np.asarray(value, np.float32))
+      arrays.update((f'{impl}/{what}/{key}', np.asarray(value, np.float32))
                     for key, value in getattr(result, field).items())
   path = os.path.join(path_dir, 'crosscheck.npz')
   tmp = path + '.tmp.npz'
@@ -251,8 +254,9 @@ def _legacy_run(plan, images, labels, steps, init, decay_steps, optimizer):
   prefetch queue (convert.legacy_session); the variables and their moving
   averages start at `init`, the optimizer's slots as TF1 creates them.
   """
-  with convert.legacy_session(images, labels, plan, decay_steps, optimizer, init, init) as (
-      sess, towers, variables):
+  shadows = {model_spec.average_name(name): value for name, value in init.items()}
+  with convert.legacy_session(images, labels, plan, decay_steps, optimizer,
+                              {**init, **shadows}) as (sess, towers, variables):
     start = sess.run([{v.op.name: g for g, v in gv}
                       for gv in (towers.averaged_grads, towers.applied_grads)]
                      + [towers.tower_losses])
@@ -278,22 +282,22 @@ def _modern_run(engine, plan, images, labels, steps, init, decay_steps, optimize
   state.assign_variables(init)
   grads, losses = trainer.compute_gradients((images, labels))
   # What the step applies: the engine's own clipping of these gradients.
-  applied = _numpy(zip(grads, state.clip_averaged(list(grads.values()))))
-  grads = _numpy(grads.items())
+  applied = _numpy(dict(zip(grads, state.clip_averaged(list(grads.values())))))
+  grads = _numpy(grads)
   for _ in range(steps):
     trainer.train_step((images, labels))
-  return Result(grads, applied, np.asarray(losses), *(_numpy(v.items()) for v in (
+  return Result(grads, applied, np.asarray(losses), *map(_numpy, (
       state.variables(), state.shadow_variables(), state.slot_variables())))
 
 
-def _numpy(pairs):
-  return {name: np.asarray(value) for name, value in pairs}
+def _numpy(tensors):
+  return {name: np.asarray(value) for name, value in tensors.items()}
 
 
 def _result(run, plan, images, labels, *args):
   """run's Result on the N towers, with the identity's 1 tower on their concatenation."""
   result = run(plan, images, labels, *args)
-  single_tower = devices.DevicePlan(plan.tower_devices[:1], plan.kind, plan.num_cpu_devices)
+  single_tower = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
   result.single_tower_grads = run(single_tower, images.reshape((1, -1) + images.shape[2:]),
                                   labels.reshape(1, -1), 0, *args[1:]).applied
   return result
@@ -333,13 +337,13 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
   images, labels = draw_batches(plan.num_towers, batch_size, seed, data_dir)
   init = initial_values(seed)
   args = (plan, images, labels, steps, init, decay_steps, optimizer)
-  logger.info('legacy: %d tower(s) x %d images, %d steps...', plan.num_towers, batch_size,
-              steps)
+  workload = f'{plan.num_towers} tower(s) x {batch_size} images, {steps} steps...'
+  logger.info(f'legacy: {workload}')
   legacy = _result(_legacy_run, *args)
   reports = {}
   for engine in engines:
-    logger.info('modern (%s): %d tower(s) x %d images, %d steps...', engine, plan.num_towers,
-                batch_size, steps)
+    logger.info(f'modern ({engine}): {workload}')
+
     reports[engine] = compare(legacy, _result(functools.partial(_modern_run, engine), *args),
                               optimizer, lr_sum(optimizer, steps, decay_steps), grad_rtol)
   return reports, images, labels, init

@@ -327,8 +327,10 @@ def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
   sgd_modern, sgd_legacy = str(tmp_path / 'sgd_modern'), str(tmp_path / 'sgd_legacy')
   os.makedirs(sgd_modern)
   os.makedirs(sgd_legacy)
-  convert.write_modern(sgd_modern, init, init, 3)
-  convert.write_legacy(sgd_legacy, init, init, 3)
+  state = {**init, **{model_spec.average_name(name): value for name, value in init.items()},
+           'global_step': 3}  # as convert.state_of reads an SGD checkpoint
+  convert.write_modern(sgd_modern, state, optimizer_lib.SGD)
+  convert.write_legacy(sgd_legacy, state, optimizer_lib.SGD)
   with pytest.raises(training.TrainingError, match='which would zero-fill'):
     modern_train.train(config(sgd_modern, ADAM), plan)
   with pytest.raises(training.TrainingError, match='--optimizer sgd; this run has '
