@@ -37,7 +37,7 @@ from cifar10_towers.common import prog
 logger = logging.getLogger(__name__)
 
 BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
-TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))
+TRAIN_FILES = tuple(f'data_batch_{i}.bin' for i in range(1, 6))
 EVAL_FILES = ('test_batch.bin',)
 META_FILE = 'batches.meta.txt'
 # Written with a generated data set (datasets.generated); never in CIFAR-10's.
@@ -56,7 +56,7 @@ RECORD_BYTES = LABEL_BYTES + IMAGE_BYTES  # 3073
 # in a file mixing ten classes has a chance of 1e-9, ten equal photographs none.
 MIN_RECORDS_TO_JUDGE = 10
 
-_STAGING_PREFIX = '.%s.partial-' % BATCHES_DIR  # + host-pid-random
+_STAGING_PREFIX = f'.{BATCHES_DIR}.partial-'  # + host-pid-random
 
 
 class DataError(errors.Failure):
@@ -118,15 +118,15 @@ def _records(data, name):
   records = np.frombuffer(data[:n * RECORD_BYTES], np.uint8).reshape(-1, RECORD_BYTES)
   bad = np.flatnonzero(records[:, 0] >= hparams.NUM_CLASSES)
   if rest:
-    why = ('size %d bytes is not a multiple of the %d-byte record; record %d is truncated at '
-           'byte offset %d' % (len(data), RECORD_BYTES, n, n * RECORD_BYTES))
+    why = (f'size {len(data)} bytes is not a multiple of the {RECORD_BYTES}-byte record; '
+           f'record {n} is truncated at byte offset {n * RECORD_BYTES}')
   elif bad.size:
-    why = ('record %d (byte offset %d) has label byte %d, outside 0..%d; %d record(s) are bad'
-           % (bad[0], bad[0] * RECORD_BYTES, records[bad[0], 0], hparams.NUM_CLASSES - 1,
-              bad.size))
+    why = (f'record {bad[0]} (byte offset {bad[0] * RECORD_BYTES}) has label byte '
+           f'{records[bad[0], 0]}, outside 0..{hparams.NUM_CLASSES - 1}; {bad.size} record(s) '
+           'are bad')
   else:
     return records
-  raise DataError('%s: %s. Re-download or regenerate the data.' % (name, why))
+  raise DataError(f'{name}: {why}. Re-download or regenerate the data.')
 
 
 def read_records(path):
@@ -155,10 +155,10 @@ def content_problems(records):
   # The first two images differ in almost every real file: a cheap early out.
   if np.array_equal(images[0], images[1]) and (images == images[0]).all():
     low, high = images[0].min(), images[0].max()
-    problems.append('all %d images are the same image%s'
-                    % (n, ' (every byte %d)' % low if low == high else ''))
+    same = f' (every byte {low})' if low == high else ''
+    problems.append(f'all {n} images are the same image{same}')
   if (labels == labels[0]).all():
-    problems.append('all %d records have label %d' % (n, labels[0]))
+    problems.append(f'all {n} records have label {labels[0]}')
   return problems
 
 
@@ -191,7 +191,7 @@ def _judge(path, seen):
     if original != path:
       with open(original, 'rb') as f:
         if f.read() == data:
-          problems.append('a byte-for-byte copy of %s' % os.path.basename(original))
+          problems.append(f'a byte-for-byte copy of {os.path.basename(original)}')
   return records.shape[0], problems
 
 
@@ -200,10 +200,9 @@ def _files(data_dir, names, what):
   missing = [p for p in paths if not os.path.isfile(p)]  # a directory there is no file either
   if missing:
     raise DataError(
-        'missing %s data file %s (%d of %d missing). Run `%s` for CIFAR-10, or `%s` for '
-        'generated data.' % (what, missing[0], len(missing), len(paths),
-                             prog.command('data download --data_dir %s' % data_dir),
-                             prog.command('data synth --data_dir %s' % data_dir)))
+        f'missing {what} data file {missing[0]} ({len(missing)} of {len(paths)} missing). Run '
+        f"`{prog.command(f'data download --data_dir {data_dir}')}` for CIFAR-10, or "
+        f"`{prog.command(f'data synth --data_dir {data_dir}')}` for generated data.")
   return paths
 
 
@@ -227,9 +226,9 @@ def num_examples(paths):
   for path, size in sizes.items():
     if size == 0 or size % RECORD_BYTES:
       raise DataError(
-          '%s: size %d bytes is not a positive multiple of the %d-byte record. '
-          'Re-download or regenerate the data (`%s` lists every problem).'
-          % (path, size, RECORD_BYTES, prog.command('data check')))
+          f'{path}: size {size} bytes is not a positive multiple of the {RECORD_BYTES}-byte '
+          f"record. Re-download or regenerate the data (`{prog.command('data check')}` lists "
+          'every problem).')
   return sum(sizes.values()) // RECORD_BYTES
 
 
@@ -247,15 +246,15 @@ def checked_files(data_dir, train, then):
   paths = train_files(data_dir) if train else eval_files(data_dir)
   extra = unexpected_files(data_dir) if train else []
   if extra:
-    raise DataError('%s is not a CIFAR-10 data file, and training would silently ignore it '
-                    '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
-                    'problem.' % (extra[0], len(extra), batches_dir(data_dir),
-                                  prog.command('data check')))
+    raise DataError(f'{extra[0]} is not a CIFAR-10 data file, and training would silently '
+                    f'ignore it ({len(extra)} unexpected .bin file(s)). Move it out of '
+                    f"{batches_dir(data_dir)}; `{prog.command('data check')}` lists every "
+                    'problem.')
   seen = {}
   for path in paths:
     why = _judge(path, seen)[1]
     if why:
-      logger.warning('Warning: %s cannot be real data: %s; %s', path, '; '.join(why), then)
+      logger.warning(f"Warning: {path} cannot be real data: {'; '.join(why)}; {then}")
   return paths
 
 
@@ -268,17 +267,21 @@ def unexpected_files(data_dir):
 
 def _problem(path, seen, counts):
   """The line saying what is wrong with the data file at `path`, or None (then it is counted)."""
+  if not os.path.lexists(path):
+    return f'{path}: missing'
   if not os.path.isfile(path):
     kind = 'a directory' if os.path.isdir(path) else 'a broken link or a special file'
-    return '%s: %s' % (path, kind + ', not a data file' if os.path.lexists(path) else 'missing')
+    return f'{path}: {kind}, not a data file'
   try:
     n, why = _judge(path, seen)
   except DataError as e:
     return str(e)
   except OSError as e:
-    return '%s: cannot be read (%s)' % (path, e.strerror)
-  if why or not n:
-    return '%s: %s' % (path, 'cannot be real data: ' + '; '.join(why) if why else 'empty')
+    return f'{path}: cannot be read ({e.strerror})'
+  if why:
+    return f"{path}: cannot be real data: {'; '.join(why)}"
+  if not n:
+    return f'{path}: empty'
   counts[os.path.basename(path)] = n
   return None
 
@@ -297,16 +300,16 @@ def check_data_dir(data_dir):
   """
   d = batches_dir(data_dir)
   if not os.path.isdir(d):
-    return ['%s: %s' % (d, 'a file, not a directory' if os.path.lexists(d)
-                        else 'directory not found')], {}
+    why = 'a file, not a directory' if os.path.lexists(d) else 'directory not found'
+    return [f'{d}: {why}'], {}
   try:
     extra = unexpected_files(data_dir)
   except OSError as e:
-    return ['%s: cannot be listed (%s)' % (d, e.strerror)], {}
+    return [f'{d}: cannot be listed ({e.strerror})'], {}
   expected, counts, seen = TRAIN_FILES + EVAL_FILES, {}, {}
   problems = [_problem(os.path.join(d, name), seen, counts) for name in expected]
   return [p for p in problems if p] + [
-      '%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
+      f"{path}: unexpected data file (expected only {', '.join(expected)})"
       for path in extra], counts
 
 
@@ -322,13 +325,14 @@ def write_failure(directory, error, needed_bytes):
     str saying what happened and what to do, or None when `error` is not a
     full or read-only disk or a denied write (the caller re-raises it).
   """
-  full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-  if not full and error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-    return None
-  return 'cannot write to %s: %s%s; nothing was changed there. %s.' % (
-      directory, error.strerror, ' (about %d MiB are needed)' % -(-needed_bytes // 2**20)
-      if full else '', 'Free some space or pass another --data_dir' if full
-      else 'Pass a --data_dir you can write to')
+  if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    return (f'cannot write to {directory}: {error.strerror} (about {-(-needed_bytes // 2**20)} '
+            'MiB are needed); nothing was changed there. Free some space or pass another '
+            '--data_dir.')
+  if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    return (f'cannot write to {directory}: {error.strerror}; nothing was changed there. Pass '
+            'a --data_dir you can write to.')
+  return None
 
 
 @contextlib.contextmanager
@@ -356,15 +360,15 @@ def staged_batches_dir(data_dir, needed_bytes):
   """
   target = batches_dir(data_dir)
   if os.path.lexists(target) and not os.path.isdir(target):
-    raise DataError('%s is a file, not a directory; nothing was written. Move '
-                    'it away or pass another --data_dir.' % target)
+    raise DataError(f'{target} is a file, not a directory; nothing was written. Move '
+                    'it away or pass another --data_dir.')
   created = []  # the directories this call makes, deepest first
   d = os.path.abspath(data_dir)
   while not os.path.isdir(d):
     created.append(d)
     d = os.path.dirname(d)
-  stage = os.path.join(data_dir, '%s%s-%d-%s' % (
-      _STAGING_PREFIX, socket.gethostname(), os.getpid(), os.urandom(3).hex()))
+  stage = os.path.join(
+      data_dir, f'{_STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}')
   try:
     os.makedirs(data_dir, exist_ok=True)
     _remove_stale_stages(data_dir)

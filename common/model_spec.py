@@ -28,7 +28,7 @@ LAYERS = (
 LAYERS_BY_NAME = {layer.name: layer for layer in LAYERS}
 
 # The 10 trainable variables, in upstream's order: conv1/weights, conv1/biases, ...
-VARIABLE_NAMES = tuple('%s/%s' % (layer.name, kind)
+VARIABLE_NAMES = tuple(f'{layer.name}/{kind}'
                        for layer in LAYERS for kind in ('weights', 'biases'))
 NUM_PARAMETERS = 1068298
 

@@ -109,9 +109,9 @@ def read(data_dir):
   if not isinstance(info.get('generator'), str) or not info['generator']:
     info['generator'] = 'unknown'
   args = info.get('args')
-  info.update(what='generated data (%s)' % info['generator'], command=prog.command(
-      args if isinstance(args, str) and args else 'data %s --data_dir %s'
-      % (info['generator'], data_dir)))
+  if not isinstance(args, str) or not args:
+    args = f"data {info['generator']} --data_dir {data_dir}"
+  info.update(what=f"generated data ({info['generator']})", command=prog.command(args))
   return info
 
 

@@ -325,8 +325,8 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
           logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
           return step
         fill = hparams.min_queue_examples(examples_per_epoch)
-        logger.info('Filling the queue with %d CIFAR images before starting to train. '
-                    'This may take a while.', fill)
+        logger.info(f'Filling the queue with {fill} CIFAR images before starting to train. '
+                    'This may take a while.')
         return _train_loop(sess, config, graph_parts, step, stop, on_step, fill)
 
 
@@ -431,10 +431,10 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
         variable.dtype.base_dtype.as_numpy_dtype), sess)
   step = int(sess.run(graph_parts.towers.global_step))
   if contents.tensors['global_step'].dtype.kind == 'f':
-    logger.info('Resuming an upstream train_dir from %s at global step %d (float32 '
-                'global_step); new checkpoints are named by the global step.', checkpoint, step)
+    logger.info(f'Resuming an upstream train_dir from {checkpoint} at global step {step} '
+                '(float32 global_step); new checkpoints are named by the global step.')
   else:
-    logger.info('Resuming from %s at global step %d.', checkpoint, step)
+    logger.info(f'Resuming from {checkpoint} at global step {step}.')
   return step
 
 
