@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
 TRAIN_FILES = tuple(f'data_batch_{i}.bin' for i in range(1, 6))
 EVAL_FILES = ('test_batch.bin',)
+DATA_FILES = TRAIN_FILES + EVAL_FILES  # the six .bin files of a data set
 META_FILE = 'batches.meta.txt'
 # Written with a generated data set (datasets.generated); never in CIFAR-10's.
 GENERATED_FILE = 'GENERATED.json'
@@ -262,7 +263,7 @@ def unexpected_files(data_dir):
   """Paths of the .bin files in cifar-10-batches-bin/ that are not CIFAR-10's six."""
   d = batches_dir(data_dir)
   return [os.path.join(d, name) for name in sorted(os.listdir(d))
-          if name.endswith('.bin') and name not in TRAIN_FILES + EVAL_FILES]
+          if name.endswith('.bin') and name not in DATA_FILES]
 
 
 def _problem(path, seen, counts):
@@ -306,10 +307,10 @@ def check_data_dir(data_dir):
     extra = unexpected_files(data_dir)
   except OSError as e:
     return [f'{d}: cannot be listed ({e.strerror})'], {}
-  expected, counts, seen = TRAIN_FILES + EVAL_FILES, {}, {}
-  problems = [_problem(os.path.join(d, name), seen, counts) for name in expected]
+  counts, seen = {}, {}
+  problems = [_problem(os.path.join(d, name), seen, counts) for name in DATA_FILES]
   return [p for p in problems if p] + [
-      f"{path}: unexpected data file (expected only {', '.join(expected)})"
+      f"{path}: unexpected data file (expected only {', '.join(DATA_FILES)})"
       for path in extra], counts
 
 
@@ -388,7 +389,7 @@ def staged_batches_dir(data_dir, needed_bytes):
 
 def _swap_in(stage, target):
   """Replaces the directory `target` by `stage` (two renames)."""
-  old = stage + '.old'
+  old = f'{stage}.old'
   if os.path.isdir(target):
     # The old set's marker describes the old set: a new generated set brings
     # its own, and a set written without one must not inherit it.

@@ -35,7 +35,7 @@ NUM_PARAMETERS = 1068298
 
 def average_name(variable_name):
   """A variable's moving average (shadow): 'conv1/weights/ExponentialMovingAverage'."""
-  return variable_name + '/ExponentialMovingAverage'
+  return f'{variable_name}/ExponentialMovingAverage'
 
 
 def variable_shape(name):

@@ -57,7 +57,7 @@ def is_present(data_dir):
   """True when `<data_dir>/cifar-10-batches-bin` holds all six .bin files."""
   d = fmt.batches_dir(data_dir)
   return all(os.path.isfile(os.path.join(d, name))
-             for name in fmt.TRAIN_FILES + fmt.EVAL_FILES)
+             for name in fmt.DATA_FILES)
 
 
 def sha256_of(path):
@@ -119,7 +119,7 @@ def check_members(tar, directory):
       is a device or FIFO.
   """
   members = tar.getmembers()
-  links = tuple(posixpath.normpath(m.name) + '/' for m in members if m.issym())
+  links = tuple(f'{posixpath.normpath(m.name)}/' for m in members if m.issym())
   for m in members:
     try:
       if m.name.startswith('/') or posixpath.normpath(m.name).startswith(links):
@@ -153,8 +153,7 @@ def _extract(archive, stage, origin):
       raise  # the disk's fault, not the archive's: said by staged_batches_dir
     raise DownloadError(f'{origin} is not a readable tar.gz archive ({e}); it is not '
                         'the CIFAR-10 binary archive.') from e
-  missing = [n for n in fmt.TRAIN_FILES + fmt.EVAL_FILES
-             if not os.path.isfile(os.path.join(stage, n))]
+  missing = [n for n in fmt.DATA_FILES if not os.path.isfile(os.path.join(stage, n))]
   if missing:
     raise DownloadError(f'{origin} does not contain {fmt.BATCHES_DIR}/{missing[0]} '
                         f'({len(missing)} of the 6 data files are missing); it is not the '

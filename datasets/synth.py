@@ -218,7 +218,6 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
     common.cifar10_format.DataError: the disk is full or read-only, or
       cifar-10-batches-bin is a file; nothing was changed.
   """
-  names = fmt.TRAIN_FILES + fmt.EVAL_FILES
   # Independent streams for train and test, so num_test does not change the
   # training images.
   train_rng, test_rng = [np.random.default_rng(s)
@@ -234,7 +233,7 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
       pieces = _image_pieces(rng, labels.astype(np.int32), per_file)
       for name in stream_names:
         if progress:
-          progress(name, names.index(name) + 1, len(names))
+          progress(name, fmt.DATA_FILES.index(name) + 1, len(fmt.DATA_FILES))
         yield (name, *next(pieces))
 
   num_records = train_per_file * len(fmt.TRAIN_FILES) + num_test

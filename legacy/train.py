@@ -81,7 +81,7 @@ def tower_loss(scope, images, labels, lrn=None):
   # (The total's op is 'total_loss_1': model.loss took 'total_loss'.)
   for l in losses:
     model.scalar_summary(l.op.name, l)
-  model.scalar_summary(scope + 'total_loss', total_loss)
+  model.scalar_summary(f'{scope}total_loss', total_loss)
   return total_loss
 
 
@@ -356,8 +356,7 @@ def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
             for i in range(config.num_gpus)]
 
 
-def build_train_graph(config, plan, decay_steps,
-                      num_threads=hparams.NUM_PREPROCESS_THREADS):
+def build_train_graph(config, plan, decay_steps, num_threads):
   """Builds, in the default graph, everything `train` runs.
 
   Args:
