@@ -47,17 +47,15 @@ def plan_devices(num_gpus):
   tests, which split the CPU once per session), those are reused.
 
   Args:
-    num_gpus: int >= 1, number of towers.
+    num_gpus: int, number of towers, 1 to MAX_TOWERS (the CLI's --num_gpus range).
 
   Returns:
     DevicePlan.
 
   Raises:
-    DeviceError: num_gpus is out of range or the devices cannot be created.
+    DeviceError: the devices cannot be created.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if not 1 <= num_gpus <= MAX_TOWERS:
-    raise DeviceError(f'--num_gpus must be between 1 and {MAX_TOWERS}, got {num_gpus}.')
   gpus = tf.config.list_physical_devices('GPU')
   if 0 < len(gpus) < num_gpus:  # towers on logical GPUs, the first GPU's before the next one's
     per_gpu = -(-num_gpus // len(gpus))

@@ -55,9 +55,12 @@ def archive_path(data_dir):
 
 def is_present(data_dir):
   """True when `<data_dir>/cifar-10-batches-bin` holds all six .bin files."""
-  d = fmt.batches_dir(data_dir)
-  return all(os.path.isfile(os.path.join(d, name))
-             for name in fmt.DATA_FILES)
+  return not _missing(fmt.batches_dir(data_dir))
+
+
+def _missing(directory):
+  """The names of the six .bin files that are not regular files in `directory`."""
+  return [n for n in fmt.DATA_FILES if not os.path.isfile(os.path.join(directory, n))]
 
 
 def sha256_of(path):
@@ -153,7 +156,7 @@ def _extract(archive, stage, origin):
       raise  # the disk's fault, not the archive's: said by staged_batches_dir
     raise DownloadError(f'{origin} is not a readable tar.gz archive ({e}); it is not '
                         'the CIFAR-10 binary archive.') from e
-  missing = [n for n in fmt.DATA_FILES if not os.path.isfile(os.path.join(stage, n))]
+  missing = _missing(stage)
   if missing:
     raise DownloadError(f'{origin} does not contain {fmt.BATCHES_DIR}/{missing[0]} '
                         f'({len(missing)} of the 6 data files are missing); it is not the '

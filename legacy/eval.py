@@ -76,7 +76,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
           pass  # the epoch is over: every record was seen once
 
       coord = tf.train.Coordinator()
-      threads = tf.train.start_queue_runners(sess=sess, coord=coord)
+      threads = tf.train.start_queue_runners(sess, coord)
       try:
         return evaluation.count_correct(batches(), data_dir, num_examples,
                                         checkpoints.global_step(contents), should_stop,

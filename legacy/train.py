@@ -368,8 +368,7 @@ def build_train_graph(config, plan, decay_steps, num_threads):
   Returns:
     TrainGraph.
   """
-  if config.seed is not None:
-    tf.set_random_seed(config.seed)
+  tf.set_random_seed(config.seed)  # None leaves the graph unseeded
   with tf.name_scope('input'):
     tower_batches = tower_input_batches(config, num_threads)
     close_queues = inputs.close_queue_ops()
@@ -451,7 +450,7 @@ def _save(saver, sess, config, step):
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
+def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
   """`runtime.training.train_loop` fed by the queue threads, which it always stops.
 
   A step waiting for its batch (the first one waits while the shuffle queue
