@@ -94,12 +94,11 @@ def write_records(path, images, labels):
     f.write(encode_records(images, labels))
 
 
-def decode_records(data, name='<bytes>'):
-  """Parses and validates CIFAR-10 binary records.
+def read_records(path):
+  """Reads, parses and validates one CIFAR-10 binary file.
 
   Args:
-    data: bytes, a whole file.
-    name: what to call the data in errors (usually the file path).
+    path: str, the file.
 
   Returns:
     (images uint8 [N, 32, 32, 3], labels int32 [N]).
@@ -107,14 +106,17 @@ def decode_records(data, name='<bytes>'):
   Raises:
     DataError: the size is not a multiple of 3073 bytes, or a label is not 0..9.
   """
-  records = _records(data, name)
-  labels = records[:, 0].astype(np.int32)
+  with open(path, 'rb') as f:
+    records = _records(f.read(), path)
   images = records[:, 1:].reshape(-1, DEPTH, HEIGHT, WIDTH).transpose(0, 2, 3, 1)
-  return images, labels
+  return images, records[:, 0].astype(np.int32)
 
 
-def _records(data, name):
-  """The records of `data` as uint8 [N, 3073], validated as `decode_records` says."""
+def _records(data, path):
+  """The records of a whole file's bytes as uint8 [N, 3073], validated as `read_records` says.
+
+  `path` names the file in errors.
+  """
   n, rest = divmod(len(data), RECORD_BYTES)
   records = np.frombuffer(data[:n * RECORD_BYTES], np.uint8).reshape(-1, RECORD_BYTES)
   bad = np.flatnonzero(records[:, 0] >= hparams.NUM_CLASSES)
@@ -127,13 +129,7 @@ def _records(data, name):
            'are bad')
   else:
     return records
-  raise DataError(f'{name}: {why}. Re-download or regenerate the data.')
-
-
-def read_records(path):
-  """Reads and validates one CIFAR-10 binary file; see `decode_records`."""
-  with open(path, 'rb') as f:
-    return decode_records(f.read(), path)
+  raise DataError(f'{path}: {why}. Re-download or regenerate the data.')
 
 
 def content_problems(records):
@@ -180,7 +176,7 @@ def _judge(path, seen):
     (number of records, a list of phrases, [] if it can be real).
 
   Raises:
-    DataError: the file is malformed (see `decode_records`).
+    DataError: the file is malformed (see `read_records`).
     OSError: it (or the file it matches) cannot be read.
   """
   with open(path, 'rb') as f:
@@ -241,7 +237,7 @@ def checked_files(data_dir, train, then):
   and the run goes on (`data check` reports the same as problems).
 
   Raises:
-    DataError: a file is missing, unexpected or malformed (see `decode_records`).
+    DataError: a file is missing, unexpected or malformed (see `read_records`).
     OSError: a file cannot be read.
   """
   paths = train_files(data_dir) if train else eval_files(data_dir)
@@ -412,7 +408,7 @@ def _link(src, dst):
 def _remove_stale_stages(data_dir):
   """Removes what killed writers on this host left: their staging directories."""
   # <prefix><host>-<pid>-<random>, and '.old' while swapping.
-  mine = re.compile(re.escape(_STAGING_PREFIX + socket.gethostname()) + r'-(\d+)-\w+(\.old)?$')
+  mine = re.compile(rf'{re.escape(_STAGING_PREFIX + socket.gethostname())}-(\d+)-\w+(\.old)?$')
   for name in os.listdir(data_dir):
     match = mine.match(name)
     if match:

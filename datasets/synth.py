@@ -57,8 +57,8 @@ from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import hparams
 from cifar10_towers.datasets import generated
 
-CLASS_NAMES = ('hstripes4', 'hstripes8', 'vstripes4', 'vstripes8', 'checker4',
-               'checker8', 'crosshatch', 'rings', 'disk', 'noise')
+CLASS_NAMES = tuple('hstripes4 hstripes8 vstripes4 vstripes8 checker4 checker8 crosshatch rings '
+                    'disk noise'.split())
 
 _SIZE = fmt.HEIGHT  # 32; the images are square
 VERSION = 2  # in GENERATED.json; 1 drew every image clear, noise stddev 10

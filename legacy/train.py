@@ -458,9 +458,10 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
   input queues under it.
   """
   towers = graph_parts.towers
-  # Input threads end with CancelledError when a stop closes the queues
-  # under them: that is a clean stop, not an error to re-raise.
-  coord = tf.train.Coordinator((tf.errors.OutOfRangeError, tf.errors.CancelledError))
+  # What a dequeue or an enqueue raises once a stop closed its queue: input
+  # threads ending with it is a clean stop, not an error to re-raise.
+  closed = (tf.errors.OutOfRangeError, tf.errors.CancelledError)
+  coord = tf.train.Coordinator(closed)
   threads = tf.train.start_queue_runners(sess, coord)
 
   def first_step_progress(seconds):
@@ -482,7 +483,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
       with training.Heartbeat(first_step_progress) if first else contextlib.nullcontext():
         _, tower_losses, summary = sess.run([
             towers.train_op, towers.tower_losses, towers.summary_op if write_summary else []])
-    except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
+    except closed:
       if not stop.requested:
         raise
       return None  # the stop closed the queues under this step: it did not run
