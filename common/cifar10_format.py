@@ -5,7 +5,7 @@ plane row-major 32x32. No TensorFlow here: these are the numpy reader, writer
 and validator used by the data commands, the tests and the cross-check.
 
 Besides the format, the validator names content that cannot be real data
-(`content_problems`, `_judge`; a problem for `data check`, a warning for
+(`_judge`; a problem for `data check`, a warning for
 training): a file of at least `MIN_RECORDS_TO_JUDGE` records whose images are
 all the same image (an all-zero file, say), or whose records all have one
 label (CIFAR-10's files mix all ten classes), and a file that is a
@@ -132,48 +132,24 @@ def _records(data, path):
   raise DataError(f'{path}: {why}. Re-download or regenerate the data.')
 
 
-def content_problems(records):
-  """Why records cannot be real data, as short phrases; [] when nothing is wrong.
-
-  Certain signs only, judged on files of at least MIN_RECORDS_TO_JUDGE
-  records: every image is the same image; every record has the same label.
-
-  Args:
-    records: uint8 [N, 3073], label byte then image bytes.
-
-  Returns:
-    list of str, e.g. ['all 10000 images are the same image (every byte 0)'].
-  """
-  n = records.shape[0]
-  if n < MIN_RECORDS_TO_JUDGE:
-    return []
-  problems = []
-  images, labels = records[:, 1:], records[:, 0]
-  # The first two images differ in almost every real file: a cheap early out.
-  if np.array_equal(images[0], images[1]) and (images == images[0]).all():
-    low, high = images[0].min(), images[0].max()
-    same = f' (every byte {low})' if low == high else ''
-    problems.append(f'all {n} images are the same image{same}')
-  if (labels == labels[0]).all():
-    problems.append(f'all {n} records have label {labels[0]}')
-  return problems
-
-
 def _judge(path, seen):
   """Reads and validates the file at `path`; why it cannot be real data.
 
-  Besides `content_problems`, from the second file on: whether the file is a
-  byte-for-byte copy of one judged before (a test file copied from a training
-  file, a training file copied to fill a gap). `seen` keeps only a
-  fingerprint of each file (its size and a digest of every 4099th byte); a
-  match is confirmed by comparing the whole files.
+  Certain signs only, judged on files of at least MIN_RECORDS_TO_JUDGE
+  records: every image is the same image; every record has the same label;
+  from the second file on, the file is a byte-for-byte copy of one judged
+  before (a test file copied from a training file, a training file copied to
+  fill a gap). `seen` keeps only a fingerprint of each file (its size and a
+  digest of every 4099th byte); a match is confirmed by comparing the whole
+  files.
 
   Args:
     path: the file.
     seen: dict fingerprint -> path, shared by the files of one data set.
 
   Returns:
-    (number of records, a list of phrases, [] if it can be real).
+    (number of records, a list of phrases, [] if it can be real), e.g.
+    (10000, ['all 10000 images are the same image (every byte 0)']).
 
   Raises:
     DataError: the file is malformed (see `read_records`).
@@ -182,14 +158,23 @@ def _judge(path, seen):
   with open(path, 'rb') as f:
     data = f.read()
   records = _records(data, path)
-  problems = content_problems(records)
-  if records.shape[0] >= MIN_RECORDS_TO_JUDGE:
-    original = seen.setdefault((len(data), hashlib.blake2b(data[::4099]).digest()), path)
-    if original != path:
-      with open(original, 'rb') as f:
-        if f.read() == data:
-          problems.append(f'a byte-for-byte copy of {os.path.basename(original)}')
-  return records.shape[0], problems
+  n, problems = records.shape[0], []
+  if n < MIN_RECORDS_TO_JUDGE:
+    return n, problems
+  images, labels = records[:, 1:], records[:, 0]
+  # The first two images differ in almost every real file: a cheap early out.
+  if np.array_equal(images[0], images[1]) and (images == images[0]).all():
+    low, high = images[0].min(), images[0].max()
+    same = f' (every byte {low})' if low == high else ''
+    problems.append(f'all {n} images are the same image{same}')
+  if (labels == labels[0]).all():
+    problems.append(f'all {n} records have label {labels[0]}')
+  original = seen.setdefault((len(data), hashlib.blake2b(data[::4099]).digest()), path)
+  if original != path:
+    with open(original, 'rb') as f:
+      if f.read() == data:
+        problems.append(f'a byte-for-byte copy of {os.path.basename(original)}')
+  return n, problems
 
 
 def _files(data_dir, names, what):

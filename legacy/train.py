@@ -422,7 +422,7 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   if refusal:
     raise training.TrainingError(refusal)
   checkpoints.check_fits(checkpoint, {
-      v.op.name: tuple(v.shape.as_list()) for v in tf.global_variables()})
+      v.op.name: tuple(v.shape) for v in tf.global_variables()})
   # Deviation from upstream: train_dir is never deleted; training resumes.
   for variable in tf.global_variables():
     variable.load(contents.tensors[variable.op.name].astype(
