@@ -265,7 +265,6 @@ def _problem(path, seen, counts):
   if not n:
     return f'{path}: empty'
   counts[os.path.basename(path)] = n
-  return None
 
 
 def check_data_dir(data_dir):
@@ -296,25 +295,26 @@ def check_data_dir(data_dir):
 
 
 def write_failure(directory, error, needed_bytes):
-  """A one-line message for an OSError raised writing data into `directory`.
+  """A one-line message for an error raised writing data into `directory`.
 
   Args:
     directory: str, where the data was being written.
-    error: the OSError.
+    error: the exception.
     needed_bytes: int, the size of the new files, named when the disk is full.
 
   Returns:
-    str saying what happened and what to do, or None when `error` is not a
-    full or read-only disk or a denied write (the caller re-raises it).
+    str saying what happened and what to do, or None when `error` is not the
+    OSError of a full or read-only disk or a denied write (the caller
+    re-raises it).
   """
-  if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+  code = getattr(error, 'errno', None)  # None: not an OSError
+  if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
     return (f'cannot write to {directory}: {error.strerror} (about {-(-needed_bytes // 2**20)} '
             'MiB are needed); nothing was changed there. Free some space or pass another '
             '--data_dir.')
-  if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+  if code in (errno.EROFS, errno.EACCES, errno.EPERM):
     return (f'cannot write to {directory}: {error.strerror}; nothing was changed there. Pass '
             'a --data_dir you can write to.')
-  return None
 
 
 @contextlib.contextmanager
@@ -362,7 +362,7 @@ def staged_batches_dir(data_dir, needed_bytes):
     for d in created:
       with contextlib.suppress(OSError):
         os.rmdir(d)  # only if still empty
-    message = isinstance(e, OSError) and write_failure(data_dir, e, needed_bytes)
+    message = write_failure(data_dir, e, needed_bytes)
     if not message:
       raise
     raise DataError(message) from e

@@ -89,7 +89,7 @@ def _fetch(url, path, data_dir, progress, timeout):
         chunk = response.read(_CHUNK_BYTES)
         done += out.write(chunk)
   except (OSError, ValueError, http.client.HTTPException) as e:
-    if isinstance(e, OSError) and fmt.write_failure(data_dir, e, NEEDED_BYTES):
+    if fmt.write_failure(data_dir, e, NEEDED_BYTES):
       raise  # the disk's fault, not the network's: said by staged_batches_dir
     # ValueError: not a URL urllib understands; OSError: e.g. an SSL error mid-stream.
     # (A transfer that breaks off without an error fails the digest check.)
@@ -152,7 +152,7 @@ def _extract(archive, stage, origin):
                if m.isfile() and posixpath.dirname(posixpath.normpath(m.name)) == fmt.BATCHES_DIR]
       tar.extractall(stage, members=files, filter='data')
   except (tarfile.TarError, EOFError, OSError) as e:
-    if isinstance(e, OSError) and fmt.write_failure(stage, e, NEEDED_BYTES):
+    if fmt.write_failure(stage, e, NEEDED_BYTES):
       raise  # the disk's fault, not the archive's: said by staged_batches_dir
     raise DownloadError(f'{origin} is not a readable tar.gz archive ({e}); it is not '
                         'the CIFAR-10 binary archive.') from e
@@ -193,7 +193,7 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
       writable, or cifar-10-batches-bin is a file; nothing was changed.
   """
   marker = generated.read(data_dir)
-  if marker is not None:
+  if marker:
     # Not PRESENT: that would call it CIFAR-10. Nor unpack over it: the
     # result would mix the two sets and keep the marker.
     raise DownloadError(
