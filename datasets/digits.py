@@ -50,7 +50,7 @@ def split(labels, rng):
   train, test = [], []
   for label in np.unique(labels):
     idx = rng.permutation(np.flatnonzero(labels == label))
-    n_test = int(round(idx.size * TEST_FRACTION))
+    n_test = round(idx.size * TEST_FRACTION)
     test.append(idx[:n_test])
     train.append(idx[n_test:])
   return (rng.permutation(np.concatenate(train)),

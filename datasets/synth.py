@@ -230,7 +230,7 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
                                         (test_rng, fmt.EVAL_FILES, num_test)):
       # Each class n/10 times (up to one), in random order.
       labels = rng.permutation(np.arange(per_file * len(stream_names)) % hparams.NUM_CLASSES)
-      pieces = _image_pieces(rng, labels.astype(np.int32), per_file)
+      pieces = _image_pieces(rng, labels, per_file)
       for name in stream_names:
         if progress:
           progress(name, fmt.DATA_FILES.index(name) + 1, len(fmt.DATA_FILES))

@@ -42,9 +42,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   """
   with tf.Graph().as_default() as graph:
     # One epoch in file order (one reader thread), the last batch smaller.
-    images, labels = inputs.inputs(eval_data=True, data_dir=data_dir,
-                                   batch_size=batch_size, num_epochs=1,
-                                   num_threads=1)
+    images, labels = inputs.inputs(True, data_dir, batch_size, num_epochs=1, num_threads=1)
     logits = model.inference(images)
     top_k_op = tf.nn.in_top_k(logits, labels, 1)
 
