@@ -125,8 +125,7 @@ def make_images(rng, labels):
   Returns:
     uint8 [N, 32, 32, 3] (height, width, channel).
   """
-  labels = np.asarray(labels)
-  return next(_image_pieces(rng, labels, labels.shape[0]))[0]
+  return next(_image_pieces(rng, labels, len(labels)))[0]
 
 
 def _image_pieces(rng, labels, size):
@@ -149,7 +148,7 @@ def _image_pieces(rng, labels, size):
     (uint8 [size, 32, 32, 3] (height, width, channel), their labels [size]) for
     each piece in turn.
   """
-  n = labels.shape[0]
+  n = len(labels)
   # The small per-image draws: phases, centres, radii, drawn for every image
   # so the random stream does not depend on the order of the classes.
   draws = (rng.integers(0, 8, n)[:, None, None],  # phase_y
