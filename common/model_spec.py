@@ -16,7 +16,7 @@ from cifar10_towers.common import lrn as lrn_lib
 LayerSpec = collections.namedtuple('LayerSpec', 'name weight_shape stddev wd bias_init')
 
 # Flattened size of pool2: 24 -> 12 -> 6 spatially, 64 channels.
-FLAT_DIM = (hparams.IMAGE_SIZE // 4) * (hparams.IMAGE_SIZE // 4) * 64  # 2304
+FLAT_DIM = (hparams.IMAGE_SIZE // 4) ** 2 * 64  # 2304
 
 LAYERS = (
     LayerSpec('conv1', (5, 5, 3, 64), 5e-2, None, 0.0),
