@@ -87,7 +87,7 @@ def _patterns(labels, draws, noise):
   yy, xx = np.mgrid[0:_SIZE, 0:_SIZE].astype(np.float32)[:, None]  # each [1, 32, 32]
 
   def square_wave(v, period):
-    return (np.floor(v / (period / 2)) % 2).astype(np.float32)
+    return np.floor(v / (period / 2)) % 2
 
   out = np.empty((labels.shape[0], _SIZE, _SIZE), np.float32)
   for label in range(hparams.NUM_CLASSES):
