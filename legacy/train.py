@@ -458,8 +458,9 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
   input queues under it.
   """
   towers = graph_parts.towers
-  # What a dequeue or an enqueue raises once a stop closed its queue: input
-  # threads ending with it is a clean stop, not an error to re-raise.
+  # A stop closes the queues: a dequeue then raises OutOfRangeError, an
+  # enqueue CancelledError. Input threads ending with either is a clean stop,
+  # not an error to re-raise.
   closed = (tf.errors.OutOfRangeError, tf.errors.CancelledError)
   coord = tf.train.Coordinator(closed)
   threads = tf.train.start_queue_runners(sess, coord)
