@@ -5,7 +5,7 @@ plane row-major 32x32. No TensorFlow here: these are the numpy reader, writer
 and validator used by the data commands, the tests and the cross-check.
 
 Besides the format, the validator names content that cannot be real data
-(`content_problems`, `_judge`; a problem for `data check`, a warning for
+(`_judge`; a problem for `data check`, a warning for
 training): a file of at least `MIN_RECORDS_TO_JUDGE` records whose images are
 all the same image (an all-zero file, say), or whose records all have one
 label (CIFAR-10's files mix all ten classes), and a file that is a
@@ -37,8 +37,9 @@ from cifar10_towers.common import prog
 logger = logging.getLogger(__name__)
 
 BATCHES_DIR = 'cifar-10-batches-bin'  # what the archive unpacks to
-TRAIN_FILES = tuple('data_batch_%d.bin' % i for i in range(1, 6))
+TRAIN_FILES = tuple(f'data_batch_{i}.bin' for i in range(1, 6))
 EVAL_FILES = ('test_batch.bin',)
+DATA_FILES = TRAIN_FILES + EVAL_FILES  # the six .bin files of a data set
 META_FILE = 'batches.meta.txt'
 # Written with a generated data set (datasets.generated); never in CIFAR-10's.
 GENERATED_FILE = 'GENERATED.json'
@@ -56,7 +57,7 @@ RECORD_BYTES = LABEL_BYTES + IMAGE_BYTES  # 3073
 # in a file mixing ten classes has a chance of 1e-9, ten equal photographs none.
 MIN_RECORDS_TO_JUDGE = 10
 
-_STAGING_PREFIX = '.%s.partial-' % BATCHES_DIR  # + host-pid-random
+_STAGING_PREFIX = f'.{BATCHES_DIR}.partial-'  # + host-pid-random
 
 
 class DataError(errors.Failure):
@@ -93,12 +94,11 @@ def write_records(path, images, labels):
     f.write(encode_records(images, labels))
 
 
-def decode_records(data, name='<bytes>'):
-  """Parses and validates CIFAR-10 binary records.
+def read_records(path):
+  """Reads, parses and validates one CIFAR-10 binary file.
 
   Args:
-    data: bytes, a whole file.
-    name: what to call the data in errors (usually the file path).
+    path: str, the file.
 
   Returns:
     (images uint8 [N, 32, 32, 3], labels int32 [N]).
@@ -106,93 +106,75 @@ def decode_records(data, name='<bytes>'):
   Raises:
     DataError: the size is not a multiple of 3073 bytes, or a label is not 0..9.
   """
-  records = _records(data, name)
-  labels = records[:, 0].astype(np.int32)
+  with open(path, 'rb') as f:
+    records = _records(f.read(), path)
   images = records[:, 1:].reshape(-1, DEPTH, HEIGHT, WIDTH).transpose(0, 2, 3, 1)
-  return images, labels
+  return images, records[:, 0].astype(np.int32)
 
 
-def _records(data, name):
-  """The records of `data` as uint8 [N, 3073], validated as `decode_records` says."""
+def _records(data, path):
+  """The records of a whole file's bytes as uint8 [N, 3073], validated as `read_records` says.
+
+  `path` names the file in errors.
+  """
   n, rest = divmod(len(data), RECORD_BYTES)
   records = np.frombuffer(data[:n * RECORD_BYTES], np.uint8).reshape(-1, RECORD_BYTES)
   bad = np.flatnonzero(records[:, 0] >= hparams.NUM_CLASSES)
   if rest:
-    why = ('size %d bytes is not a multiple of the %d-byte record; record %d is truncated at '
-           'byte offset %d' % (len(data), RECORD_BYTES, n, n * RECORD_BYTES))
+    why = (f'size {len(data)} bytes is not a multiple of the {RECORD_BYTES}-byte record; '
+           f'record {n} is truncated at byte offset {n * RECORD_BYTES}')
   elif bad.size:
-    why = ('record %d (byte offset %d) has label byte %d, outside 0..%d; %d record(s) are bad'
-           % (bad[0], bad[0] * RECORD_BYTES, records[bad[0], 0], hparams.NUM_CLASSES - 1,
-              bad.size))
+    why = (f'record {bad[0]} (byte offset {bad[0] * RECORD_BYTES}) has label byte '
+           f'{records[bad[0], 0]}, outside 0..{hparams.NUM_CLASSES - 1}; {bad.size} record(s) '
+           'are bad')
   else:
     return records
-  raise DataError('%s: %s. Re-download or regenerate the data.' % (name, why))
-
-
-def read_records(path):
-  """Reads and validates one CIFAR-10 binary file; see `decode_records`."""
-  with open(path, 'rb') as f:
-    return decode_records(f.read(), path)
-
-
-def content_problems(records):
-  """Why records cannot be real data, as short phrases; [] when nothing is wrong.
-
-  Certain signs only, judged on files of at least MIN_RECORDS_TO_JUDGE
-  records: every image is the same image; every record has the same label.
-
-  Args:
-    records: uint8 [N, 3073], label byte then image bytes.
-
-  Returns:
-    list of str, e.g. ['all 10000 images are the same image (every byte 0)'].
-  """
-  n = records.shape[0]
-  if n < MIN_RECORDS_TO_JUDGE:
-    return []
-  problems = []
-  images, labels = records[:, 1:], records[:, 0]
-  # The first two images differ in almost every real file: a cheap early out.
-  if np.array_equal(images[0], images[1]) and (images == images[0]).all():
-    low, high = images[0].min(), images[0].max()
-    problems.append('all %d images are the same image%s'
-                    % (n, ' (every byte %d)' % low if low == high else ''))
-  if (labels == labels[0]).all():
-    problems.append('all %d records have label %d' % (n, labels[0]))
-  return problems
+  raise DataError(f'{path}: {why}. Re-download or regenerate the data.')
 
 
 def _judge(path, seen):
   """Reads and validates the file at `path`; why it cannot be real data.
 
-  Besides `content_problems`, from the second file on: whether the file is a
-  byte-for-byte copy of one judged before (a test file copied from a training
-  file, a training file copied to fill a gap). `seen` keeps only a
-  fingerprint of each file (its size and a digest of every 4099th byte); a
-  match is confirmed by comparing the whole files.
+  Certain signs only, judged on files of at least MIN_RECORDS_TO_JUDGE
+  records: every image is the same image; every record has the same label;
+  from the second file on, the file is a byte-for-byte copy of one judged
+  before (a test file copied from a training file, a training file copied to
+  fill a gap). `seen` keeps only a fingerprint of each file (its size and a
+  digest of every 4099th byte); a match is confirmed by comparing the whole
+  files.
 
   Args:
     path: the file.
     seen: dict fingerprint -> path, shared by the files of one data set.
 
   Returns:
-    (number of records, a list of phrases, [] if it can be real).
+    (number of records, a list of phrases, [] if it can be real), e.g.
+    (10000, ['all 10000 images are the same image (every byte 0)']).
 
   Raises:
-    DataError: the file is malformed (see `decode_records`).
+    DataError: the file is malformed (see `read_records`).
     OSError: it (or the file it matches) cannot be read.
   """
   with open(path, 'rb') as f:
     data = f.read()
   records = _records(data, path)
-  problems = content_problems(records)
-  if records.shape[0] >= MIN_RECORDS_TO_JUDGE:
-    original = seen.setdefault((len(data), hashlib.blake2b(data[::4099]).digest()), path)
-    if original != path:
-      with open(original, 'rb') as f:
-        if f.read() == data:
-          problems.append('a byte-for-byte copy of %s' % os.path.basename(original))
-  return records.shape[0], problems
+  n, problems = records.shape[0], []
+  if n < MIN_RECORDS_TO_JUDGE:
+    return n, problems
+  images, labels = records[:, 1:], records[:, 0]
+  # The first two images differ in almost every real file: a cheap early out.
+  if np.array_equal(images[0], images[1]) and (images == images[0]).all():
+    low, high = images[0].min(), images[0].max()
+    same = f' (every byte {low})' if low == high else ''
+    problems.append(f'all {n} images are the same image{same}')
+  if (labels == labels[0]).all():
+    problems.append(f'all {n} records have label {labels[0]}')
+  original = seen.setdefault((len(data), hashlib.blake2b(data[::4099]).digest()), path)
+  if original != path:
+    with open(original, 'rb') as f:
+      if f.read() == data:
+        problems.append(f'a byte-for-byte copy of {os.path.basename(original)}')
+  return n, problems
 
 
 def _files(data_dir, names, what):
@@ -200,10 +182,9 @@ def _files(data_dir, names, what):
   missing = [p for p in paths if not os.path.isfile(p)]  # a directory there is no file either
   if missing:
     raise DataError(
-        'missing %s data file %s (%d of %d missing). Run `%s` for CIFAR-10, or `%s` for '
-        'generated data.' % (what, missing[0], len(missing), len(paths),
-                             prog.command('data download --data_dir %s' % data_dir),
-                             prog.command('data synth --data_dir %s' % data_dir)))
+        f'missing {what} data file {missing[0]} ({len(missing)} of {len(paths)} missing). Run '
+        f"`{prog.command(f'data download --data_dir {data_dir}')}` for CIFAR-10, or "
+        f"`{prog.command(f'data synth --data_dir {data_dir}')}` for generated data.")
   return paths
 
 
@@ -227,9 +208,9 @@ def num_examples(paths):
   for path, size in sizes.items():
     if size == 0 or size % RECORD_BYTES:
       raise DataError(
-          '%s: size %d bytes is not a positive multiple of the %d-byte record. '
-          'Re-download or regenerate the data (`%s` lists every problem).'
-          % (path, size, RECORD_BYTES, prog.command('data check')))
+          f'{path}: size {size} bytes is not a positive multiple of the {RECORD_BYTES}-byte '
+          f"record. Re-download or regenerate the data (`{prog.command('data check')}` lists "
+          'every problem).')
   return sum(sizes.values()) // RECORD_BYTES
 
 
@@ -241,21 +222,21 @@ def checked_files(data_dir, train, then):
   and the run goes on (`data check` reports the same as problems).
 
   Raises:
-    DataError: a file is missing, unexpected or malformed (see `decode_records`).
+    DataError: a file is missing, unexpected or malformed (see `read_records`).
     OSError: a file cannot be read.
   """
   paths = train_files(data_dir) if train else eval_files(data_dir)
   extra = unexpected_files(data_dir) if train else []
   if extra:
-    raise DataError('%s is not a CIFAR-10 data file, and training would silently ignore it '
-                    '(%d unexpected .bin file(s)). Move it out of %s; `%s` lists every '
-                    'problem.' % (extra[0], len(extra), batches_dir(data_dir),
-                                  prog.command('data check')))
+    raise DataError(f'{extra[0]} is not a CIFAR-10 data file, and training would silently '
+                    f'ignore it ({len(extra)} unexpected .bin file(s)). Move it out of '
+                    f"{batches_dir(data_dir)}; `{prog.command('data check')}` lists every "
+                    'problem.')
   seen = {}
   for path in paths:
     why = _judge(path, seen)[1]
     if why:
-      logger.warning('Warning: %s cannot be real data: %s; %s', path, '; '.join(why), then)
+      logger.warning(f"Warning: {path} cannot be real data: {'; '.join(why)}; {then}")
   return paths
 
 
@@ -263,24 +244,27 @@ def unexpected_files(data_dir):
   """Paths of the .bin files in cifar-10-batches-bin/ that are not CIFAR-10's six."""
   d = batches_dir(data_dir)
   return [os.path.join(d, name) for name in sorted(os.listdir(d))
-          if name.endswith('.bin') and name not in TRAIN_FILES + EVAL_FILES]
+          if name.endswith('.bin') and name not in DATA_FILES]
 
 
 def _problem(path, seen, counts):
   """The line saying what is wrong with the data file at `path`, or None (then it is counted)."""
+  if not os.path.lexists(path):
+    return f'{path}: missing'
   if not os.path.isfile(path):
     kind = 'a directory' if os.path.isdir(path) else 'a broken link or a special file'
-    return '%s: %s' % (path, kind + ', not a data file' if os.path.lexists(path) else 'missing')
+    return f'{path}: {kind}, not a data file'
   try:
     n, why = _judge(path, seen)
   except DataError as e:
     return str(e)
   except OSError as e:
-    return '%s: cannot be read (%s)' % (path, e.strerror)
-  if why or not n:
-    return '%s: %s' % (path, 'cannot be real data: ' + '; '.join(why) if why else 'empty')
+    return f'{path}: cannot be read ({e.strerror})'
+  if why:
+    return f"{path}: cannot be real data: {'; '.join(why)}"
+  if not n:
+    return f'{path}: empty'
   counts[os.path.basename(path)] = n
-  return None
 
 
 def check_data_dir(data_dir):
@@ -297,38 +281,40 @@ def check_data_dir(data_dir):
   """
   d = batches_dir(data_dir)
   if not os.path.isdir(d):
-    return ['%s: %s' % (d, 'a file, not a directory' if os.path.lexists(d)
-                        else 'directory not found')], {}
+    why = 'a file, not a directory' if os.path.lexists(d) else 'directory not found'
+    return [f'{d}: {why}'], {}
   try:
     extra = unexpected_files(data_dir)
   except OSError as e:
-    return ['%s: cannot be listed (%s)' % (d, e.strerror)], {}
-  expected, counts, seen = TRAIN_FILES + EVAL_FILES, {}, {}
-  problems = [_problem(os.path.join(d, name), seen, counts) for name in expected]
+    return [f'{d}: cannot be listed ({e.strerror})'], {}
+  counts, seen = {}, {}
+  problems = [_problem(os.path.join(d, name), seen, counts) for name in DATA_FILES]
   return [p for p in problems if p] + [
-      '%s: unexpected data file (expected only %s)' % (path, ', '.join(expected))
+      f"{path}: unexpected data file (expected only {', '.join(DATA_FILES)})"
       for path in extra], counts
 
 
 def write_failure(directory, error, needed_bytes):
-  """A one-line message for an OSError raised writing data into `directory`.
+  """A one-line message for an error raised writing data into `directory`.
 
   Args:
     directory: str, where the data was being written.
-    error: the OSError.
+    error: the exception.
     needed_bytes: int, the size of the new files, named when the disk is full.
 
   Returns:
-    str saying what happened and what to do, or None when `error` is not a
-    full or read-only disk or a denied write (the caller re-raises it).
+    str saying what happened and what to do, or None when `error` is not the
+    OSError of a full or read-only disk or a denied write (the caller
+    re-raises it).
   """
-  full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-  if not full and error.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-    return None
-  return 'cannot write to %s: %s%s; nothing was changed there. %s.' % (
-      directory, error.strerror, ' (about %d MiB are needed)' % -(-needed_bytes // 2**20)
-      if full else '', 'Free some space or pass another --data_dir' if full
-      else 'Pass a --data_dir you can write to')
+  code = getattr(error, 'errno', None)  # None: not an OSError
+  if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    return (f'cannot write to {directory}: {error.strerror} (about {-(-needed_bytes // 2**20)} '
+            'MiB are needed); nothing was changed there. Free some space or pass another '
+            '--data_dir.')
+  if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+    return (f'cannot write to {directory}: {error.strerror}; nothing was changed there. Pass '
+            'a --data_dir you can write to.')
 
 
 @contextlib.contextmanager
@@ -356,15 +342,15 @@ def staged_batches_dir(data_dir, needed_bytes):
   """
   target = batches_dir(data_dir)
   if os.path.lexists(target) and not os.path.isdir(target):
-    raise DataError('%s is a file, not a directory; nothing was written. Move '
-                    'it away or pass another --data_dir.' % target)
+    raise DataError(f'{target} is a file, not a directory; nothing was written. Move '
+                    'it away or pass another --data_dir.')
   created = []  # the directories this call makes, deepest first
   d = os.path.abspath(data_dir)
   while not os.path.isdir(d):
     created.append(d)
     d = os.path.dirname(d)
-  stage = os.path.join(data_dir, '%s%s-%d-%s' % (
-      _STAGING_PREFIX, socket.gethostname(), os.getpid(), os.urandom(3).hex()))
+  stage = os.path.join(
+      data_dir, f'{_STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}')
   try:
     os.makedirs(data_dir, exist_ok=True)
     _remove_stale_stages(data_dir)
@@ -376,7 +362,7 @@ def staged_batches_dir(data_dir, needed_bytes):
     for d in created:
       with contextlib.suppress(OSError):
         os.rmdir(d)  # only if still empty
-    message = isinstance(e, OSError) and write_failure(data_dir, e, needed_bytes)
+    message = write_failure(data_dir, e, needed_bytes)
     if not message:
       raise
     raise DataError(message) from e
@@ -384,7 +370,7 @@ def staged_batches_dir(data_dir, needed_bytes):
 
 def _swap_in(stage, target):
   """Replaces the directory `target` by `stage` (two renames)."""
-  old = stage + '.old'
+  old = f'{stage}.old'
   if os.path.isdir(target):
     # The old set's marker describes the old set: a new generated set brings
     # its own, and a set written without one must not inherit it.
@@ -407,7 +393,7 @@ def _link(src, dst):
 def _remove_stale_stages(data_dir):
   """Removes what killed writers on this host left: their staging directories."""
   # <prefix><host>-<pid>-<random>, and '.old' while swapping.
-  mine = re.compile(re.escape(_STAGING_PREFIX + socket.gethostname()) + r'-(\d+)-\w+(\.old)?$')
+  mine = re.compile(rf'{re.escape(_STAGING_PREFIX + socket.gethostname())}-(\d+)-\w+(\.old)?$')
   for name in os.listdir(data_dir):
     match = mine.match(name)
     if match:

@@ -47,34 +47,30 @@ def plan_devices(num_gpus):
   tests, which split the CPU once per session), those are reused.
 
   Args:
-    num_gpus: int >= 1, number of towers.
+    num_gpus: int, number of towers, 1 to MAX_TOWERS (the CLI's --num_gpus range).
 
   Returns:
     DevicePlan.
 
   Raises:
-    DeviceError: num_gpus is out of range or the devices cannot be created.
+    DeviceError: the devices cannot be created.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  if not 1 <= num_gpus <= MAX_TOWERS:
-    raise DeviceError('--num_gpus must be between 1 and %d, got %d.'
-                      % (MAX_TOWERS, num_gpus))
   gpus = tf.config.list_physical_devices('GPU')
-  if len(gpus) >= num_gpus:
-    return DevicePlan(tuple('/device:GPU:%d' % i for i in range(num_gpus)), 'gpu', 1)
-  if gpus:  # towers on logical GPUs, the first GPU's before the next one's
+  if 0 < len(gpus) < num_gpus:  # towers on logical GPUs, the first GPU's before the next one's
     per_gpu = -(-num_gpus // len(gpus))
-    logger.warning('%d tower(s) asked for, %d GPU(s) found: running the towers on logical '
-                   'GPUs of %d MiB, %d per GPU.', num_gpus, len(gpus), GPU_SPLIT_MB, per_gpu)
+    logger.warning(f'{num_gpus} tower(s) asked for, {len(gpus)} GPU(s) found: running the '
+                   f'towers on logical GPUs of {GPU_SPLIT_MB} MiB, {per_gpu} per GPU.')
     for gpu in gpus:
       _split(gpu, per_gpu, tf.config.LogicalDeviceConfiguration(memory_limit=GPU_SPLIT_MB))
-    return DevicePlan(tuple('/device:GPU:%d' % i for i in range(num_gpus)), 'gpu', 1)
+  if gpus:
+    return DevicePlan(tuple(f'/device:GPU:{i}' for i in range(num_gpus)), 'gpu', 1)
   if num_gpus > 1:
-    logger.warning('%d tower(s) asked for, no GPU found: running the towers on %d logical CPU '
-                   'devices.', num_gpus, num_gpus)
+    logger.warning(f'{num_gpus} tower(s) asked for, no GPU found: running the towers on '
+                   f'{num_gpus} logical CPU devices.')
   have = _split(tf.config.list_physical_devices('CPU')[0], num_gpus,
                 tf.config.LogicalDeviceConfiguration())
-  return DevicePlan(tuple('/device:CPU:%d' % i for i in range(num_gpus)), 'cpu', have)
+  return DevicePlan(tuple(f'/device:CPU:{i}' for i in range(num_gpus)), 'cpu', have)
 
 
 def _split(device, count, logical):
@@ -87,7 +83,7 @@ def _split(device, count, logical):
       tf.config.set_logical_device_configuration(device, [logical] * count)
     except RuntimeError as e:
       raise DeviceError(
-          'cannot split %s into %d devices: TensorFlow already started with %d in this '
-          'process (%s). Start a new process.' % (device.name, count, have, e)) from e
+          f'cannot split {device.name} into {count} devices: TensorFlow already started with '
+          f'{have} in this process ({e}). Start a new process.') from e
     have = count
   return have

@@ -16,7 +16,7 @@ from cifar10_towers.common import lrn as lrn_lib
 LayerSpec = collections.namedtuple('LayerSpec', 'name weight_shape stddev wd bias_init')
 
 # Flattened size of pool2: 24 -> 12 -> 6 spatially, 64 channels.
-FLAT_DIM = (hparams.IMAGE_SIZE // 4) * (hparams.IMAGE_SIZE // 4) * 64  # 2304
+FLAT_DIM = (hparams.IMAGE_SIZE // 4) ** 2 * 64  # 2304
 
 LAYERS = (
     LayerSpec('conv1', (5, 5, 3, 64), 5e-2, None, 0.0),
@@ -28,14 +28,14 @@ LAYERS = (
 LAYERS_BY_NAME = {layer.name: layer for layer in LAYERS}
 
 # The 10 trainable variables, in upstream's order: conv1/weights, conv1/biases, ...
-VARIABLE_NAMES = tuple('%s/%s' % (layer.name, kind)
+VARIABLE_NAMES = tuple(f'{layer.name}/{kind}'
                        for layer in LAYERS for kind in ('weights', 'biases'))
 NUM_PARAMETERS = 1068298
 
 
 def average_name(variable_name):
   """A variable's moving average (shadow): 'conv1/weights/ExponentialMovingAverage'."""
-  return variable_name + '/ExponentialMovingAverage'
+  return f'{variable_name}/ExponentialMovingAverage'
 
 
 def variable_shape(name):

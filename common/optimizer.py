@@ -61,7 +61,7 @@ def slot_names(name):
   """Legacy names of the slots and non-slot variables of optimizer `name`."""
   # Imported here: model_spec imports TensorFlow, not wanted for --help.
   from cifar10_towers.common import model_spec  # pylint: disable=g-import-not-at-top
-  return tuple('%s/%s' % (var, suffix) for var in model_spec.VARIABLE_NAMES
+  return tuple(f'{var}/{suffix}' for var in model_spec.VARIABLE_NAMES
                for suffix in SLOT_SUFFIXES[name]) + NON_SLOT_NAMES[name]
 
 
@@ -97,9 +97,7 @@ def mismatch(path, saved, wanted):
   """
   if saved == wanted:
     return None
-  return ('%s was trained with --optimizer %s; this run has --optimizer %s, '
-          'which would %s its optimizer state. Resume it with --optimizer %s, '
-          'or train in another --train_dir.'
-          % (path, saved, wanted,
-             'drop' if wanted == SGD else ('zero-fill' if saved == SGD else
-                                           'drop and zero-fill'), saved))
+  change = 'drop' if wanted == SGD else ('zero-fill' if saved == SGD else 'drop and zero-fill')
+  return (f'{path} was trained with --optimizer {saved}; this run has --optimizer {wanted}, '
+          f'which would {change} its optimizer state. Resume it with --optimizer {saved}, '
+          'or train in another --train_dir.')

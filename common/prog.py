@@ -31,12 +31,12 @@ def name(argv0=None):
 
 def command(args):
   """`args` (a str such as 'data check --data_dir D') as the user would run it."""
-  return '%s %s' % (name(), args)
+  return f'{name()} {args}'
 
 
 def converted_dir(train_dir, to_kind):
   """Where a hint suggests converting train_dir to: `<train_dir>_<to_kind>`."""
-  return '%s_%s' % (os.path.normpath(train_dir), to_kind)
+  return f'{os.path.normpath(train_dir)}_{to_kind}'
 
 
 def convert_command(train_dir, to_kind):
@@ -49,5 +49,5 @@ def convert_command(train_dir, to_kind):
     train_dir: str, the train_dir holding the other trainer's checkpoint.
     to_kind: 'legacy' or 'modern', the trainer that refused it.
   """
-  return command('convert --from_dir %s --to_dir %s' % (
-      shlex.quote(train_dir), shlex.quote(converted_dir(train_dir, to_kind))))
+  return command(f'convert --from_dir {shlex.quote(train_dir)} '
+                 f'--to_dir {shlex.quote(converted_dir(train_dir, to_kind))}')

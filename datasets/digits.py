@@ -13,7 +13,7 @@ import numpy as np
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.datasets import generated
 
-CLASS_NAMES = tuple(str(d) for d in range(10))
+CLASS_NAMES = tuple('0123456789')
 VERSION = 1  # of the conversion, in GENERATED.json
 NUM_IMAGES = 1797  # images in sklearn's load_digits
 _SCALE = 3  # 8x8 -> 24x24
@@ -50,14 +50,14 @@ def split(labels, rng):
   train, test = [], []
   for label in np.unique(labels):
     idx = rng.permutation(np.flatnonzero(labels == label))
-    n_test = int(round(idx.size * TEST_FRACTION))
+    n_test = round(idx.size * TEST_FRACTION)
     test.append(idx[:n_test])
     train.append(idx[n_test:])
   return (rng.permutation(np.concatenate(train)),
           rng.permutation(np.concatenate(test)))
 
 
-def convert_digits(data_dir, seed=0, mark=True):
+def convert_digits(data_dir, seed=0):
   """Writes scikit-learn's digits as `<data_dir>/cifar-10-batches-bin/`.
 
   The training images are spread evenly over `data_batch_1..5.bin`, the test
@@ -70,8 +70,6 @@ def convert_digits(data_dir, seed=0, mark=True):
   Args:
     data_dir: str, the data directory (created if missing).
     seed: int, seeds the split and the order of the records.
-    mark: bool, write GENERATED.json; False only for data that stands in
-      for CIFAR-10 (the tests' fixtures), which no command will label.
 
   Returns:
     dict file name -> number of records written.
@@ -91,7 +89,8 @@ def convert_digits(data_dir, seed=0, mark=True):
   labels = np.asarray(digits.target, np.int32)
   train_idx, test_idx = split(labels, np.random.default_rng(seed))
   parts = np.array_split(train_idx, len(fmt.TRAIN_FILES)) + [test_idx]
+  # Always marked: no fixture stands in for CIFAR-10 with the digits.
   return generated.write_set(
       data_dir, ((name, images[idx], labels[idx])
-                 for name, idx in zip(fmt.TRAIN_FILES + fmt.EVAL_FILES, parts)),
-      labels.size * fmt.RECORD_BYTES, CLASS_NAMES, mark, 'digits', VERSION, seed=seed)
+                 for name, idx in zip(fmt.DATA_FILES, parts)),
+      labels.size * fmt.RECORD_BYTES, CLASS_NAMES, True, 'digits', VERSION, seed=seed)

@@ -55,9 +55,12 @@ def archive_path(data_dir):
 
 def is_present(data_dir):
   """True when `<data_dir>/cifar-10-batches-bin` holds all six .bin files."""
-  d = fmt.batches_dir(data_dir)
-  return all(os.path.isfile(os.path.join(d, name))
-             for name in fmt.TRAIN_FILES + fmt.EVAL_FILES)
+  return not _missing(fmt.batches_dir(data_dir))
+
+
+def _missing(directory):
+  """The names of the six .bin files that are not regular files in `directory`."""
+  return [n for n in fmt.DATA_FILES if not os.path.isfile(os.path.join(directory, n))]
 
 
 def sha256_of(path):
@@ -86,16 +89,16 @@ def _fetch(url, path, data_dir, progress, timeout):
         chunk = response.read(_CHUNK_BYTES)
         done += out.write(chunk)
   except (OSError, ValueError, http.client.HTTPException) as e:
-    if isinstance(e, OSError) and fmt.write_failure(data_dir, e, NEEDED_BYTES):
+    if fmt.write_failure(data_dir, e, NEEDED_BYTES):
       raise  # the disk's fault, not the network's: said by staged_batches_dir
     # ValueError: not a URL urllib understands; OSError: e.g. an SSL error mid-stream.
     # (A transfer that breaks off without an error fails the digest check.)
     reason = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', None) or e
     raise DownloadError(
-        'could not reach %s (%s). Without network access, run `%s` for generated data, or copy '
-        '%s (%d bytes, SHA-256 %s) to %s and run this again.'
-        % (url, reason, prog.command('data synth --data_dir %s' % data_dir), ARCHIVE_NAME,
-           ARCHIVE_BYTES, ARCHIVE_SHA256, archive_path(data_dir))) from e
+        f'could not reach {url} ({reason}). Without network access, run '
+        f"`{prog.command(f'data synth --data_dir {data_dir}')}` for generated data, or copy "
+        f'{ARCHIVE_NAME} ({ARCHIVE_BYTES} bytes, SHA-256 {ARCHIVE_SHA256}) to '
+        f'{archive_path(data_dir)} and run this again.') from e
 
 
 def check_members(tar, directory):
@@ -119,18 +122,18 @@ def check_members(tar, directory):
       is a device or FIFO.
   """
   members = tar.getmembers()
-  links = tuple(posixpath.normpath(m.name) + '/' for m in members if m.issym())
+  links = tuple(f'{posixpath.normpath(m.name)}/' for m in members if m.issym())
   for m in members:
     try:
       if m.name.startswith('/') or posixpath.normpath(m.name).startswith(links):
-        raise tarfile.FilterError('%r has an absolute path or lies below a symbolic link'
-                                  % m.name)
+        raise tarfile.FilterError(f'{m.name!r} has an absolute path or lies below a symbolic '
+                                  'link')
       tarfile.data_filter(m, directory)
     except tarfile.FilterError as e:
       # It passed the digest check only if another URL and digest were given.
-      raise DownloadError('refusing to unpack: archive member %s; nothing was written. This '
-                          'is not the CIFAR-10 archive: fetch it from %s instead (unset '
-                          'CIFAR10_DATA_URL).' % (e, DATA_URL)) from e
+      raise DownloadError(f'refusing to unpack: archive member {e}; nothing was written. This '
+                          f'is not the CIFAR-10 archive: fetch it from {DATA_URL} instead (unset '
+                          'CIFAR10_DATA_URL).') from e
   return members
 
 
@@ -149,16 +152,15 @@ def _extract(archive, stage, origin):
                if m.isfile() and posixpath.dirname(posixpath.normpath(m.name)) == fmt.BATCHES_DIR]
       tar.extractall(stage, members=files, filter='data')
   except (tarfile.TarError, EOFError, OSError) as e:
-    if isinstance(e, OSError) and fmt.write_failure(stage, e, NEEDED_BYTES):
+    if fmt.write_failure(stage, e, NEEDED_BYTES):
       raise  # the disk's fault, not the archive's: said by staged_batches_dir
-    raise DownloadError('%s is not a readable tar.gz archive (%s); it is not '
-                        'the CIFAR-10 binary archive.' % (origin, e)) from e
-  missing = [n for n in fmt.TRAIN_FILES + fmt.EVAL_FILES
-             if not os.path.isfile(os.path.join(stage, n))]
+    raise DownloadError(f'{origin} is not a readable tar.gz archive ({e}); it is not '
+                        'the CIFAR-10 binary archive.') from e
+  missing = _missing(stage)
   if missing:
-    raise DownloadError('%s does not contain %s/%s (%d of the 6 data files are '
-                        'missing); it is not the CIFAR-10 binary archive.'
-                        % (origin, fmt.BATCHES_DIR, missing[0], len(missing)))
+    raise DownloadError(f'{origin} does not contain {fmt.BATCHES_DIR}/{missing[0]} '
+                        f'({len(missing)} of the 6 data files are missing); it is not the '
+                        'CIFAR-10 binary archive.')
 
 
 def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
@@ -191,18 +193,18 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
       writable, or cifar-10-batches-bin is a file; nothing was changed.
   """
   marker = generated.read(data_dir)
-  if marker is not None:
+  if marker:
     # Not PRESENT: that would call it CIFAR-10. Nor unpack over it: the
     # result would mix the two sets and keep the marker.
     raise DownloadError(
-        '%s holds %s, not CIFAR-10; nothing was downloaded. To get CIFAR-10 '
-        'there, remove %s and run this again, or pass another --data_dir.'
-        % (data_dir, marker['what'], fmt.batches_dir(data_dir)))
+        f"{data_dir} holds {marker['what']}, not CIFAR-10; nothing was downloaded. To get "
+        f'CIFAR-10 there, remove {fmt.batches_dir(data_dir)} and run this again, or pass another '
+        '--data_dir.')
   if is_present(data_dir):
     return PRESENT
   archive = archive_path(data_dir)
   local = os.path.isfile(archive)
-  origin = 'the local archive %s' % archive if local else 'the file downloaded from %s' % url
+  origin = f'the local archive {archive}' if local else f'the file downloaded from {url}'
   # The new files go into a staging directory that replaces
   # cifar-10-batches-bin/ only when they are all there, verified.
   with fmt.staged_batches_dir(data_dir, NEEDED_BYTES) as stage:
@@ -212,9 +214,9 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     actual = sha256_of(source)
     if actual != sha256:
       raise DownloadError(
-          '%s has SHA-256 %s, expected %s: it is corrupt or not the CIFAR-10 binary '
-          'archive, and was not unpacked. Put a good copy at %s (or delete the one there) '
-          'and run this again.' % (origin, actual, sha256, archive))
+          f'{origin} has SHA-256 {actual}, expected {sha256}: it is corrupt or not the CIFAR-10 '
+          f'binary archive, and was not unpacked. Put a good copy at {archive} (or delete the '
+          'one there) and run this again.')
     _extract(source, stage, origin)
     os.replace(source, archive)  # kept, verified (a no-op for the local one)
   return LOCAL_ARCHIVE if local else DOWNLOADED

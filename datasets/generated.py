@@ -73,7 +73,7 @@ def write_set(data_dir, files, needed_bytes, class_names, mark, generator, versi
 def write_marker(directory, generator, version, data_dir, **params):
   """Writes GENERATED.json into `directory` (a staging directory); see `write_set`."""
   command_args = shlex.join(['data', generator, '--data_dir', data_dir] + [
-      str(a) for name, value in params.items() for a in ('--' + name, value)])
+      arg for name, value in params.items() for arg in (f'--{name}', f'{value}')])
   info = {
       'generator': generator,
       'version': version,
@@ -109,13 +109,13 @@ def read(data_dir):
   if not isinstance(info.get('generator'), str) or not info['generator']:
     info['generator'] = 'unknown'
   args = info.get('args')
-  info.update(what='generated data (%s)' % info['generator'], command=prog.command(
-      args if isinstance(args, str) and args else 'data %s --data_dir %s'
-      % (info['generator'], data_dir)))
+  if not isinstance(args, str) or not args:
+    args = f"data {info['generator']} --data_dir {data_dir}"
+  info.update(what=f"generated data ({info['generator']})", command=prog.command(args))
   return info
 
 
 def holds_data(data_dir):
   """True when cifar-10-batches-bin/ holds any of the six data files."""
   d = fmt.batches_dir(data_dir)
-  return any(os.path.lexists(os.path.join(d, name)) for name in fmt.TRAIN_FILES + fmt.EVAL_FILES)
+  return any(os.path.lexists(os.path.join(d, name)) for name in fmt.DATA_FILES)

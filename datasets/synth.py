@@ -57,8 +57,8 @@ from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import hparams
 from cifar10_towers.datasets import generated
 
-CLASS_NAMES = ('hstripes4', 'hstripes8', 'vstripes4', 'vstripes8', 'checker4',
-               'checker8', 'crosshatch', 'rings', 'disk', 'noise')
+CLASS_NAMES = tuple('hstripes4 hstripes8 vstripes4 vstripes8 checker4 checker8 crosshatch rings '
+                    'disk noise'.split())
 
 _SIZE = fmt.HEIGHT  # 32; the images are square
 VERSION = 2  # in GENERATED.json; 1 drew every image clear, noise stddev 10
@@ -87,7 +87,7 @@ def _patterns(labels, draws, noise):
   yy, xx = np.mgrid[0:_SIZE, 0:_SIZE].astype(np.float32)[:, None]  # each [1, 32, 32]
 
   def square_wave(v, period):
-    return (np.floor(v / (period / 2)) % 2).astype(np.float32)
+    return np.floor(v / (period / 2)) % 2
 
   out = np.empty((labels.shape[0], _SIZE, _SIZE), np.float32)
   for label in range(hparams.NUM_CLASSES):
@@ -125,8 +125,7 @@ def make_images(rng, labels):
   Returns:
     uint8 [N, 32, 32, 3] (height, width, channel).
   """
-  labels = np.asarray(labels)
-  return next(_image_pieces(rng, labels, labels.shape[0]))[0]
+  return next(_image_pieces(rng, labels, len(labels)))[0]
 
 
 def _image_pieces(rng, labels, size):
@@ -149,7 +148,7 @@ def _image_pieces(rng, labels, size):
     (uint8 [size, 32, 32, 3] (height, width, channel), their labels [size]) for
     each piece in turn.
   """
-  n = labels.shape[0]
+  n = len(labels)
   # The small per-image draws: phases, centres, radii, drawn for every image
   # so the random stream does not depend on the order of the classes.
   draws = (rng.integers(0, 8, n)[:, None, None],  # phase_y
@@ -218,7 +217,6 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
     common.cifar10_format.DataError: the disk is full or read-only, or
       cifar-10-batches-bin is a file; nothing was changed.
   """
-  names = fmt.TRAIN_FILES + fmt.EVAL_FILES
   # Independent streams for train and test, so num_test does not change the
   # training images.
   train_rng, test_rng = [np.random.default_rng(s)
@@ -231,10 +229,10 @@ def generate(data_dir, train_per_file=1000, num_test=1000, seed=0, mark=True,
                                         (test_rng, fmt.EVAL_FILES, num_test)):
       # Each class n/10 times (up to one), in random order.
       labels = rng.permutation(np.arange(per_file * len(stream_names)) % hparams.NUM_CLASSES)
-      pieces = _image_pieces(rng, labels.astype(np.int32), per_file)
+      pieces = _image_pieces(rng, labels, per_file)
       for name in stream_names:
         if progress:
-          progress(name, names.index(name) + 1, len(names))
+          progress(name, fmt.DATA_FILES.index(name) + 1, len(fmt.DATA_FILES))
         yield (name, *next(pieces))
 
   num_records = train_per_file * len(fmt.TRAIN_FILES) + num_test

@@ -42,9 +42,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
   """
   with tf.Graph().as_default() as graph:
     # One epoch in file order (one reader thread), the last batch smaller.
-    images, labels = inputs.inputs(eval_data=True, data_dir=data_dir,
-                                   batch_size=batch_size, num_epochs=1,
-                                   num_threads=1)
+    images, labels = inputs.inputs(True, data_dir, batch_size, num_epochs=1, num_threads=1)
     logits = model.inference(images)
     top_k_op = tf.nn.in_top_k(logits, labels, 1)
 
@@ -76,7 +74,7 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
           pass  # the epoch is over: every record was seen once
 
       coord = tf.train.Coordinator()
-      threads = tf.train.start_queue_runners(sess=sess, coord=coord)
+      threads = tf.train.start_queue_runners(sess, coord)
       try:
         return evaluation.count_correct(batches(), data_dir, num_examples,
                                         checkpoints.global_step(contents), should_stop,

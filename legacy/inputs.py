@@ -13,8 +13,8 @@ from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import hparams
 from cifar10_towers.common import preprocess
 
-CIFAR10Record = collections.namedtuple(
-    'CIFAR10Record', ['key', 'label', 'uint8image', 'height', 'width', 'depth'])
+CIFAR10Record = collections.namedtuple('CIFAR10Record',
+                                       'key label uint8image height width depth')
 
 # Training records one preprocessing thread reads and distorts per Session run.
 RECORDS_PER_READ = 128

@@ -65,7 +65,7 @@ def _variable_on_cpu(name, shape, initializer):
 
   Args:
     name: str, the variable's name inside the current variable scope.
-    shape: list of ints.
+    shape: sequence of ints.
     initializer: an initializer.
 
   Returns:
@@ -83,7 +83,7 @@ def _variable_with_weight_decay(name, shape, stddev, wd):
 
   Args:
     name: str, the variable's name.
-    shape: list of ints.
+    shape: sequence of ints.
     stddev: float, standard deviation of the truncated normal.
     wd: float or None; when set, `wd * l2_loss(var)` is added to the
       'losses' collection.
@@ -116,9 +116,8 @@ def inference(images, lrn=None):
   for layer in model_spec.LAYERS:
     with tf.variable_scope(layer.name):
       params[layer.name] = (
-          _variable_with_weight_decay('weights', list(layer.weight_shape), layer.stddev,
-                                      layer.wd),
-          _variable_on_cpu('biases', [layer.weight_shape[-1]],
+          _variable_with_weight_decay('weights', layer.weight_shape, layer.stddev, layer.wd),
+          _variable_on_cpu('biases', layer.weight_shape[-1:],
                            tf.constant_initializer(layer.bias_init)))
   return model_spec.forward(images, params, _activation_summary, lrn)
 

@@ -81,7 +81,7 @@ def tower_loss(scope, images, labels, lrn=None):
   # (The total's op is 'total_loss_1': model.loss took 'total_loss'.)
   for l in losses:
     model.scalar_summary(l.op.name, l)
-  model.scalar_summary(scope + 'total_loss', total_loss)
+  model.scalar_summary(f'{scope}total_loss', total_loss)
   return total_loss
 
 
@@ -325,8 +325,8 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
           logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
           return step
         fill = hparams.min_queue_examples(examples_per_epoch)
-        logger.info('Filling the queue with %d CIFAR images before starting to train. '
-                    'This may take a while.', fill)
+        logger.info(f'Filling the queue with {fill} CIFAR images before starting to train. '
+                    'This may take a while.')
         return _train_loop(sess, config, graph_parts, step, stop, on_step, fill)
 
 
@@ -356,8 +356,7 @@ def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
             for i in range(config.num_gpus)]
 
 
-def build_train_graph(config, plan, decay_steps,
-                      num_threads=hparams.NUM_PREPROCESS_THREADS):
+def build_train_graph(config, plan, decay_steps, num_threads):
   """Builds, in the default graph, everything `train` runs.
 
   Args:
@@ -369,8 +368,7 @@ def build_train_graph(config, plan, decay_steps,
   Returns:
     TrainGraph.
   """
-  if config.seed is not None:
-    tf.set_random_seed(config.seed)
+  tf.set_random_seed(config.seed)  # None leaves the graph unseeded
   with tf.name_scope('input'):
     tower_batches = tower_input_batches(config, num_threads)
     close_queues = inputs.close_queue_ops()
@@ -424,17 +422,17 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   if refusal:
     raise training.TrainingError(refusal)
   checkpoints.check_fits(checkpoint, {
-      v.op.name: tuple(v.shape.as_list()) for v in tf.global_variables()})
+      v.op.name: tuple(v.shape) for v in tf.global_variables()})
   # Deviation from upstream: train_dir is never deleted; training resumes.
   for variable in tf.global_variables():
     variable.load(contents.tensors[variable.op.name].astype(
         variable.dtype.base_dtype.as_numpy_dtype), sess)
   step = int(sess.run(graph_parts.towers.global_step))
   if contents.tensors['global_step'].dtype.kind == 'f':
-    logger.info('Resuming an upstream train_dir from %s at global step %d (float32 '
-                'global_step); new checkpoints are named by the global step.', checkpoint, step)
+    logger.info(f'Resuming an upstream train_dir from {checkpoint} at global step {step} '
+                '(float32 global_step); new checkpoints are named by the global step.')
   else:
-    logger.info('Resuming from %s at global step %d.', checkpoint, step)
+    logger.info(f'Resuming from {checkpoint} at global step {step}.')
   return step
 
 
@@ -452,7 +450,7 @@ def _save(saver, sess, config, step):
     raise checkpoints.save_failed(config.train_dir, step, e) from e
 
 
-def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
+def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
   """`runtime.training.train_loop` fed by the queue threads, which it always stops.
 
   A step waiting for its batch (the first one waits while the shuffle queue
@@ -460,9 +458,11 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
   input queues under it.
   """
   towers = graph_parts.towers
-  # Input threads end with CancelledError when a stop closes the queues
-  # under them: that is a clean stop, not an error to re-raise.
-  coord = tf.train.Coordinator((tf.errors.OutOfRangeError, tf.errors.CancelledError))
+  # A stop closes the queues: a dequeue then raises OutOfRangeError, an
+  # enqueue CancelledError. Input threads ending with either is a clean stop,
+  # not an error to re-raise.
+  closed = (tf.errors.OutOfRangeError, tf.errors.CancelledError)
+  coord = tf.train.Coordinator(closed)
   threads = tf.train.start_queue_runners(sess, coord)
 
   def first_step_progress(seconds):
@@ -484,7 +484,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill=0):
       with training.Heartbeat(first_step_progress) if first else contextlib.nullcontext():
         _, tower_losses, summary = sess.run([
             towers.train_op, towers.tower_losses, towers.summary_op if write_summary else []])
-    except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
+    except closed:
       if not stop.requested:
         raise
       return None  # the stop closed the queues under this step: it did not run

@@ -405,17 +405,21 @@ def test_eval_warns_on_a_test_file_that_cannot_be_real(ws, synth_data_dir):
   assert fs.changed(before, fs.snapshot(ws.data, train_dir)) == []
 
 
-def test_content_is_judged_from_ten_records_on():
+def test_content_is_judged_from_ten_records_on(tmp_path):
   """Nine equal records may be a hand-made test file; ten are not real data."""
+  path = tmp_path / 'x.bin'
+
+  def judged(data):
+    path.write_bytes(data)
+    return fmt._judge(str(path), {})  # pylint: disable=protected-access
+
   record = bytes([7]) + bytes(range(256)) * 12
   for n, expected in ((9, []), (10, ['all 10 images are the same image',
                                       'all 10 records have label 7'])):
-    records = fmt._records(record * n, 'x')  # pylint: disable=protected-access
-    assert fmt.content_problems(records) == expected
+    assert judged(record * n) == (n, expected)
   varied = bytearray(record * 10)
   varied[1 + fmt.RECORD_BYTES * 9] ^= 1  # one byte of the last image
-  records = fmt._records(bytes(varied), 'x')  # pylint: disable=protected-access
-  assert fmt.content_problems(records) == ['all 10 records have label 7']
+  assert judged(bytes(varied)) == (10, ['all 10 records have label 7'])
 
 
 def _staged(data_dir):

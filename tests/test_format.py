@@ -54,7 +54,8 @@ def test_bytes_are_label_then_depth_major_planes(tmp_path):
   hand = bytearray(3073)
   hand[0] = 4
   hand[1 + 1 * 1024 + 31 * 32 + 0] = 99  # green, last row, first column
-  got, got_labels = fmt.decode_records(bytes(hand))
+  path.write_bytes(bytes(hand))
+  got, got_labels = fmt.read_records(str(path))
   assert got_labels.tolist() == [4]
   assert got[0, 31, 0, 1] == 99 and int(got.sum()) == 99
 
