@@ -12,7 +12,7 @@
                --worker_hosts and --task_index.
 
 An engine is one small class with the interface of `Towers`: the loop asks it
-to build the step, to run one step, and, where several processes train
+to build the step (`trainer`, whose `step` it runs), and, where several processes train
 together, to agree with its peers (broadcast the restored state, vote on a
 stop, meet at a final barrier, bound every wait). `Towers`' answers are
 those of one process, where there is nothing to agree on. `make` picks the
@@ -95,28 +95,6 @@ class Towers:
     """Builds the step; with peers, meets them first. Nothing is written."""
     self.trainer = self.build(decay_steps)
 
-  def step(self, batches, stop, summaries=False):
-    """One training step: (tower losses numpy [replicas], summaries, voted to stop).
-
-    Args:
-      batches: an element of `dataset()`.
-      stop: runtime.training.StopRequest of this process.
-      summaries: whether the step writes summaries. Then the towers return a
-        dict tag -> tensor: the towers' loss terms, activations, sparsity and
-        averaged gradients, and under 'images' tower 0's first images. The
-        replica engines return none: their summaries are the losses, the
-        learning rate and the variables
-        (runtime.training.summary_tags(activations=False)).
-
-    Returns:
-      The third item: whether a stop request rode on this step (on the
-      replica engines, its all-reduce), so that every worker stops after it.
-    """
-    tower_losses, voted, summary = self.trainer.step(batches, stop.requested, summaries)
-    if summary:
-      summary['images'] = batches[0][0][:training.NUM_SUMMARY_IMAGES]
-    return tower_losses.numpy(), summary, bool(voted)
-
   def dataset(self):
     """The training batches of this process (its shard of the records)."""
     return inputs.distorted_inputs(
@@ -173,8 +151,6 @@ class ReplicaTrainer(step_lib.Trainer):
     self.num_local_replicas = self.plan.num_towers
     self.num_towers = self.grad_divisor = self.strategy.num_replicas_in_sync
     self.batch_counts = sorted({self.num_towers, self.num_local_replicas})
-    self.broadcast_from_chief = tf.function(self._broadcast_from_chief)
-    self.barrier = tf.function(self._barrier)
 
   def _replica_step(self, images, labels, vote):
     """In each replica: its gradients, then the all-reduce over every replica.
@@ -224,7 +200,8 @@ class ReplicaTrainer(step_lib.Trainer):
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
 
-  def _broadcast_from_chief(self):
+  @tf.function
+  def broadcast_from_chief(self):
     """Sets every worker's variables, averages and global step to the chief's."""
     state = self.state
     # The optimizer's slots too: a resumed momentum or Adam run goes on from
@@ -245,7 +222,8 @@ class ReplicaTrainer(step_lib.Trainer):
       self.strategy.extended.update(var, lambda v, x: v.assign(tf.cast(x, v.dtype)),
                                     args=(value,))
 
-  def _barrier(self):
+  @tf.function
+  def barrier(self):
     """Returns when every replica of every worker has called it."""
     return self.strategy.experimental_local_results(self.strategy.run(
         lambda: tf.distribute.get_replica_context().all_reduce(

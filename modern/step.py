@@ -286,12 +286,7 @@ class Trainer:
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
     self._tower_fn = tf.function(self._tower, jit_compile=True) if jit else self._tower
-    # `summaries` (a Python bool) traces the step of the steps that write
-    # summaries apart: the same arithmetic, and what the summaries need from
-    # inside it; the other steps run the plain step unchanged.
-    self._step_fn = tf.function(self._step)
-    self._gradients_fn = tf.function(
-        lambda images, labels: self._gradients(images, labels, tf.constant(0.0))[:2])
+    self._gradients_fn = tf.function(lambda *args: self._gradients(*args)[:2])
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -398,6 +393,10 @@ class Trainer:
     with tf.device(devices.VARIABLE_DEVICE):
       self.state.apply_gradients(self.state.clip_averaged(grads))
 
+  # `summaries` (a Python bool) traces the step of the steps that write
+  # summaries apart: the same arithmetic, and what the summaries need from
+  # inside it; the other steps run the plain step unchanged.
+  @tf.function
   def _step(self, images, labels, vote, summaries=False):
     """One training step over all towers.
 
@@ -414,8 +413,9 @@ class Trainer:
     self._apply(grads)
     return tower_losses, voted, summary
 
-  def _check(self, tower_batches):
-    """(images float32, labels int32) of a step, checked for shape."""
+  def _args(self, tower_batches, stop_requested=False, summaries=False):
+    """`_step`'s arguments: (images float32, labels int32) checked for shape, the vote,
+    and whether the step returns the summaries (`inner_summaries`)."""
     images = tf.convert_to_tensor(tower_batches[0], tf.float32)
     labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
     size = hparams.IMAGE_SIZE
@@ -424,7 +424,7 @@ class Trainer:
       raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
                        f'with N in {list(self.batch_counts)} (a batch per tower), got '
                        f'{images.shape} and {labels.shape}')
-    return images, labels
+    return images, labels, tf.constant(float(stop_requested)), summaries and self.inner_summaries
 
   def step(self, tower_batches, stop_requested=False, summaries=False):
     """Runs one training step.
@@ -445,8 +445,7 @@ class Trainer:
        towers' loss terms and sparsity, their activations and the averaged
        gradients; empty without `summaries`).
     """
-    return self._step_fn(*self._check(tower_batches), tf.constant(float(stop_requested)),
-                         summaries and self.inner_summaries)
+    return self._step(*self._args(tower_batches, stop_requested, summaries))
 
   def train_step(self, tower_batches):
     """`step`'s tower losses, float32 tensor [num_towers]."""
@@ -454,9 +453,7 @@ class Trainer:
 
   def step_graph(self, tower_batches, summaries=False):
     """The traced graph of the step (`summaries`: of the summary step) for these batches."""
-    return self._step_fn.get_concrete_function(
-        *self._check(tower_batches), tf.constant(0.0),
-        summaries and self.inner_summaries).graph
+    return self._step.get_concrete_function(*self._args(tower_batches, summaries=summaries)).graph
 
   def compute_gradients(self, tower_batches):
     """The averaged gradients at the current variables, without applying them.
@@ -468,7 +465,7 @@ class Trainer:
       (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
        order; tower total losses float32 [num_towers]).
     """
-    grads, tower_losses = self._gradients_fn(*self._check(tower_batches))
+    grads, tower_losses = self._gradients_fn(*self._args(tower_batches))
     # One copy of each (identical on every replica after the all-reduce).
     return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
             zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses

@@ -42,30 +42,34 @@ def _displayable(image):
 
 
 # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
-def _write_summaries(state, step, tower_losses, lr, summaries):
+def _write_summaries(writer, step, state, tower_losses, summaries, batches):
   """The tags of runtime.training.summary_tags with tf.summary, at `step`.
 
   Args:
-    state: modern.step.TrainState after the step.
+    writer: the tf.summary writer.
     step: int, the global step reached.
+    state: modern.step.TrainState after the step.
     tower_losses: numpy [replicas], the towers' total losses.
-    lr: float, the learning rate the step used.
-    summaries: what the engine's step returned from inside the step
-      (see modern.engines.Towers.step); empty for the replica engines.
+    summaries: what the step returned from inside it (see
+      modern.step.Trainer.step); empty for the replica engines, which write
+      no images either.
+    batches: the step's (images, labels): tower 0's first images are written.
   """
+  # The learning rate the step just taken used (read before the increment).
+  lr = model_spec.learning_rate(step - 1, state.decay_steps, state.optimizer.learning_rate)
   values = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr,
             **summaries, **state.variables()}
   # Deviation from upstream: every tower's loss summary is written.
   values.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
   values.update((model_spec.average_name(name), var)
                 for name, var in state.shadow_variables().items())
-  for tag, value in values.items():
-    if tag == 'images':  # the tags of training.image_tags()
-      for image_tag, image in zip(training.image_tags(), value):
-        tf.summary.image(image_tag, _displayable(image)[np.newaxis], step=step)
-    else:  # a histogram of each tensor, a scalar of each scalar
+  with writer.as_default():
+    for tag, value in values.items():  # a histogram of each tensor, a scalar of each scalar
       value = tf.convert_to_tensor(value)
       (tf.summary.histogram if value.shape.rank else tf.summary.scalar)(tag, value, step=step)
+    if summaries:  # the tags of training.image_tags()
+      for tag, image in zip(training.image_tags(), batches[0][0]):
+        tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
 
 
 def _first_step_progress(first, what):
@@ -127,14 +131,13 @@ def train(config, plan, on_step=None):
             checkpoint_name=config_lib.CHECKPOINT_BASENAME)
       save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
       with engine.watching(stop, save):
-        return _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
+        return _train_loop(config, engine, save, resume_from, stop, on_step,
                            examples_per_epoch // engine.num_workers)
   finally:
     engine.close()
 
 
-def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
-                examples_per_worker=0):
+def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_worker):
   """`runtime.training.train_loop` on `engine`, after every worker took the chief's state.
 
   `examples_per_worker` (the records of this worker's shard) sizes the
@@ -149,7 +152,8 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       first step, in a single process.
   """
   state = engine.trainer.state
-  alone, traced = engine.num_workers == 1, []  # traced: the first step's (batches, summaries)
+  # traced: the latest step's (batches, summaries), the first's when open_summaries runs
+  alone, traced = engine.num_workers == 1, []
 
   def global_step():
     return int(state.global_step.numpy())
@@ -163,7 +167,7 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     return engine.lost_peers(e, None, None, save, stop)
   step = global_step()
   if resume_from:
-    logger.info('Resuming from %s at global step %d.', resume_from, step)
+    logger.info(f'Resuming from {resume_from} at global step {step}.')
     save.last_saved = step
   if step >= config.max_steps:
     logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
@@ -188,9 +192,11 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       start_time = time.time()
       with engine.waiting('the step', step, first=first), _first_step_progress(
           first and engine.is_chief, 'Building and tracing the step (first step)'):
-        tower_losses, summaries, voted = engine.step(batches, stop, write_summary)
-    traced[:] = traced or [batches, write_summary]
-    return tower_losses, (tower_losses, summaries), voted, time.time() - start_time
+        tower_losses, voted, summaries = engine.trainer.step(batches, stop.requested,
+                                                             write_summary)
+        tower_losses, voted = tower_losses.numpy(), bool(voted)
+    traced[:] = batches, write_summary
+    return tower_losses, (tower_losses, summaries, batches), voted, time.time() - start_time
 
   def open_summaries():
     writer = tf.summary.create_file_writer(engine.write_dir)
@@ -198,21 +204,16 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       with writer.as_default():
         tf.summary.graph(engine.trainer.step_graph(*traced))
     except (tf.errors.OpError, OSError) as e:
-      logger.warning('could not write the graph to TensorBoard summaries in %s (%s).',
-                     engine.write_dir, str(e).strip().splitlines()[0])
+      logger.warning(f'could not write the graph to TensorBoard summaries in {engine.write_dir} '
+                     f'({str(e).strip().splitlines()[0]}).')
     return writer
-
-  def write_summaries(writer, step, summary):
-    # The learning rate the step just taken used (read before the increment).
-    lr = float(model_spec.learning_rate(step - 1, decay_steps, config.optimizer.learning_rate))
-    with writer.as_default():
-      _write_summaries(state, step, summary[0], lr, summary[1])
 
   run = training.Run(
       images=config.batch_size * engine.trainer.num_towers, write_dir=engine.write_dir,
       chief=engine.is_chief, alone=alone, peer_errors=engine.peer_errors, step=run_step,
       held=global_step, save=save, open_summaries=open_summaries,
-      write_summaries=write_summaries, finish=engine.finish,
+      write_summaries=lambda writer, step, summary: _write_summaries(writer, step, state, *summary),
+      finish=engine.finish,
       lost_peers=lambda *args: engine.lost_peers(*args),  # only engines with peers have it
       report_stop=engine.report_stop)
   return training.train_loop(config, stop, run, step, on_step)
