@@ -162,7 +162,7 @@ class ReplicaTrainer(step_lib.Trainer):
     context = tf.distribute.get_replica_context()
     # This replica's own copy of the variables (mirrored on its device).
     values = [var.read_value() for var in self.state.model.variable_list()]
-    loss, grads = self._tower_fn(values, images, labels)
+    loss, grads, _ = self._tower_fn(values, images, labels)
     # Each replica's loss goes into its own slot of a vector (zeros elsewhere,
     # so the sum is exact), and the worker's stop vote into the last slot; one
     # all-reduce then gives every worker all R losses and whether any worker
@@ -180,12 +180,10 @@ class ReplicaTrainer(step_lib.Trainer):
     # The replicas of worker w have the global ids w * L .. w * L + L - 1 (L
     # local replicas): local replica i of every worker takes batch i of local batches.
     count = images.shape[0]
-    dist_images, dist_labels = (
-        self.strategy.experimental_distribute_values_from_function(
-            lambda ctx, t=tensor: t[ctx.replica_id_in_sync_group % count])
-        for tensor in (images, labels))
-    grads, report = self.strategy.run(
-        self._replica_step, args=(dist_images, dist_labels, vote))
+    batches = self.strategy.experimental_distribute_values_from_function(
+        lambda ctx: (images[ctx.replica_id_in_sync_group % count],
+                     labels[ctx.replica_id_in_sync_group % count]))
+    grads, report = self.strategy.run(self._replica_step, args=(*batches, vote))
     # Identical on every replica after the all-reduce: take the first local one.
     report = self.strategy.experimental_local_results(report)[0]
     return grads, report[:self.num_towers], report[self.num_towers] > 0, {}
@@ -206,8 +204,8 @@ class ReplicaTrainer(step_lib.Trainer):
     state = self.state
     # The optimizer's slots too: a resumed momentum or Adam run goes on from
     # the chief's.
-    variables = (state.model.variable_list() + list(state.shadow_variables().values())
-                 + list(state.slot_variables().values()) + [state.global_step])
+    variables = [*state.model.variable_list(), *state.ema.variable_list(),
+                 *state.slot_variables().values(), state.global_step]
 
     def replica_fn():
       context = tf.distribute.get_replica_context()
@@ -274,13 +272,12 @@ def multi_worker_strategy(plan, cluster, collective_timeout):
     collective_timeout: seconds a collective waits for its peers before it
       fails with DeadlineExceededError.
   """
-  options = tf.distribute.experimental.CommunicationOptions(
-      implementation=tf.distribute.experimental.CommunicationImplementation.RING,
-      timeout_seconds=float(collective_timeout))
-  gpus = plan.num_towers if plan.kind == 'gpu' else 0
   return tf.distribute.MultiWorkerMirroredStrategy(
-      cluster_resolver=cluster.cluster_resolver(num_gpus=gpus),
-      communication_options=options)
+      cluster_resolver=cluster.cluster_resolver(
+          num_gpus=plan.num_towers if plan.kind == 'gpu' else 0),
+      communication_options=tf.distribute.experimental.CommunicationOptions(
+          implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+          timeout_seconds=float(collective_timeout)))
 
 
 # Run by a child process while TensorFlow's start-up holds Python's lock: it
@@ -408,7 +405,7 @@ class MultiWorker(Mirrored):
 
   def _save_completed(self, step, first_step):
     """The chief saves the last step completed in this run, if any: its path, or None."""
-    if not self.is_chief or step is None or step <= first_step:
+    if not self.is_chief or step <= first_step:
       return None
     try:
       # A failed step may have incremented the global step before its
@@ -456,7 +453,6 @@ class MultiWorker(Mirrored):
       runtime.training.TrainingError: the peers were lost.
     """
     saved = self._save_completed(step, first_step)
-    step = step if step is not None else int(self.trainer.state.global_step.numpy())
     if stop.requested:
       # (Not lower(): that would change the path's case.)
       logger.warning(_line(self.cluster, step, saved, 'while waiting for the other workers',
@@ -465,13 +461,12 @@ class MultiWorker(Mirrored):
     raise training.TrainingError(_line(self.cluster, step, saved, _quote(error))) from error
 
   def report_stop(self, stopped_by, step, path):
-    # No signal of this process: a stop request of another worker rode on the step.
-    stopped_by = stopped_by or ANOTHER_WORKER
     # A non-chief's own copy is removed at the end: the chief's is the one kept.
     path = os.path.join(self.config.train_dir, os.path.basename(path))
-    line = (f"{self.cluster.name()}: stopped by {stopped_by} at global step {step}; "
-            f"{'it' if self.is_chief else 'the chief'} saved {path}.")
-    if stopped_by == ANOTHER_WORKER:
+    # No signal of this process: a stop request of another worker rode on the step.
+    line = (f"{self.cluster.name()}: stopped by {stopped_by or ANOTHER_WORKER} at global step "
+            f"{step}; {'it' if self.is_chief else 'the chief'} saved {path}.")
+    if not stopped_by:
       # Not a signal of this process, so not its exit status: the run did not
       # end, and every worker must be started again.
       raise training.TrainingError(f'{line} {_RESTART}')
@@ -497,12 +492,12 @@ def _line(cluster, step, saved, why, stopped_by=None):
           f"{f'saved {saved}.' if saved else 'this worker saved no checkpoint.'} {_RESTART}")
 
 
-class PeerWatchdog:
+class PeerWatchdog(threading.Thread):
   """Ends a wait for the peers that lasts too long, or that a stop cuts short.
 
   The guarded blocks are the waits for the peers (the first broadcast, each
   step, the final barrier), where the main thread waits in C++ with Python's
-  lock released. A thread watches them: past a block's deadline (the peer
+  lock released. This thread watches them: past a block's deadline (the peer
   timeout), or STOP_GRACE_SECS into a block after a stop request (SIGINT,
   SIGTERM: `stop_requested`, the StopRequest's `while_blocked` callback), it
   saves the last step completed (`save_completed`: the update of a step
@@ -526,17 +521,17 @@ class PeerWatchdog:
 
   def __init__(self, cluster, save_completed, cleanup,
                exit=ending.exit_now):  # pylint: disable=redefined-builtin
+    super().__init__(name='peer-watchdog', daemon=True)
     self._cluster = cluster
     self._save_completed = save_completed
     self._cleanup = cleanup
     self._exit = exit
     # Each read or written whole (the GIL makes that atomic): no lock.
     self._block = None  # (start, deadline, what, step, flag) of the guarded wait
-    self._stop = None  # (time, signal name) of the first stop request
+    self._stop_request = None  # (time, signal name) of the first stop request
     self._first_step = None
-    self._stopped = threading.Event()
-    self._thread = threading.Thread(target=self._watch, name='peer-watchdog', daemon=True)
-    self._thread.start()
+    self._done = threading.Event()
+    self.start()
 
   @contextlib.contextmanager
   def guard(self, seconds, what, step, flag):
@@ -552,16 +547,16 @@ class PeerWatchdog:
 
   def stop_requested(self, signal_name):
     """A stop request came (a stop signal): waits for the peers end soon."""
-    self._stop = self._stop or (time.monotonic(), signal_name)
+    self._stop_request = self._stop_request or (time.monotonic(), signal_name)
 
   def stop(self):
-    self._stopped.set()
-    self._thread.join()
+    self._done.set()
+    self.join()
 
-  def _watch(self):
-    while not self._stopped.wait(self.POLL_SECS):
+  def run(self):
+    while not self._done.wait(self.POLL_SECS):
       block, now = self._block, time.monotonic()
-      since, signal_name = self._stop or (None, None)
+      since, signal_name = self._stop_request or (None, None)
       if block is None:
         continue
       start, deadline, what, step, flag = block

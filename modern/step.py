@@ -300,9 +300,9 @@ class Trainer:
     Returns:
       (loss float32 scalar, list of gradients of loss / grad_divisor shaped
       like `values`, clipped by their global norm with --clip_where
-      per_tower), and with `summaries` the loss terms in
-      `training.loss_terms()` order, the layers' activations in
-      model_spec.LAYERS order and their fractions of zeros.
+      per_tower, summary): with `summaries`, a dict tag -> tensor of the loss
+      terms (`training.loss_terms()`), the layers' activations and their
+      fractions of zeros, each tag without the tower's 'tower_<i>/'; else empty.
     """
     model = self.state.model
     activations = []
@@ -328,11 +328,13 @@ class Trainer:
     # norm, before they meet (legacy clips inside each tower); they carry the
     # 1/R, so does the bound.
     grads = self.state.clip_tower(tape.gradient(share, values), 1.0 / self.grad_divisor)
-    if not summaries:
-      return loss, grads
-    # The last layer's output is the logits.
-    return (loss, grads, model.loss_terms(activations[-1], labels, params),
-            activations, [tf.nn.zero_fraction(a) for a in activations])
+    summary = {}
+    if summaries:  # tags below the tower's own; the last layer's output is the logits
+      summary = dict(zip(training.loss_terms(), model.loss_terms(activations[-1], labels, params)))
+      for layer, x in zip(model_spec.LAYERS, activations):
+        summary[training.activations_tag('', layer.name)] = x
+        summary[training.sparsity_tag('', layer.name)] = tf.nn.zero_fraction(x)
+    return loss, grads, summary
 
   def _gradients(self, images, labels, vote, summaries=False):
     """Runs the towers and averages their gradients, without applying them.
@@ -363,17 +365,10 @@ class Trainer:
       values = [var.read_value() for var in variables]
     tower_grads, tower_losses, summary = [], [], {}
     for i, device in enumerate(self.plan.tower_devices):
-      scope = f'{hparams.TOWER_NAME}_{i}'
-      with tf.device(device), tf.name_scope(scope):
-        loss, grads, *extra = self._tower_fn(values, tower_images[i], tower_labels[i],
-                                             summaries)
-        if summaries:
-          terms, activations, zeros = extra
-          for name, term in zip(training.loss_terms(), terms):
-            summary[training.tower_tag(i, name)] = term
-          for layer, x, zero in zip(model_spec.LAYERS, activations, zeros):
-            summary[training.activations_tag(scope, layer.name)] = x
-            summary[training.sparsity_tag(scope, layer.name)] = zero
+      with tf.device(device), tf.name_scope(f'{hparams.TOWER_NAME}_{i}'):
+        loss, grads, tower_summary = self._tower_fn(values, tower_images[i], tower_labels[i],
+                                                    summaries)
+      summary.update((training.tower_tag(i, tag), x) for tag, x in tower_summary.items())
       tower_losses.append(loss)
       tower_grads.append(list(zip(grads, variables)))
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'):

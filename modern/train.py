@@ -158,13 +158,14 @@ def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_w
   def global_step():
     return int(state.global_step.numpy())
 
+  step = global_step()
   try:
     # Synchronization point: every worker takes the chief's state (fresh or
     # restored), so all resume from the chief's checkpoint.
-    with engine.waiting('the start-up', global_step(), first=True):
+    with engine.waiting('the start-up', step, first=True):
       engine.broadcast()
   except engine.peer_errors as e:
-    return engine.lost_peers(e, None, None, save, stop)
+    return engine.lost_peers(e, step, step, save, stop)  # nothing to save
   step = global_step()
   if resume_from:
     logger.info(f'Resuming from {resume_from} at global step {step}.')
