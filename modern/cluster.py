@@ -246,7 +246,7 @@ def _exchange(cluster, sock, expected=None):
   Raises:
     StartupError: the peer was started with another cluster or index.
   """
-  sock.sendall((json.dumps([HELLO, cluster.worker_index, list(cluster.hosts)]) + '\n').encode())
+  sock.sendall(f'{json.dumps([HELLO, cluster.worker_index, cluster.hosts])}\n'.encode())
   try:
     word, index, hosts = json.loads(sock.makefile('rb').readline(65536))
   except (ValueError, TypeError):  # UnicodeError is a ValueError

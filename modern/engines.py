@@ -66,7 +66,7 @@ class Towers:
     write_dir: where this process writes checkpoints and summaries.
     lock_what: what the train_dir lock says of this run.
     peer_errors: exceptions of a wait for peers, handled by `lost_peers`
-      (MultiWorker's; none with one process).
+      (MultiWorker's; none and no handler with one process).
   """
 
   num_workers = 1
@@ -74,6 +74,7 @@ class Towers:
   is_chief = True
   lock_what = 'modern training'
   peer_errors = ()
+  lost_peers = None  # no peers to lose (see MultiWorker)
 
   def __init__(self, config, plan):
     self.config = config
@@ -191,10 +192,8 @@ class ReplicaTrainer(step_lib.Trainer):
   def _apply(self, grads):
     # --clip_where averaged: in every replica, on its identical averaged
     # gradients (clip_by_global_norm needs them all at once, which the
-    # per-variable `update` does not give).
-    if self.state.optimizer.clips_averaged:
-      grads = self.strategy.run(lambda *g: self.state.clip_averaged(list(g)),
-                                args=tuple(grads))
+    # per-variable `update` does not give); else they pass unchanged.
+    grads = self.strategy.run(lambda *g: self.state.clip_averaged(list(g)), args=tuple(grads))
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
 
@@ -297,7 +296,7 @@ def _bounded(seconds, message):
   # A session of its own: a Ctrl-C (SIGINT to the terminal's process group)
   # must not end it with a KeyboardInterrupt traceback; it ends when its
   # stdin closes, however this process ends.
-  child = subprocess.Popen([sys.executable, '-c', _SAY_WHY, message + '\n'],
+  child = subprocess.Popen([sys.executable, '-c', _SAY_WHY, f'{message}\n'],
                            stdin=reader, stdout=subprocess.DEVNULL,
                            stderr=stderr_filter.real_stderr(),
                            start_new_session=True)
@@ -432,7 +431,7 @@ class MultiWorker(Mirrored):
     config = self.config
     flag = ('startup_timeout' if first and config.startup_timeout > config.peer_timeout
             else 'peer_timeout')
-    return self._watchdog.guard(getattr(config, flag), what, step, '--' + flag)
+    return self._watchdog.guard(getattr(config, flag), what, step, f'--{flag}')
 
   def broadcast(self):
     self.trainer.broadcast_from_chief()

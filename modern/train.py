@@ -18,7 +18,6 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
-from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
@@ -72,13 +71,6 @@ def _write_summaries(writer, step, state, tower_losses, summaries, batches):
         tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
 
 
-def _first_step_progress(first, what):
-  """During the chief's first step, a heartbeat line saying `what` it waits for past 5 s."""
-  if not first:  # `first` only on the chief: progress comes from the chief
-    return contextlib.nullcontext()
-  return training.Heartbeat(lambda seconds: f'{what}... {seconds} s')
-
-
 def train(config, plan, on_step=None):
   """Trains until global_step == config.max_steps, resuming from train_dir.
 
@@ -120,16 +112,12 @@ def train(config, plan, on_step=None):
         engine.start(decay_steps)
         if config.log_device_placement:
           tf.debugging.set_log_device_placement(True)
-        state = engine.trainer.state
-        checkpoint = ckpt_lib.checkpoint_object(state)
+        checkpoint = ckpt_lib.checkpoint_object(engine.trainer.state)
         # Only the chief restores; the others take its state (engine.broadcast).
         resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint,
                                                config.optimizer)
                        if engine.is_chief else None)
-        manager = tf.train.CheckpointManager(  # after restore_latest: see there
-            checkpoint, engine.write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
-            checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-      save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
+        save = ckpt_lib.StepSaver(checkpoint, engine.write_dir)  # after restore_latest
       with engine.watching(stop, save):
         return _train_loop(config, engine, save, resume_from, stop, on_step,
                            examples_per_epoch // engine.num_workers)
@@ -183,16 +171,21 @@ def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_w
     # shuffle buffer: seconds, tens of seconds on a busy machine, with
     # nothing written yet, so a stop ends it at once. (With peers a stop
     # rides on the step's vote instead, so that all stop after one step.)
-    # Progress comes from the chief.
+    def progress(what):
+      # During the first step, a heartbeat line saying `what` it waits for
+      # past 5 s. Progress comes from the chief.
+      return (training.Heartbeat(lambda seconds: f'{what}... {seconds} s')
+              if first and engine.is_chief else contextlib.nullcontext())
+
     with stop.raising() if first and alone else contextlib.nullcontext():
-      with _first_step_progress(first and engine.is_chief, 'Filling the shuffle buffer '
-                                f'with {hparams.min_queue_examples(examples_per_worker)} examples'):
+      with progress('Filling the shuffle buffer with '
+                    f'{hparams.min_queue_examples(examples_per_worker)} examples'):
         batches = next(iterator)
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); `on_step` the step alone.
       start_time = time.time()
-      with engine.waiting('the step', step, first=first), _first_step_progress(
-          first and engine.is_chief, 'Building and tracing the step (first step)'):
+      with engine.waiting('the step', step, first=first), progress(
+          'Building and tracing the step (first step)'):
         tower_losses, voted, summaries = engine.trainer.step(batches, stop.requested,
                                                              write_summary)
         tower_losses, voted = tower_losses.numpy(), bool(voted)
@@ -215,6 +208,6 @@ def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_w
       held=global_step, save=save, open_summaries=open_summaries,
       write_summaries=lambda writer, step, summary: _write_summaries(writer, step, state, *summary),
       finish=engine.finish,
-      lost_peers=lambda *args: engine.lost_peers(*args),  # only engines with peers have it
+      lost_peers=engine.lost_peers,
       report_stop=engine.report_stop)
   return training.train_loop(config, stop, run, step, on_step)
