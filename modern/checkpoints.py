@@ -91,7 +91,7 @@ def checkpoint_object(state):
   return tf.train.Checkpoint(**objects)
 
 
-def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
+def restore_latest(train_dir, checkpoint, optimizer):
   """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
 
   The newest checkpoint that passes its checksums (`runtime.checkpoints`),
@@ -153,7 +153,7 @@ def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
   return resume_from
 
 
-def legacy_shapes(optimizer=optimizer_lib.SGD):
+def legacy_shapes(optimizer):
   """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
   shapes = {'global_step': ()}
   for name in model_spec.VARIABLE_NAMES:

@@ -196,7 +196,7 @@ def check_hosts(cluster):
   for index, address in enumerate(cluster.hosts):
     host, port = _split(address)
     try:
-      socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+      socket.getaddrinfo(host, port)
     except (socket.gaierror, UnicodeError) as e:
       raise StartupError(f'{cluster.name()}: cannot resolve {host!r}, the host of '
                          f'{_names(cluster, [index])}: {e}. Fix the name in {cluster.source} '
@@ -220,8 +220,7 @@ def listen(cluster):
   port = _split(cluster.address)[1]
   dual = socket.has_dualstack_ipv6()
   try:
-    return socket.create_server(('', port), backlog=16,
-                                family=socket.AF_INET6 if dual else socket.AF_INET,
+    return socket.create_server(('', port), family=socket.AF_INET6 if dual else socket.AF_INET,
                                 dualstack_ipv6=dual)
   except OSError as e:
     raise StartupError(f'{cluster.name()}: port {port} is not free on this machine '

@@ -122,13 +122,13 @@ class TrainState:
     decay_steps: int, steps between learning-rate decays.
   """
 
-  def __init__(self, plan, decay_steps, optimizer=optimizer_lib.Optimizer()):
+  def __init__(self, plan, decay_steps, optimizer):
     """Creates the variables (initial values from the tf.random global seed).
 
     Args:
       plan: common.devices.DevicePlan the towers run on.
       decay_steps: int >= 1, `training.checked_decay_steps(...)`.
-      optimizer: common.optimizer.Optimizer; default upstream's SGD.
+      optimizer: common.optimizer.Optimizer.
     """
     self.decay_steps = decay_steps
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
@@ -147,7 +147,7 @@ class TrainState:
                             trainable=False, name=name)
           for name in optimizer.slot_names()}
 
-  def clip_tower(self, grads, scale=1.0):
+  def clip_tower(self, grads, scale):
     """One tower's gradients, clipped by their global norm if --clip_where per_tower.
 
     Args:
@@ -183,8 +183,7 @@ class TrainState:
                                  self.model.variable_list()):
         slots = [self._slots[f'{name}/{suffix}']
                  for suffix in optimizer_lib.SLOT_SUFFIXES[spec.name]]
-        update(var, lambda v, g, *s: UPDATES[spec.name](v, g, lr, spec, *s),
-               args=(grad, *slots, *non_slots))
+        update(var, UPDATES[spec.name], args=(grad, lr, spec, *slots, *non_slots))
       # After every variable's update, as AdamOptimizer._finish does
       # (tf.function orders these writes after the reads above).
       for power, beta in zip(non_slots, (spec.adam_beta1, spec.adam_beta2)):
@@ -414,8 +413,9 @@ class Trainer:
     images = tf.convert_to_tensor(tower_batches[0], tf.float32)
     labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
     size = hparams.IMAGE_SIZE
-    if (images.shape.rank != 5 or images.shape[0] not in self.batch_counts
-        or tuple(images.shape[2:]) != (size, size, 3) or labels.shape != images.shape[:2]):
+    # (The dimensions after the first two first: a rank below 2 fails there.)
+    if (images.shape[2:] != (size, size, 3) or images.shape[0] not in self.batch_counts
+        or labels.shape != images.shape[:2]):
       raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
                        f'with N in {list(self.batch_counts)} (a batch per tower), got '
                        f'{images.shape} and {labels.shape}')
