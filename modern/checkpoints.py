@@ -46,8 +46,9 @@ class StepSaver:
   """Saves a `checkpoint_object` into `directory` at most once per global step.
 
   Create it after `restore_latest` (see there): its CheckpointManager reads
-  the directory's `checkpoint` state file. Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
-  already saved, and returns the checkpoint's path. A failed write is a
+  the directory's `checkpoint` state file. Calling it saves
+  `<directory>/model.ckpt-<global_step>` unless that step is already saved,
+  and returns the checkpoint's path. A failed write is a
   one-line `runtime.checkpoints` error: the manager names a checkpoint latest
   only after writing it whole, so the previous one stays in place. Nothing
   is written if the directory, locked by this process, was removed under it

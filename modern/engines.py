@@ -246,7 +246,6 @@ class Mirrored(Towers):
     return mirrored_strategy(self.plan)
 
 
-WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
 # The collective timeout is this many peer timeouts: a backstop behind the
 # watchdog, which ends a wait first (see PeerWatchdog).
 COLLECTIVE_TIMEOUT_FACTOR = 2
@@ -256,7 +255,6 @@ COLLECTIVE_TIMEOUT_FACTOR = 2
 STARTUP_BACKSTOP_MIN_SECS = 10
 _RESTART = ('Restart every worker with the same flags: they resume from the '
             'newest checkpoint in the chief\'s --train_dir.')
-ANOTHER_WORKER = 'a stop request of another worker'
 
 
 def multi_worker_strategy(plan, cluster, collective_timeout):
@@ -340,9 +338,8 @@ class MultiWorker(Mirrored):
     self.worker_index = self.cluster.worker_index
     self.is_chief = self.cluster.is_chief
     self.lock_what = f'multiworker training as {self.cluster.name()}'
-    if not self.is_chief:
-      self.write_dir = os.path.join(config.train_dir,
-                                    f'{WORKER_TEMP_PREFIX}{self.worker_index}')
+    if not self.is_chief:  # TensorFlow's convention for a non-chief's copy
+      self.write_dir = os.path.join(config.train_dir, f'workertemp_{self.worker_index}')
 
   def close(self):
     if not self.is_chief:  # the chief's copy is the one kept
@@ -463,8 +460,9 @@ class MultiWorker(Mirrored):
     # A non-chief's own copy is removed at the end: the chief's is the one kept.
     path = os.path.join(self.config.train_dir, os.path.basename(path))
     # No signal of this process: a stop request of another worker rode on the step.
-    line = (f"{self.cluster.name()}: stopped by {stopped_by or ANOTHER_WORKER} at global step "
-            f"{step}; {'it' if self.is_chief else 'the chief'} saved {path}.")
+    line = (f"{self.cluster.name()}: stopped by "
+            f"{stopped_by or 'a stop request of another worker'} at global step {step}; "
+            f"{'it' if self.is_chief else 'the chief'} saved {path}.")
     if not stopped_by:
       # Not a signal of this process, so not its exit status: the run did not
       # end, and every worker must be started again.

@@ -308,9 +308,9 @@ class Trainer:
     with tf.GradientTape() as tape:
       tape.watch(values)
       params = model.params(values)
-      # With summaries, the same forward pass with a hook keeping each layer's output.
-      loss = tower_loss(model, images, labels, params,
-                        activations.append if summaries else None)
+      # The forward pass with a hook keeping each layer's output (for the
+      # summaries; it adds no op).
+      loss = tower_loss(model, images, labels, params, activations.append)
       # Why 1/R on the replicas: the all-reduce SUMs the replicas' gradients,
       # and docs/equivalence.md §2 wants the towers' MEAN of the per-tower
       # gradients, each tower's loss being its batch's mean cross-entropy
