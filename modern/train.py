@@ -188,7 +188,7 @@ def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_w
           'Building and tracing the step (first step)'):
         tower_losses, voted, summaries = engine.trainer.step(batches, stop.requested,
                                                              write_summary)
-        tower_losses, voted = tower_losses.numpy(), bool(voted)
+        tower_losses = tower_losses.numpy()  # (voted: a bool tensor, read by the loop)
     traced[:] = batches, write_summary
     return tower_losses, (tower_losses, summaries, batches), voted, time.time() - start_time
 
