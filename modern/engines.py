@@ -133,7 +133,7 @@ class ReplicaTrainer(step_lib.Trainer):
   together. `tower_batches` = (images [N, B, 24, 24, 3], labels [N, B]) hold
   either one batch per replica of the whole run (N = num_towers, replica r
   takes images[r]; every worker passes the same N batches) or one per replica
-  of this worker (N = num_local_replicas, local replica i takes images[i]).
+  of this worker (N = plan.num_towers, local replica i takes images[i]).
   With one worker the two are the same. The step returns no summaries from
   inside it (`inner_summaries`).
 
@@ -141,7 +141,6 @@ class ReplicaTrainer(step_lib.Trainer):
     strategy: the tf.distribute.Strategy.
     state: modern.step.TrainState, created under the strategy's scope.
     num_towers: int, replicas in sync over all workers (R).
-    num_local_replicas: int, replicas of this worker.
   """
 
   inner_summaries = False
@@ -149,9 +148,7 @@ class ReplicaTrainer(step_lib.Trainer):
   def __init__(self, *args, **kwargs):
     """modern.step.Trainer's arguments, `strategy` required."""
     super().__init__(*args, **kwargs)
-    self.num_local_replicas = self.plan.num_towers
     self.num_towers = self.grad_divisor = self.strategy.num_replicas_in_sync
-    self.batch_counts = sorted({self.num_towers, self.num_local_replicas})
 
   def _replica_step(self, images, labels, vote):
     """In each replica: its gradients, then the all-reduce over every replica.

@@ -252,7 +252,6 @@ class Trainer:
     strategy: the tf.distribute.Strategy the state was created in (here the
       default one: no distribution).
     num_towers: int, the towers (replicas) of one step.
-    batch_counts: the numbers of batches a step may be given.
     state: TrainState.
   """
 
@@ -279,13 +278,18 @@ class Trainer:
     with self.strategy.scope():
       self.state = TrainState(plan, decay_steps, optimizer)
     self.num_towers = plan.num_towers
-    self.batch_counts = (plan.num_towers,)
     # Not a whole-step jit_compile: XLA compiles one device's ops
     # and cannot read variables that live on another device, so with `jit`
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
     self._tower_fn = tf.function(self._tower, jit_compile=True) if jit else self._tower
     self._gradients_fn = tf.function(lambda *args: self._gradients(*args)[:2])
+
+  @property
+  def batch_counts(self):
+    """The numbers of batches a step may be given: a batch per tower (replica)
+    of the whole run, or of this process (the plan's)."""
+    return sorted({self.num_towers, self.plan.num_towers})
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -417,7 +421,7 @@ class Trainer:
     if (images.shape[2:] != (size, size, 3) or images.shape[0] not in self.batch_counts
         or labels.shape != images.shape[:2]):
       raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
-                       f'with N in {list(self.batch_counts)} (a batch per tower), got '
+                       f'with N in {self.batch_counts} (a batch per tower), got '
                        f'{images.shape} and {labels.shape}')
     return images, labels, tf.constant(float(stop_requested)), summaries and self.inner_summaries
 
