@@ -287,18 +287,15 @@ def _bounded(seconds, message):
   For a block that holds Python's lock (no thread or signal handler runs):
   faulthandler's timer thread is C, and exits the process itself.
   """
-  reader, writer = os.pipe()
   # A session of its own: a Ctrl-C (SIGINT to the terminal's process group)
   # must not end it with a KeyboardInterrupt traceback; it ends when its
   # stdin closes, however this process ends.
   child = subprocess.Popen([sys.executable, '-c', _SAY_WHY, f'{message}\n'],
-                           stdin=reader, stdout=subprocess.DEVNULL,
-                           stderr=stderr_filter.real_stderr(),
-                           start_new_session=True)
-  os.close(reader)
+                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                           stderr=stderr_filter.real_stderr(), start_new_session=True)
   try:
-    with os.fdopen(writer, 'w') as pipe:
-      faulthandler.dump_traceback_later(seconds, exit=True, file=pipe)
+    with child.stdin:
+      faulthandler.dump_traceback_later(seconds, exit=True, file=child.stdin)
       try:
         yield
       finally:
