@@ -140,7 +140,7 @@ def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_w
       first step, in a single process.
   """
   state = engine.trainer.state
-  # traced: the latest step's (batches, summaries), the first's when open_summaries runs
+  # traced: the latest step's (batches, write_summary), the first's when open_summaries runs
   alone, traced = engine.num_workers == 1, []
 
   def global_step():
