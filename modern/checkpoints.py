@@ -43,10 +43,12 @@ MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
 
 
 class StepSaver:
-  """Saves a training state's checkpoint at most once per global step.
+  """Saves a `checkpoint_object` into `directory` at most once per global step.
 
-  Calling it saves `<directory>/model.ckpt-<global_step>` unless that step is
-  already saved, and returns the checkpoint's path. A failed write is a
+  Create it after `restore_latest` (see there): its CheckpointManager reads
+  the directory's `checkpoint` state file. Calling it saves
+  `<directory>/model.ckpt-<global_step>` unless that step is already saved,
+  and returns the checkpoint's path. A failed write is a
   one-line `runtime.checkpoints` error: the manager names a checkpoint latest
   only after writing it whole, so the previous one stays in place. Nothing
   is written if the directory, locked by this process, was removed under it
@@ -54,16 +56,18 @@ class StepSaver:
   multiworker watchdog saves while the main thread waits for the peers).
   """
 
-  def __init__(self, state, manager, directory):
-    self.state = state
-    self.manager = manager
+  def __init__(self, checkpoint, directory):
+    self.manager = tf.train.CheckpointManager(
+        checkpoint, directory, max_to_keep=MAX_TO_KEEP,
+        checkpoint_name=config_lib.CHECKPOINT_BASENAME)
+    self.global_step = checkpoint.global_step
     self.directory = directory
     self.last_saved = None  # the global step of the newest save, or None
     self._lock = threading.Lock()
 
   def __call__(self):
     with self._lock:
-      current = int(self.state.global_step.numpy())
+      current = int(self.global_step.numpy())
       if current != self.last_saved:
         lock.check(self.directory)
         try:
@@ -88,7 +92,7 @@ def checkpoint_object(state):
   return tf.train.Checkpoint(**objects)
 
 
-def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
+def restore_latest(train_dir, checkpoint, optimizer):
   """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
 
   The newest checkpoint that passes its checksums (`runtime.checkpoints`),
@@ -115,43 +119,42 @@ def restore_latest(train_dir, checkpoint, optimizer=optimizer_lib.Optimizer()):
     runtime.checkpoints.CheckpointError: see `checkpoints.resume_point`.
   """
   resume_from = checkpoints.resume_point(train_dir)
-  if not resume_from:
-    checkpoints.replace_unreadable_state(train_dir, None)
-    return None
-  contents = checkpoints.read(resume_from)
-  if contents.kind != checkpoints.MODERN:
-    step = contents.tensors.get('global_step')
-    what = ('a checkpoint of the upstream script (float32 global_step)'
-            if step is not None and step.dtype.kind == 'f'
-            else 'a legacy (tf.compat.v1 Saver) checkpoint')
-    raise training.TrainingError(
-        f'{resume_from} is {what}; the modern trainer resumes only its own checkpoints. '
-        f"Convert it (`{prog.convert_command(train_dir, 'modern')}`) and train with "
-        f"--train_dir {prog.converted_dir(train_dir, 'modern')}, or use another "
-        '--train_dir, or train this one with the legacy trainer.')
-  # Before check_fits and restore: an SGD checkpoint lacks Adam's slots
-  # (another optimizer, not another model), and an Adam checkpoint restored
-  # into an SGD run would lose its slots silently.
-  refusal = optimizer_lib.mismatch(
-      resume_from, optimizer_lib.of_names(contents.tensors, checkpoint_key),
-      optimizer.name)
-  if refusal:
-    raise training.TrainingError(refusal)
-  checkpoints.check_fits(resume_from, {checkpoint_key(name): shape for name, shape in
-                                      legacy_shapes(optimizer.name).items()})
-  try:
-    checkpoint.restore(resume_from).assert_existing_objects_matched()
-  except (AssertionError, ValueError, tf.errors.OpError) as e:
-    raise training.TrainingError(
-        f'{resume_from} does not fit this model ({checkpoints.reason(e)}). Use another '
-        '--train_dir, or move its checkpoints away.') from e
+  if resume_from:
+    contents = checkpoints.read(resume_from)
+    if contents.kind != checkpoints.MODERN:
+      step = contents.tensors.get('global_step')
+      what = ('a checkpoint of the upstream script (float32 global_step)'
+              if step is not None and step.dtype.kind == 'f'
+              else 'a legacy (tf.compat.v1 Saver) checkpoint')
+      raise training.TrainingError(
+          f'{resume_from} is {what}; the modern trainer resumes only its own checkpoints. '
+          f"Convert it (`{prog.convert_command(train_dir, 'modern')}`) and train with "
+          f"--train_dir {prog.converted_dir(train_dir, 'modern')}, or use another "
+          '--train_dir, or train this one with the legacy trainer.')
+    # Before check_fits and restore: an SGD checkpoint lacks Adam's slots
+    # (another optimizer, not another model), and an Adam checkpoint restored
+    # into an SGD run would lose its slots silently.
+    refusal = optimizer_lib.mismatch(
+        resume_from, optimizer_lib.of_names(contents.tensors, checkpoint_key),
+        optimizer.name)
+    if refusal:
+      raise training.TrainingError(refusal)
+    checkpoints.check_fits(resume_from, {checkpoint_key(name): shape for name, shape in
+                                        legacy_shapes(optimizer.name).items()})
+    try:
+      checkpoint.restore(resume_from).assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as e:
+      raise training.TrainingError(
+          f'{resume_from} does not fit this model ({checkpoints.reason(e)}). Use another '
+          '--train_dir, or move its checkpoints away.') from e
   # The CheckpointManager cannot read an empty or non-text state file;
-  # resume_point said it skipped it, and the next save replaces it anyway.
+  # resume_point said it skipped it, and the next save replaces it anyway
+  # (removed when there is no checkpoint to name).
   checkpoints.replace_unreadable_state(train_dir, resume_from)
   return resume_from
 
 
-def legacy_shapes(optimizer=optimizer_lib.SGD):
+def legacy_shapes(optimizer):
   """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
   shapes = {'global_step': ()}
   for name in model_spec.VARIABLE_NAMES:
@@ -178,7 +181,7 @@ def checkpoint_key(legacy_name):
   """
   keys = {'global_step': 'global_step'}
   for name in model_spec.VARIABLE_NAMES:
-    keys[name], keys[model_spec.average_name(name)] = 'model/' + name, 'ema/' + name
-  keys.update((slot, 'optimizer/' + slot) for o in optimizer_lib.NAMES
+    keys[name], keys[model_spec.average_name(name)] = f'model/{name}', f'ema/{name}'
+  keys.update((slot, f'optimizer/{slot}') for o in optimizer_lib.NAMES
               for slot in optimizer_lib.slot_names(o))
-  return keys[legacy_name] + '/.ATTRIBUTES/VARIABLE_VALUE'
+  return f'{keys[legacy_name]}/.ATTRIBUTES/VARIABLE_VALUE'

@@ -79,14 +79,12 @@ class Cluster:
 
   @property
   def worker_index(self):
-    """This process's place among the workers: 0 for the chief, then 1, 2, ...
+    """This process's place among the workers (`hosts`): 0 for the chief, then 1, 2, ...
 
     It is TensorFlow's `id_in_cluster`: the replicas of worker w have the
     global replica ids w * num_gpus ... (w + 1) * num_gpus - 1.
     """
-    if self.task_type == 'chief':
-      return self.task_id
-    return len(self.jobs.get('chief', ())) + self.task_id
+    return self.hosts.index(self.address)  # every host:port is listed once
 
   @property
   def is_chief(self):
@@ -95,7 +93,7 @@ class Cluster:
   @property
   def address(self):
     """This worker's 'host:port'."""
-    return self.hosts[self.worker_index]
+    return self.jobs[self.task_type][self.task_id]
 
   def name(self):
     """'worker 1 of 2 (host:port)', for messages."""
@@ -110,9 +108,8 @@ class Cluster:
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({job: list(hosts) for job, hosts in self.jobs.items()}),
-        task_type=self.task_type, task_id=self.task_id, rpc_layer='grpc',
-        num_accelerators={'GPU': num_gpus} if num_gpus else None)
+        tf.train.ClusterSpec(self.jobs), task_type=self.task_type, task_id=self.task_id,
+        rpc_layer='grpc', num_accelerators={'GPU': num_gpus})
 
 
 def parse_worker_hosts(text, source='--worker_hosts'):
@@ -127,7 +124,7 @@ def parse_worker_hosts(text, source='--worker_hosts'):
     raise ClusterError(f'{source} is empty; list the workers as host:port,host:port.')
   for host in hosts:
     name, _, port = host.rpartition(':')
-    if not name or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not (name and port.isdigit() and 1 <= int(port) <= 65535):
       raise ClusterError(f'{host!r} in {source} is not host:port (port 1..65535), '
                          'e.g. 10.0.0.1:2222.')
   if len(set(hosts)) != len(hosts):
@@ -135,14 +132,14 @@ def parse_worker_hosts(text, source='--worker_hosts'):
   return hosts
 
 
-def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
+def resolve_cluster(worker_hosts=(), task_index=0, environ=os.environ):
   """The cluster of a multiworker run, from --worker_hosts or TF_CONFIG.
 
   Args:
     worker_hosts: tuple of 'host:port', one per worker, the same list and
       order on every worker; empty to read TF_CONFIG.
     task_index: int, this worker's index in worker_hosts (0 is the chief).
-    environ: mapping holding TF_CONFIG; default os.environ.
+    environ: mapping holding TF_CONFIG.
 
   Returns:
     Cluster.
@@ -151,7 +148,7 @@ def resolve_cluster(worker_hosts=(), task_index=0, environ=None):
     ClusterError: neither is given or both are, TF_CONFIG is malformed, or
       the task is not in the cluster.
   """
-  text = (os.environ if environ is None else environ).get(TF_CONFIG, '').strip()
+  text = environ.get(TF_CONFIG, '').strip()
   if worker_hosts:
     if text:
       raise ClusterError('TF_CONFIG is set and --worker_hosts is given: name the cluster '
@@ -199,7 +196,7 @@ def check_hosts(cluster):
   for index, address in enumerate(cluster.hosts):
     host, port = _split(address)
     try:
-      socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+      socket.getaddrinfo(host, port)
     except (socket.gaierror, UnicodeError) as e:
       raise StartupError(f'{cluster.name()}: cannot resolve {host!r}, the host of '
                          f'{_names(cluster, [index])}: {e}. Fix the name in {cluster.source} '
@@ -223,8 +220,7 @@ def listen(cluster):
   port = _split(cluster.address)[1]
   dual = socket.has_dualstack_ipv6()
   try:
-    return socket.create_server(('::' if dual else '', port), backlog=16,
-                                family=socket.AF_INET6 if dual else socket.AF_INET,
+    return socket.create_server(('', port), family=socket.AF_INET6 if dual else socket.AF_INET,
                                 dualstack_ipv6=dual)
   except OSError as e:
     raise StartupError(f'{cluster.name()}: port {port} is not free on this machine '
@@ -249,7 +245,7 @@ def _exchange(cluster, sock, expected=None):
   Raises:
     StartupError: the peer was started with another cluster or index.
   """
-  sock.sendall((json.dumps([HELLO, cluster.worker_index, list(cluster.hosts)]) + '\n').encode())
+  sock.sendall(f'{json.dumps([HELLO, cluster.worker_index, cluster.hosts])}\n'.encode())
   try:
     word, index, hosts = json.loads(sock.makefile('rb').readline(65536))
   except (ValueError, TypeError):  # UnicodeError is a ValueError

@@ -12,7 +12,7 @@
                --worker_hosts and --task_index.
 
 An engine is one small class with the interface of `Towers`: the loop asks it
-to build the step, to run one step, and, where several processes train
+to build the step (`trainer`, whose `step` it runs), and, where several processes train
 together, to agree with its peers (broadcast the restored state, vote on a
 stop, meet at a final barrier, bound every wait). `Towers`' answers are
 those of one process, where there is nothing to agree on. `make` picks the
@@ -66,7 +66,7 @@ class Towers:
     write_dir: where this process writes checkpoints and summaries.
     lock_what: what the train_dir lock says of this run.
     peer_errors: exceptions of a wait for peers, handled by `lost_peers`
-      (MultiWorker's; none with one process).
+      (MultiWorker's; none and no handler with one process).
   """
 
   num_workers = 1
@@ -74,6 +74,7 @@ class Towers:
   is_chief = True
   lock_what = 'modern training'
   peer_errors = ()
+  lost_peers = None  # no peers to lose (see MultiWorker)
 
   def __init__(self, config, plan):
     self.config = config
@@ -94,28 +95,6 @@ class Towers:
   def start(self, decay_steps):
     """Builds the step; with peers, meets them first. Nothing is written."""
     self.trainer = self.build(decay_steps)
-
-  def step(self, batches, stop, summaries=False):
-    """One training step: (tower losses numpy [replicas], summaries, voted to stop).
-
-    Args:
-      batches: an element of `dataset()`.
-      stop: runtime.training.StopRequest of this process.
-      summaries: whether the step writes summaries. Then the towers return a
-        dict tag -> tensor: the towers' loss terms, activations, sparsity and
-        averaged gradients, and under 'images' tower 0's first images. The
-        replica engines return none: their summaries are the losses, the
-        learning rate and the variables
-        (runtime.training.summary_tags(activations=False)).
-
-    Returns:
-      The third item: whether a stop request rode on this step (on the
-      replica engines, its all-reduce), so that every worker stops after it.
-    """
-    tower_losses, voted, summary = self.trainer.step(batches, stop.requested, summaries)
-    if summary:
-      summary['images'] = batches[0][0][:training.NUM_SUMMARY_IMAGES]
-    return tower_losses.numpy(), summary, bool(voted)
 
   def dataset(self):
     """The training batches of this process (its shard of the records)."""
@@ -154,7 +133,7 @@ class ReplicaTrainer(step_lib.Trainer):
   together. `tower_batches` = (images [N, B, 24, 24, 3], labels [N, B]) hold
   either one batch per replica of the whole run (N = num_towers, replica r
   takes images[r]; every worker passes the same N batches) or one per replica
-  of this worker (N = num_local_replicas, local replica i takes images[i]).
+  of this worker (N = plan.num_towers, local replica i takes images[i]).
   With one worker the two are the same. The step returns no summaries from
   inside it (`inner_summaries`).
 
@@ -162,7 +141,6 @@ class ReplicaTrainer(step_lib.Trainer):
     strategy: the tf.distribute.Strategy.
     state: modern.step.TrainState, created under the strategy's scope.
     num_towers: int, replicas in sync over all workers (R).
-    num_local_replicas: int, replicas of this worker.
   """
 
   inner_summaries = False
@@ -170,11 +148,7 @@ class ReplicaTrainer(step_lib.Trainer):
   def __init__(self, *args, **kwargs):
     """modern.step.Trainer's arguments, `strategy` required."""
     super().__init__(*args, **kwargs)
-    self.num_local_replicas = self.plan.num_towers
     self.num_towers = self.grad_divisor = self.strategy.num_replicas_in_sync
-    self.batch_counts = sorted({self.num_towers, self.num_local_replicas})
-    self.broadcast_from_chief = tf.function(self._broadcast_from_chief)
-    self.barrier = tf.function(self._barrier)
 
   def _replica_step(self, images, labels, vote):
     """In each replica: its gradients, then the all-reduce over every replica.
@@ -186,7 +160,7 @@ class ReplicaTrainer(step_lib.Trainer):
     context = tf.distribute.get_replica_context()
     # This replica's own copy of the variables (mirrored on its device).
     values = [var.read_value() for var in self.state.model.variable_list()]
-    loss, grads = self._tower_fn(values, images, labels)
+    loss, grads, _ = self._tower_fn(values, images, labels)
     # Each replica's loss goes into its own slot of a vector (zeros elsewhere,
     # so the sum is exact), and the worker's stop vote into the last slot; one
     # all-reduce then gives every worker all R losses and whether any worker
@@ -204,12 +178,10 @@ class ReplicaTrainer(step_lib.Trainer):
     # The replicas of worker w have the global ids w * L .. w * L + L - 1 (L
     # local replicas): local replica i of every worker takes batch i of local batches.
     count = images.shape[0]
-    dist_images, dist_labels = (
-        self.strategy.experimental_distribute_values_from_function(
-            lambda ctx, t=tensor: t[ctx.replica_id_in_sync_group % count])
-        for tensor in (images, labels))
-    grads, report = self.strategy.run(
-        self._replica_step, args=(dist_images, dist_labels, vote))
+    batches = self.strategy.experimental_distribute_values_from_function(
+        lambda ctx: (images[ctx.replica_id_in_sync_group % count],
+                     labels[ctx.replica_id_in_sync_group % count]))
+    grads, report = self.strategy.run(self._replica_step, args=(*batches, vote))
     # Identical on every replica after the all-reduce: take the first local one.
     report = self.strategy.experimental_local_results(report)[0]
     return grads, report[:self.num_towers], report[self.num_towers] > 0, {}
@@ -217,20 +189,19 @@ class ReplicaTrainer(step_lib.Trainer):
   def _apply(self, grads):
     # --clip_where averaged: in every replica, on its identical averaged
     # gradients (clip_by_global_norm needs them all at once, which the
-    # per-variable `update` does not give).
-    if self.state.optimizer.clips_averaged:
-      grads = self.strategy.run(lambda *g: self.state.clip_averaged(list(g)),
-                                args=tuple(grads))
+    # per-variable `update` does not give); else they pass unchanged.
+    grads = self.strategy.run(lambda *g: self.state.clip_averaged(list(g)), args=tuple(grads))
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
 
-  def _broadcast_from_chief(self):
+  @tf.function
+  def broadcast_from_chief(self):
     """Sets every worker's variables, averages and global step to the chief's."""
     state = self.state
     # The optimizer's slots too: a resumed momentum or Adam run goes on from
     # the chief's.
-    variables = (state.model.variable_list() + list(state.shadow_variables().values())
-                 + list(state.slot_variables().values()) + [state.global_step])
+    variables = [*state.model.variable_list(), *state.ema.variable_list(),
+                 *state.slot_variables().values(), state.global_step]
 
     def replica_fn():
       context = tf.distribute.get_replica_context()
@@ -245,7 +216,8 @@ class ReplicaTrainer(step_lib.Trainer):
       self.strategy.extended.update(var, lambda v, x: v.assign(tf.cast(x, v.dtype)),
                                     args=(value,))
 
-  def _barrier(self):
+  @tf.function
+  def barrier(self):
     """Returns when every replica of every worker has called it."""
     return self.strategy.experimental_local_results(self.strategy.run(
         lambda: tf.distribute.get_replica_context().all_reduce(
@@ -271,7 +243,6 @@ class Mirrored(Towers):
     return mirrored_strategy(self.plan)
 
 
-WORKER_TEMP_PREFIX = 'workertemp_'  # a non-chief's write dir: <train_dir>/workertemp_<id>
 # The collective timeout is this many peer timeouts: a backstop behind the
 # watchdog, which ends a wait first (see PeerWatchdog).
 COLLECTIVE_TIMEOUT_FACTOR = 2
@@ -281,7 +252,6 @@ COLLECTIVE_TIMEOUT_FACTOR = 2
 STARTUP_BACKSTOP_MIN_SECS = 10
 _RESTART = ('Restart every worker with the same flags: they resume from the '
             'newest checkpoint in the chief\'s --train_dir.')
-ANOTHER_WORKER = 'a stop request of another worker'
 
 
 def multi_worker_strategy(plan, cluster, collective_timeout):
@@ -296,13 +266,12 @@ def multi_worker_strategy(plan, cluster, collective_timeout):
     collective_timeout: seconds a collective waits for its peers before it
       fails with DeadlineExceededError.
   """
-  options = tf.distribute.experimental.CommunicationOptions(
-      implementation=tf.distribute.experimental.CommunicationImplementation.RING,
-      timeout_seconds=float(collective_timeout))
-  gpus = plan.num_towers if plan.kind == 'gpu' else 0
   return tf.distribute.MultiWorkerMirroredStrategy(
-      cluster_resolver=cluster.cluster_resolver(num_gpus=gpus),
-      communication_options=options)
+      cluster_resolver=cluster.cluster_resolver(
+          num_gpus=plan.num_towers if plan.kind == 'gpu' else 0),
+      communication_options=tf.distribute.experimental.CommunicationOptions(
+          implementation=tf.distribute.experimental.CommunicationImplementation.RING,
+          timeout_seconds=float(collective_timeout)))
 
 
 # Run by a child process while TensorFlow's start-up holds Python's lock: it
@@ -318,18 +287,15 @@ def _bounded(seconds, message):
   For a block that holds Python's lock (no thread or signal handler runs):
   faulthandler's timer thread is C, and exits the process itself.
   """
-  reader, writer = os.pipe()
   # A session of its own: a Ctrl-C (SIGINT to the terminal's process group)
   # must not end it with a KeyboardInterrupt traceback; it ends when its
   # stdin closes, however this process ends.
-  child = subprocess.Popen([sys.executable, '-c', _SAY_WHY, message + '\n'],
-                           stdin=reader, stdout=subprocess.DEVNULL,
-                           stderr=stderr_filter.real_stderr(),
-                           start_new_session=True)
-  os.close(reader)
+  child = subprocess.Popen([sys.executable, '-c', _SAY_WHY, f'{message}\n'],
+                           stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                           stderr=stderr_filter.real_stderr(), start_new_session=True)
   try:
-    with os.fdopen(writer, 'w') as pipe:
-      faulthandler.dump_traceback_later(seconds, exit=True, file=pipe)
+    with child.stdin:
+      faulthandler.dump_traceback_later(seconds, exit=True, file=child.stdin)
       try:
         yield
       finally:
@@ -366,9 +332,8 @@ class MultiWorker(Mirrored):
     self.worker_index = self.cluster.worker_index
     self.is_chief = self.cluster.is_chief
     self.lock_what = f'multiworker training as {self.cluster.name()}'
-    if not self.is_chief:
-      self.write_dir = os.path.join(config.train_dir,
-                                    f'{WORKER_TEMP_PREFIX}{self.worker_index}')
+    if not self.is_chief:  # TensorFlow's convention for a non-chief's copy
+      self.write_dir = os.path.join(config.train_dir, f'workertemp_{self.worker_index}')
 
   def close(self):
     if not self.is_chief:  # the chief's copy is the one kept
@@ -430,7 +395,7 @@ class MultiWorker(Mirrored):
 
   def _save_completed(self, step, first_step):
     """The chief saves the last step completed in this run, if any: its path, or None."""
-    if not self.is_chief or step is None or step <= first_step:
+    if not self.is_chief or step <= first_step:
       return None
     try:
       # A failed step may have incremented the global step before its
@@ -457,7 +422,7 @@ class MultiWorker(Mirrored):
     config = self.config
     flag = ('startup_timeout' if first and config.startup_timeout > config.peer_timeout
             else 'peer_timeout')
-    return self._watchdog.guard(getattr(config, flag), what, step, '--' + flag)
+    return self._watchdog.guard(getattr(config, flag), what, step, f'--{flag}')
 
   def broadcast(self):
     self.trainer.broadcast_from_chief()
@@ -478,7 +443,6 @@ class MultiWorker(Mirrored):
       runtime.training.TrainingError: the peers were lost.
     """
     saved = self._save_completed(step, first_step)
-    step = step if step is not None else int(self.trainer.state.global_step.numpy())
     if stop.requested:
       # (Not lower(): that would change the path's case.)
       logger.warning(_line(self.cluster, step, saved, 'while waiting for the other workers',
@@ -487,13 +451,13 @@ class MultiWorker(Mirrored):
     raise training.TrainingError(_line(self.cluster, step, saved, _quote(error))) from error
 
   def report_stop(self, stopped_by, step, path):
-    # No signal of this process: a stop request of another worker rode on the step.
-    stopped_by = stopped_by or ANOTHER_WORKER
     # A non-chief's own copy is removed at the end: the chief's is the one kept.
     path = os.path.join(self.config.train_dir, os.path.basename(path))
-    line = (f"{self.cluster.name()}: stopped by {stopped_by} at global step {step}; "
+    # No signal of this process: a stop request of another worker rode on the step.
+    line = (f"{self.cluster.name()}: stopped by "
+            f"{stopped_by or 'a stop request of another worker'} at global step {step}; "
             f"{'it' if self.is_chief else 'the chief'} saved {path}.")
-    if stopped_by == ANOTHER_WORKER:
+    if not stopped_by:
       # Not a signal of this process, so not its exit status: the run did not
       # end, and every worker must be started again.
       raise training.TrainingError(f'{line} {_RESTART}')
@@ -519,12 +483,12 @@ def _line(cluster, step, saved, why, stopped_by=None):
           f"{f'saved {saved}.' if saved else 'this worker saved no checkpoint.'} {_RESTART}")
 
 
-class PeerWatchdog:
+class PeerWatchdog(threading.Thread):
   """Ends a wait for the peers that lasts too long, or that a stop cuts short.
 
   The guarded blocks are the waits for the peers (the first broadcast, each
   step, the final barrier), where the main thread waits in C++ with Python's
-  lock released. A thread watches them: past a block's deadline (the peer
+  lock released. This thread watches them: past a block's deadline (the peer
   timeout), or STOP_GRACE_SECS into a block after a stop request (SIGINT,
   SIGTERM: `stop_requested`, the StopRequest's `while_blocked` callback), it
   saves the last step completed (`save_completed`: the update of a step
@@ -548,17 +512,17 @@ class PeerWatchdog:
 
   def __init__(self, cluster, save_completed, cleanup,
                exit=ending.exit_now):  # pylint: disable=redefined-builtin
+    super().__init__(name='peer-watchdog', daemon=True)
     self._cluster = cluster
     self._save_completed = save_completed
     self._cleanup = cleanup
     self._exit = exit
     # Each read or written whole (the GIL makes that atomic): no lock.
     self._block = None  # (start, deadline, what, step, flag) of the guarded wait
-    self._stop = None  # (time, signal name) of the first stop request
+    self._stop_request = None  # (time, signal name) of the first stop request
     self._first_step = None
-    self._stopped = threading.Event()
-    self._thread = threading.Thread(target=self._watch, name='peer-watchdog', daemon=True)
-    self._thread.start()
+    self._done = threading.Event()
+    self.start()
 
   @contextlib.contextmanager
   def guard(self, seconds, what, step, flag):
@@ -574,16 +538,16 @@ class PeerWatchdog:
 
   def stop_requested(self, signal_name):
     """A stop request came (a stop signal): waits for the peers end soon."""
-    self._stop = self._stop or (time.monotonic(), signal_name)
+    self._stop_request = self._stop_request or (time.monotonic(), signal_name)
 
   def stop(self):
-    self._stopped.set()
-    self._thread.join()
+    self._done.set()
+    self.join()
 
-  def _watch(self):
-    while not self._stopped.wait(self.POLL_SECS):
+  def run(self):
+    while not self._done.wait(self.POLL_SECS):
       block, now = self._block, time.monotonic()
-      since, signal_name = self._stop or (None, None)
+      since, signal_name = self._stop_request or (None, None)
       if block is None:
         continue
       start, deadline, what, step, flag = block

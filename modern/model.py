@@ -83,7 +83,7 @@ class Cifar10Model(_Layers):
     Returns:
       dict layer name -> (weights, biases).
     """
-    values = self.variable_list() if values is None else values
+    values = values or self.variable_list()
     return {layer.name: tuple(values[2 * i:2 * i + 2])
             for i, layer in enumerate(model_spec.LAYERS)}
 
@@ -146,4 +146,4 @@ class MovingAverages(_Layers):
     """
     super().__init__('moving_averages', lambda layer, kind: _variable_on_cpu(
         model_spec.average_name(f'{layer.name}/{kind}'),
-        getattr(getattr(model, layer.name), kind).read_value(), trainable=False))
+        model.variables_by_name()[f'{layer.name}/{kind}'].read_value(), trainable=False))

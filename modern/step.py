@@ -122,13 +122,13 @@ class TrainState:
     decay_steps: int, steps between learning-rate decays.
   """
 
-  def __init__(self, plan, decay_steps, optimizer=optimizer_lib.Optimizer()):
+  def __init__(self, plan, decay_steps, optimizer):
     """Creates the variables (initial values from the tf.random global seed).
 
     Args:
       plan: common.devices.DevicePlan the towers run on.
       decay_steps: int >= 1, `training.checked_decay_steps(...)`.
-      optimizer: common.optimizer.Optimizer; default upstream's SGD.
+      optimizer: common.optimizer.Optimizer.
     """
     self.decay_steps = decay_steps
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
@@ -147,7 +147,7 @@ class TrainState:
                             trainable=False, name=name)
           for name in optimizer.slot_names()}
 
-  def clip_tower(self, grads, scale=1.0):
+  def clip_tower(self, grads, scale):
     """One tower's gradients, clipped by their global norm if --clip_where per_tower.
 
     Args:
@@ -183,8 +183,7 @@ class TrainState:
                                  self.model.variable_list()):
         slots = [self._slots[f'{name}/{suffix}']
                  for suffix in optimizer_lib.SLOT_SUFFIXES[spec.name]]
-        update(var, lambda v, g, *s: UPDATES[spec.name](v, g, lr, spec, *s),
-               args=(grad, *slots, *non_slots))
+        update(var, UPDATES[spec.name], args=(grad, lr, spec, *slots, *non_slots))
       # After every variable's update, as AdamOptimizer._finish does
       # (tf.function orders these writes after the reads above).
       for power, beta in zip(non_slots, (spec.adam_beta1, spec.adam_beta2)):
@@ -253,7 +252,6 @@ class Trainer:
     strategy: the tf.distribute.Strategy the state was created in (here the
       default one: no distribution).
     num_towers: int, the towers (replicas) of one step.
-    batch_counts: the numbers of batches a step may be given.
     state: TrainState.
   """
 
@@ -280,18 +278,18 @@ class Trainer:
     with self.strategy.scope():
       self.state = TrainState(plan, decay_steps, optimizer)
     self.num_towers = plan.num_towers
-    self.batch_counts = (plan.num_towers,)
     # Not a whole-step jit_compile: XLA compiles one device's ops
     # and cannot read variables that live on another device, so with `jit`
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
     self._tower_fn = tf.function(self._tower, jit_compile=True) if jit else self._tower
-    # `summaries` (a Python bool) traces the step of the steps that write
-    # summaries apart: the same arithmetic, and what the summaries need from
-    # inside it; the other steps run the plain step unchanged.
-    self._step_fn = tf.function(self._step)
-    self._gradients_fn = tf.function(
-        lambda images, labels: self._gradients(images, labels, tf.constant(0.0))[:2])
+    self._gradients_fn = tf.function(lambda *args: self._gradients(*args)[:2])
+
+  @property
+  def batch_counts(self):
+    """The numbers of batches a step may be given: a batch per tower (replica)
+    of the whole run, or of this process (the plan's)."""
+    return sorted({self.num_towers, self.plan.num_towers})
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -305,18 +303,18 @@ class Trainer:
     Returns:
       (loss float32 scalar, list of gradients of loss / grad_divisor shaped
       like `values`, clipped by their global norm with --clip_where
-      per_tower), and with `summaries` the loss terms in
-      `training.loss_terms()` order, the layers' activations in
-      model_spec.LAYERS order and their fractions of zeros.
+      per_tower, summary): with `summaries`, a dict tag -> tensor of the loss
+      terms (`training.loss_terms()`), the layers' activations and their
+      fractions of zeros, each tag without the tower's 'tower_<i>/'; else empty.
     """
     model = self.state.model
     activations = []
     with tf.GradientTape() as tape:
       tape.watch(values)
       params = model.params(values)
-      # With summaries, the same forward pass with a hook keeping each layer's output.
-      loss = tower_loss(model, images, labels, params,
-                        activations.append if summaries else None)
+      # The forward pass with a hook keeping each layer's output (for the
+      # summaries; it adds no op).
+      loss = tower_loss(model, images, labels, params, activations.append)
       # Why 1/R on the replicas: the all-reduce SUMs the replicas' gradients,
       # and docs/equivalence.md §2 wants the towers' MEAN of the per-tower
       # gradients, each tower's loss being its batch's mean cross-entropy
@@ -333,11 +331,13 @@ class Trainer:
     # norm, before they meet (legacy clips inside each tower); they carry the
     # 1/R, so does the bound.
     grads = self.state.clip_tower(tape.gradient(share, values), 1.0 / self.grad_divisor)
-    if not summaries:
-      return loss, grads
-    # The last layer's output is the logits.
-    return (loss, grads, model.loss_terms(activations[-1], labels, params),
-            activations, [tf.nn.zero_fraction(a) for a in activations])
+    summary = {}
+    if summaries:  # tags below the tower's own; the last layer's output is the logits
+      summary = dict(zip(training.loss_terms(), model.loss_terms(activations[-1], labels, params)))
+      for layer, x in zip(model_spec.LAYERS, activations):
+        summary[training.activations_tag('', layer.name)] = x
+        summary[training.sparsity_tag('', layer.name)] = tf.nn.zero_fraction(x)
+    return loss, grads, summary
 
   def _gradients(self, images, labels, vote, summaries=False):
     """Runs the towers and averages their gradients, without applying them.
@@ -368,17 +368,10 @@ class Trainer:
       values = [var.read_value() for var in variables]
     tower_grads, tower_losses, summary = [], [], {}
     for i, device in enumerate(self.plan.tower_devices):
-      scope = f'{hparams.TOWER_NAME}_{i}'
-      with tf.device(device), tf.name_scope(scope):
-        loss, grads, *extra = self._tower_fn(values, tower_images[i], tower_labels[i],
-                                             summaries)
-        if summaries:
-          terms, activations, zeros = extra
-          for name, term in zip(training.loss_terms(), terms):
-            summary[training.tower_tag(i, name)] = term
-          for layer, x, zero in zip(model_spec.LAYERS, activations, zeros):
-            summary[training.activations_tag(scope, layer.name)] = x
-            summary[training.sparsity_tag(scope, layer.name)] = zero
+      with tf.device(device), tf.name_scope(f'{hparams.TOWER_NAME}_{i}'):
+        loss, grads, tower_summary = self._tower_fn(values, tower_images[i], tower_labels[i],
+                                                    summaries)
+      summary.update((training.tower_tag(i, tag), x) for tag, x in tower_summary.items())
       tower_losses.append(loss)
       tower_grads.append(list(zip(grads, variables)))
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'):
@@ -398,6 +391,10 @@ class Trainer:
     with tf.device(devices.VARIABLE_DEVICE):
       self.state.apply_gradients(self.state.clip_averaged(grads))
 
+  # `summaries` (a Python bool) traces the step of the steps that write
+  # summaries apart: the same arithmetic, and what the summaries need from
+  # inside it; the other steps run the plain step unchanged.
+  @tf.function
   def _step(self, images, labels, vote, summaries=False):
     """One training step over all towers.
 
@@ -414,17 +411,19 @@ class Trainer:
     self._apply(grads)
     return tower_losses, voted, summary
 
-  def _check(self, tower_batches):
-    """(images float32, labels int32) of a step, checked for shape."""
+  def _args(self, tower_batches, stop_requested=False, summaries=False):
+    """`_step`'s arguments: (images float32, labels int32) checked for shape, the vote,
+    and whether the step returns the summaries (`inner_summaries`)."""
     images = tf.convert_to_tensor(tower_batches[0], tf.float32)
     labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
     size = hparams.IMAGE_SIZE
-    if (images.shape.rank != 5 or images.shape[0] not in self.batch_counts
-        or tuple(images.shape[2:]) != (size, size, 3) or labels.shape != images.shape[:2]):
+    # (The dimensions after the first two first: a rank below 2 fails there.)
+    if (images.shape[2:] != (size, size, 3) or images.shape[0] not in self.batch_counts
+        or labels.shape != images.shape[:2]):
       raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
-                       f'with N in {list(self.batch_counts)} (a batch per tower), got '
+                       f'with N in {self.batch_counts} (a batch per tower), got '
                        f'{images.shape} and {labels.shape}')
-    return images, labels
+    return images, labels, tf.constant(float(stop_requested)), summaries and self.inner_summaries
 
   def step(self, tower_batches, stop_requested=False, summaries=False):
     """Runs one training step.
@@ -445,8 +444,7 @@ class Trainer:
        towers' loss terms and sparsity, their activations and the averaged
        gradients; empty without `summaries`).
     """
-    return self._step_fn(*self._check(tower_batches), tf.constant(float(stop_requested)),
-                         summaries and self.inner_summaries)
+    return self._step(*self._args(tower_batches, stop_requested, summaries))
 
   def train_step(self, tower_batches):
     """`step`'s tower losses, float32 tensor [num_towers]."""
@@ -454,9 +452,7 @@ class Trainer:
 
   def step_graph(self, tower_batches, summaries=False):
     """The traced graph of the step (`summaries`: of the summary step) for these batches."""
-    return self._step_fn.get_concrete_function(
-        *self._check(tower_batches), tf.constant(0.0),
-        summaries and self.inner_summaries).graph
+    return self._step.get_concrete_function(*self._args(tower_batches, summaries=summaries)).graph
 
   def compute_gradients(self, tower_batches):
     """The averaged gradients at the current variables, without applying them.
@@ -468,7 +464,7 @@ class Trainer:
       (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
        order; tower total losses float32 [num_towers]).
     """
-    grads, tower_losses = self._gradients_fn(*self._check(tower_batches))
+    grads, tower_losses = self._gradients_fn(*self._args(tower_batches))
     # One copy of each (identical on every replica after the all-reduce).
     return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
             zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses

@@ -18,7 +18,6 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.modern import checkpoints as ckpt_lib
 from cifar10_towers.modern import engines
-from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
@@ -42,37 +41,34 @@ def _displayable(image):
 
 
 # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
-def _write_summaries(state, step, tower_losses, lr, summaries):
+def _write_summaries(writer, step, state, tower_losses, summaries, batches):
   """The tags of runtime.training.summary_tags with tf.summary, at `step`.
 
   Args:
-    state: modern.step.TrainState after the step.
+    writer: the tf.summary writer.
     step: int, the global step reached.
+    state: modern.step.TrainState after the step.
     tower_losses: numpy [replicas], the towers' total losses.
-    lr: float, the learning rate the step used.
-    summaries: what the engine's step returned from inside the step
-      (see modern.engines.Towers.step); empty for the replica engines.
+    summaries: what the step returned from inside it (see
+      modern.step.Trainer.step); empty for the replica engines, which write
+      no images either.
+    batches: the step's (images, labels): tower 0's first images are written.
   """
+  # The learning rate the step just taken used (read before the increment).
+  lr = model_spec.learning_rate(step - 1, state.decay_steps, state.optimizer.learning_rate)
   values = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr,
             **summaries, **state.variables()}
   # Deviation from upstream: every tower's loss summary is written.
   values.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
   values.update((model_spec.average_name(name), var)
                 for name, var in state.shadow_variables().items())
-  for tag, value in values.items():
-    if tag == 'images':  # the tags of training.image_tags()
-      for image_tag, image in zip(training.image_tags(), value):
-        tf.summary.image(image_tag, _displayable(image)[np.newaxis], step=step)
-    else:  # a histogram of each tensor, a scalar of each scalar
+  with writer.as_default():
+    for tag, value in values.items():  # a histogram of each tensor, a scalar of each scalar
       value = tf.convert_to_tensor(value)
       (tf.summary.histogram if value.shape.rank else tf.summary.scalar)(tag, value, step=step)
-
-
-def _first_step_progress(first, what):
-  """During the chief's first step, a heartbeat line saying `what` it waits for past 5 s."""
-  if not first:  # `first` only on the chief: progress comes from the chief
-    return contextlib.nullcontext()
-  return training.Heartbeat(lambda seconds: f'{what}... {seconds} s')
+    if summaries:  # the tags of training.image_tags()
+      for tag, image in zip(training.image_tags(), batches[0][0]):
+        tf.summary.image(tag, _displayable(image)[np.newaxis], step=step)
 
 
 def train(config, plan, on_step=None):
@@ -116,25 +112,20 @@ def train(config, plan, on_step=None):
         engine.start(decay_steps)
         if config.log_device_placement:
           tf.debugging.set_log_device_placement(True)
-        state = engine.trainer.state
-        checkpoint = ckpt_lib.checkpoint_object(state)
+        checkpoint = ckpt_lib.checkpoint_object(engine.trainer.state)
         # Only the chief restores; the others take its state (engine.broadcast).
         resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint,
                                                config.optimizer)
                        if engine.is_chief else None)
-        manager = tf.train.CheckpointManager(  # after restore_latest: see there
-            checkpoint, engine.write_dir, max_to_keep=ckpt_lib.MAX_TO_KEEP,
-            checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-      save = ckpt_lib.StepSaver(state, manager, engine.write_dir)
+        save = ckpt_lib.StepSaver(checkpoint, engine.write_dir)  # after restore_latest
       with engine.watching(stop, save):
-        return _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
+        return _train_loop(config, engine, save, resume_from, stop, on_step,
                            examples_per_epoch // engine.num_workers)
   finally:
     engine.close()
 
 
-def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
-                examples_per_worker=0):
+def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_worker):
   """`runtime.training.train_loop` on `engine`, after every worker took the chief's state.
 
   `examples_per_worker` (the records of this worker's shard) sizes the
@@ -149,21 +140,23 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       first step, in a single process.
   """
   state = engine.trainer.state
-  alone, traced = engine.num_workers == 1, []  # traced: the first step's (batches, summaries)
+  # traced: the latest step's (batches, write_summary), the first's when open_summaries runs
+  alone, traced = engine.num_workers == 1, []
 
   def global_step():
     return int(state.global_step.numpy())
 
+  step = global_step()
   try:
     # Synchronization point: every worker takes the chief's state (fresh or
     # restored), so all resume from the chief's checkpoint.
-    with engine.waiting('the start-up', global_step(), first=True):
+    with engine.waiting('the start-up', step, first=True):
       engine.broadcast()
   except engine.peer_errors as e:
-    return engine.lost_peers(e, None, None, save, stop)
+    return engine.lost_peers(e, step, step, save, stop)  # nothing to save
   step = global_step()
   if resume_from:
-    logger.info('Resuming from %s at global step %d.', resume_from, step)
+    logger.info(f'Resuming from {resume_from} at global step {step}.')
     save.last_saved = step
   if step >= config.max_steps:
     logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
@@ -178,19 +171,26 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
     # shuffle buffer: seconds, tens of seconds on a busy machine, with
     # nothing written yet, so a stop ends it at once. (With peers a stop
     # rides on the step's vote instead, so that all stop after one step.)
-    # Progress comes from the chief.
+    def progress(what):
+      # During the first step, a heartbeat line saying `what` it waits for
+      # past 5 s. Progress comes from the chief.
+      return (training.Heartbeat(lambda seconds: f'{what}... {seconds} s')
+              if first and engine.is_chief else contextlib.nullcontext())
+
     with stop.raising() if first and alone else contextlib.nullcontext():
-      with _first_step_progress(first and engine.is_chief, 'Filling the shuffle buffer '
-                                f'with {hparams.min_queue_examples(examples_per_worker)} examples'):
+      with progress('Filling the shuffle buffer with '
+                    f'{hparams.min_queue_examples(examples_per_worker)} examples'):
         batches = next(iterator)
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); `on_step` the step alone.
       start_time = time.time()
-      with engine.waiting('the step', step, first=first), _first_step_progress(
-          first and engine.is_chief, 'Building and tracing the step (first step)'):
-        tower_losses, summaries, voted = engine.step(batches, stop, write_summary)
-    traced[:] = traced or [batches, write_summary]
-    return tower_losses, (tower_losses, summaries), voted, time.time() - start_time
+      with engine.waiting('the step', step, first=first), progress(
+          'Building and tracing the step (first step)'):
+        tower_losses, voted, summaries = engine.trainer.step(batches, stop.requested,
+                                                             write_summary)
+        tower_losses = tower_losses.numpy()  # (voted: a bool tensor, read by the loop)
+    traced[:] = batches, write_summary
+    return tower_losses, (tower_losses, summaries, batches), voted, time.time() - start_time
 
   def open_summaries():
     writer = tf.summary.create_file_writer(engine.write_dir)
@@ -198,21 +198,16 @@ def _train_loop(config, engine, save, resume_from, decay_steps, stop, on_step,
       with writer.as_default():
         tf.summary.graph(engine.trainer.step_graph(*traced))
     except (tf.errors.OpError, OSError) as e:
-      logger.warning('could not write the graph to TensorBoard summaries in %s (%s).',
-                     engine.write_dir, str(e).strip().splitlines()[0])
+      logger.warning(f'could not write the graph to TensorBoard summaries in {engine.write_dir} '
+                     f'({str(e).strip().splitlines()[0]}).')
     return writer
-
-  def write_summaries(writer, step, summary):
-    # The learning rate the step just taken used (read before the increment).
-    lr = float(model_spec.learning_rate(step - 1, decay_steps, config.optimizer.learning_rate))
-    with writer.as_default():
-      _write_summaries(state, step, summary[0], lr, summary[1])
 
   run = training.Run(
       images=config.batch_size * engine.trainer.num_towers, write_dir=engine.write_dir,
       chief=engine.is_chief, alone=alone, peer_errors=engine.peer_errors, step=run_step,
       held=global_step, save=save, open_summaries=open_summaries,
-      write_summaries=write_summaries, finish=engine.finish,
-      lost_peers=lambda *args: engine.lost_peers(*args),  # only engines with peers have it
+      write_summaries=lambda writer, step, summary: _write_summaries(writer, step, state, *summary),
+      finish=engine.finish,
+      lost_peers=engine.lost_peers,
       report_stop=engine.report_stop)
   return training.train_loop(config, stop, run, step, on_step)

@@ -100,7 +100,7 @@ def _worker_main(in_path, out_path, local_batches):
   strategy = engines.multi_worker_strategy(plan, cluster, COLLECTIVE_TIMEOUT)
   trainer = engines.ReplicaTrainer(plan, DECAY_STEPS, strategy=strategy)
   assert trainer.num_towers == cluster.num_workers, trainer.num_towers
-  assert trainer.num_local_replicas == 1
+  assert len(strategy.extended.worker_devices) == 1  # one local replica
   state = trainer.state
   data = np.load(in_path)
   state.assign_variables({name[len('init/'):]: data[name]

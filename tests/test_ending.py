@@ -202,8 +202,8 @@ def _inject_step(monkeypatch, impl, step, ctx):
       return real(self, fetches, *args, **kwargs)
     monkeypatch.setattr(tf1.Session, 'run', run)
   else:
-    from cifar10_towers.modern import engines  # pylint: disable=import-outside-toplevel
-    _nth_call(monkeypatch, engines.Towers, 'step', step + 1, error)
+    from cifar10_towers.modern import step as step_lib  # pylint: disable=import-outside-toplevel
+    _nth_call(monkeypatch, step_lib.Trainer, 'step', step + 1, error)
 
 
 def _inject_saver(monkeypatch, impl, step, ctx):
