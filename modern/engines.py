@@ -189,8 +189,9 @@ class ReplicaTrainer(step_lib.Trainer):
   def _apply(self, grads):
     # --clip_where averaged: in every replica, on its identical averaged
     # gradients (clip_by_global_norm needs them all at once, which the
-    # per-variable `update` does not give); else they pass unchanged.
-    grads = self.strategy.run(lambda *g: self.state.clip_averaged(list(g)), args=tuple(grads))
+    # per-variable `update` does not give).
+    if self.state.optimizer.clips_averaged:
+      grads = self.strategy.run(lambda *g: self.state.clip_averaged(list(g)), args=tuple(grads))
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
 
