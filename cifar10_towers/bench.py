@@ -67,6 +67,7 @@ import timeit
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.common import devices
 from cifar10_towers.common import errors
+from cifar10_towers.common import files
 from cifar10_towers.common import hparams
 from cifar10_towers.datasets import synth
 from cifar10_towers.runtime import config as config_lib
@@ -159,9 +160,10 @@ def contend_training(spec, boundary):
     if step % spec['window_steps'] == 0:
       boundary()
 
-  with tempfile.TemporaryDirectory(prefix='bench_train_') as train_dir:
-    steps = (spec['windows'] + 1) * spec['window_steps']
-    trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
+  # In the parent's scratch directory, which the parent removes (it kills its contenders).
+  train_dir = tempfile.mkdtemp(prefix='train_', dir=spec['scratch'])
+  steps = (spec['windows'] + 1) * spec['window_steps']
+  trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
 
 
 def keras_model(keras):
@@ -327,7 +329,8 @@ class Contender:
 
   def __init__(self, spec, timeout_secs):
     self.spec, self._timeout = spec, timeout_secs
-    self._stderr = tempfile.NamedTemporaryFile(mode='w+', prefix='bench_stderr_')
+    self._stderr = tempfile.NamedTemporaryFile(  # in the run's scratch, which goes with it
+        mode='w+', prefix='stderr_', dir=spec['scratch'], delete=False)
     self._conn, child = multiprocessing.Pipe()
     self._proc = multiprocessing.get_context('spawn').Process(
         target=contend, args=(spec, child, self._stderr.name))
@@ -391,14 +394,17 @@ def run(config, launch=Contender):
     BenchError: a measurement failed.
     common.cifar10_format.DataError: data_dir holds no valid training data.
   """
-  with tempfile.TemporaryDirectory(prefix='bench_data_') as tmp:
-    data_dir = config.data_dir or tmp
+  # One scratch directory for the run: the generated data, the contenders'
+  # train_dirs and stderr files; removed at the end, or by the next bench if
+  # this one was killed (common.files.scratch).
+  with files.scratch(tempfile.gettempdir(), 'bench_') as scratch:
+    data_dir = config.data_dir or scratch
     if config.data_dir is None:
-      logger.info(f'Generating {5 * config.synth_per_file} training records in {tmp} ...')
-      synth.generate(tmp, train_per_file=config.synth_per_file, num_test=10)
+      logger.info(f'Generating {5 * config.synth_per_file} training records in {scratch} ...')
+      synth.generate(scratch, train_per_file=config.synth_per_file, num_test=10)
     records = fmt.num_examples(fmt.train_files(data_dir))
     common = dict(dataclasses.asdict(config), data_dir=data_dir, records=records,
-                  windows=config.warmup_rounds + config.rounds)
+                  windows=config.warmup_rounds + config.rounds, scratch=scratch)
     # The paced contenders: per tower count Keras and each trainer; then the matmul.
     specs = [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
              for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]
@@ -537,8 +543,8 @@ def format_table(report):
 
 
 def write_json(report, path):
-  """Writes the report as JSON (`bench --json`)."""
-  with open(path, 'w', encoding='utf-8') as f:
+  """Writes the report as JSON (`bench --json`), whole or not at all (common.files.WriteError)."""
+  with files.replacing('--json', path) as [temp], open(temp, 'w', encoding='utf-8') as f:
     print(json.dumps(report, indent=2, sort_keys=True), file=f)
 
 
@@ -589,8 +595,11 @@ def check_plotting():
 
 
 def plot(report, path):
-  """Draws `figure(report)` into a PNG file."""
-  figure(report).savefig(path, dpi=100)
+  """Draws `figure(report)` into a PNG file, whole or not at all (common.files.WriteError)."""
+  drawn = figure(report)
+  with files.replacing('--plot', path) as [temp]:
+    # The format by the path's extension, as savefig would choose it; PNG without one.
+    drawn.savefig(temp, dpi=100, format=os.path.splitext(path)[1][1:] or 'png')
 
 
 def figure(report):

@@ -12,14 +12,17 @@ without knowing it was converted.
 """
 
 import contextlib
+import errno
 import logging
 import os
-import shutil
 
 import numpy as np
+import tensorflow as tf
+import tensorflow.compat.v1 as tf1
 
 from cifar10_towers.common import devices
 from cifar10_towers.common import errors
+from cifar10_towers.common import files
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
@@ -85,7 +88,6 @@ def write_modern(directory, values, optimizer):
   `values` is a state as `state_of` returns it, of the optimizer named
   `optimizer`.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
   state = modern_step.TrainState(_HOST_PLAN, decay_steps=1,
                                  optimizer=optimizer_lib.Optimizer(name=optimizer))
@@ -112,7 +114,6 @@ def write_legacy(directory, values, optimizer):
   The graph is legacy's own (`legacy_session`, fed zeros it never runs), so
   the Saver sees exactly the variables a legacy train_dir holds.
   """
-  import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
   with legacy_session(np.zeros([1, 1, 24, 24, 3], np.float32), np.zeros([1, 1], np.int32),
                       _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer), values) as (
                           sess, _, _):
@@ -136,8 +137,6 @@ def legacy_session(images, labels, plan, decay_steps, optimizer, values):
     (tf.compat.v1.Session, legacy.train.Towers, dict name -> tf.Variable of
      every global variable).
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
   from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
     towers = legacy_train.build_towers(
@@ -159,7 +158,9 @@ def convert(from_dir, to_dir):
   not passed over. `to_dir` must not hold a checkpoint yet; it is written in
   a temporary directory beside it first, so a failure leaves nothing
   half-written. Nothing in `from_dir` is changed: `to_dir` must be neither
-  `from_dir` nor inside it, however either is spelled. Then it says (logger.info)
+  `from_dir` nor inside it, however either is spelled. A killed convert's
+  temporary directory (`common.files.scratch`) is removed by the next one
+  beside the same `to_dir`. Then it says (logger.info)
   what it wrote, and the command that trains on from it.
 
   Args:
@@ -185,22 +186,27 @@ def convert(from_dir, to_dir):
   if contents is None:
     raise ConvertError(f'no checkpoint in {from_dir}; pass as --from_dir the train_dir you '
                        'trained into.')
+  not_empty = ConvertError(f'{to_dir} is not empty; pass a new or empty directory as '
+                           '--to_dir (nothing there was changed).')
   if os.path.isdir(to_dir) and os.listdir(to_dir):
-    raise ConvertError(f'{to_dir} is not empty; pass a new or empty directory as '
-                       '--to_dir (nothing there was changed).')
+    raise not_empty
   kind, optimizer, values = state_of(contents)
   to_kind, writer = ((checkpoints.MODERN, write_modern) if kind == checkpoints.LEGACY
                      else (checkpoints.LEGACY, write_legacy))
   target = os.path.abspath(to_dir)
-  staging = f'{target}.converting-{os.getpid()}'
-  shutil.rmtree(staging, ignore_errors=True)
-  os.makedirs(staging)
+  parent, name = os.path.split(target)
   try:
-    prefix = writer(staging, values, optimizer)
-    os.rename(staging, target)  # POSIX: also onto an empty directory (checked above)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
+    os.makedirs(parent, exist_ok=True)
+    with files.scratch(parent, f'.{name}.converting-') as staging:
+      prefix = writer(staging, values, optimizer)
+      os.rename(staging, target)  # POSIX: also onto an empty directory (checked above)
+  except OSError as e:  # said without the staging directory's name
+    if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # another command wrote there meanwhile
+      raise not_empty from e
+    raise ConvertError(
+        files.write_failed('the converted checkpoint', to_dir, e.strerror, '--to_dir')) from e
+  except tf.errors.OpError as e:  # TensorFlow's writer: a full disk, say
+    raise checkpoints.write_failed(to_dir, 'the converted checkpoint', e, '--to_dir') from e
   path = os.path.join(target, os.path.basename(prefix))
   # A resume with another --optimizer is refused: say which one it needs.
   step = values['global_step']

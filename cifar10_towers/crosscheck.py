@@ -36,6 +36,7 @@ import numpy as np
 
 from cifar10_towers import convert
 from cifar10_towers.common import cifar10_format as fmt
+from cifar10_towers.common import files
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
@@ -228,7 +229,11 @@ def format_report(report):
 
 
 def write_evidence(path_dir, images, labels, init, report):
-  """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2."""
+  """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2, whole or not at all.
+
+  Raises:
+    common.files.WriteError: it could not be written (a full disk, say).
+  """
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images, 'labels': labels}  # float32, int32 (draw_batches)
   arrays.update((f'init/{name}', value) for name, value in init.items())
@@ -241,9 +246,8 @@ def write_evidence(path_dir, images, labels, init, report):
       arrays.update((f'{impl}/{what}/{key}', np.asarray(value, np.float32))
                     for key, value in getattr(result, field).items())
   path = os.path.join(path_dir, 'crosscheck.npz')
-  tmp = path + '.tmp.npz'
-  np.savez(tmp, **arrays)
-  os.replace(tmp, path)
+  with files.replacing('--dump', path) as [temp]:
+    np.savez(temp, **arrays)
   return path
 
 

@@ -24,13 +24,12 @@ import errno
 import hashlib
 import logging
 import os
-import re
 import shutil
-import socket
 
 import numpy as np
 
 from cifar10_towers.common import errors
+from cifar10_towers.common import files
 from cifar10_towers.common import hparams
 from cifar10_towers.common import prog
 
@@ -57,7 +56,7 @@ RECORD_BYTES = LABEL_BYTES + IMAGE_BYTES  # 3073
 # in a file mixing ten classes has a chance of 1e-9, ten equal photographs none.
 MIN_RECORDS_TO_JUDGE = 10
 
-_STAGING_PREFIX = f'.{BATCHES_DIR}.partial-'  # + host-pid-random
+_STAGING_PREFIX = f'.{BATCHES_DIR}.partial-'  # a files.scratch
 
 
 class DataError(errors.Failure):
@@ -328,7 +327,7 @@ def staged_batches_dir(data_dir, needed_bytes):
   partial file. On any error or interrupt the staging directory and the
   directories this call created are removed, and the old data is untouched.
   What a writer killed outright (SIGKILL) leaves, its hidden staging
-  directory, is removed by the next writer on the same host.
+  directory (`files.scratch`), is removed by the next writer on the same host.
 
   Args:
     data_dir: str, the data directory (created if missing).
@@ -349,16 +348,12 @@ def staged_batches_dir(data_dir, needed_bytes):
   while not os.path.isdir(d):
     created.append(d)
     d = os.path.dirname(d)
-  stage = os.path.join(
-      data_dir, f'{_STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}')
   try:
     os.makedirs(data_dir, exist_ok=True)
-    _remove_stale_stages(data_dir)
-    os.mkdir(stage)
-    yield stage
-    _swap_in(stage, target)
+    with files.scratch(data_dir, _STAGING_PREFIX) as stage:
+      yield stage
+      _swap_in(stage, target)
   except BaseException as e:
-    shutil.rmtree(stage, ignore_errors=True)
     for d in created:
       with contextlib.suppress(OSError):
         os.rmdir(d)  # only if still empty
@@ -388,18 +383,3 @@ def _link(src, dst):
     os.link(src, dst)
   except OSError:
     shutil.copy2(src, dst)
-
-
-def _remove_stale_stages(data_dir):
-  """Removes what killed writers on this host left: their staging directories."""
-  # <prefix><host>-<pid>-<random>, and '.old' while swapping.
-  mine = re.compile(rf'{re.escape(_STAGING_PREFIX + socket.gethostname())}-(\d+)-\w+(\.old)?$')
-  for name in os.listdir(data_dir):
-    match = mine.match(name)
-    if match:
-      try:
-        os.kill(int(match[1]), 0)
-      except ProcessLookupError:  # the writer is gone
-        shutil.rmtree(os.path.join(data_dir, name), ignore_errors=True)
-      except PermissionError:  # it runs, as another user
-        pass

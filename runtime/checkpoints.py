@@ -50,6 +50,7 @@ import re
 import tensorflow as tf
 
 from cifar10_towers.common import errors
+from cifar10_towers.common import files
 from cifar10_towers.runtime import config as config_lib
 
 logger = logging.getLogger(__name__)
@@ -385,35 +386,25 @@ def check_fits(path, expected_shapes):
                         'move its checkpoints away.')
 
 
-_ADVICE = [  # (what to do, how the operating system words a failed write it fixes)
-    ('Make it writable', ('Permission denied', 'Operation not permitted',
-                          'Read-only file system')),
-    ('Free space on that disk', ('No space left on device', 'Disk quota exceeded',
-                                 'File too large')),
-    ('Move the file in the way', ('Not a directory',)),
-]
+advice = files.advice  # what to do about a failed write (runtime.evaluation's name for it)
 
 
-def advice(cause):
-  """What to do about a failed write, from how the operating system worded its `cause`."""
-  return next((todo for todo, words in _ADVICE if any(w in cause for w in words)), 'Fix that')
-
-
-def write_failed(directory, what, error):
-  """The CheckpointError for a write into train_dir that failed (e.g. disk full).
+def write_failed(directory, what, error, flag='--train_dir'):
+  """The CheckpointError for a write into a train_dir that failed (e.g. disk full).
 
   Args:
     directory: str, the train_dir.
     what: str, what could not be written, e.g. 'checkpoint model.ckpt-20'.
-    error: the exception the writer raised.
+    error: the exception the writer raised (TensorFlow's or the OS's).
+    flag: str, the flag that names another directory.
 
   Returns:
     CheckpointError, for the caller to raise: the cause and what to do about
-    it. What the run kept is said by the one ending path (runtime.ending).
+    it (`common.files.write_failed`). What the run kept is said by the one
+    ending path (runtime.ending).
   """
-  cause = reason(error).rsplit('; ', 1)[-1]
-  return CheckpointError(f'could not write {what} in {directory} ({cause}). {advice(cause)}, or '
-                         'pass another --train_dir.')
+  return CheckpointError(files.write_failed(what, directory, reason(error).rsplit('; ', 1)[-1],
+                                            flag))
 
 
 def save_failed(directory, step, error):

@@ -14,6 +14,7 @@ import tempfile
 
 from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import devices
+from cifar10_towers.common import files
 from cifar10_towers.common import hparams
 from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.towerprofile import analysis
@@ -47,7 +48,7 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
       devices.VARIABLE_DEVICE if i == misplace_tower else device
       for i, device in enumerate(plan.tower_devices)))
   # A scratch train_dir: the profile never reads or writes the user's.
-  with tempfile.TemporaryDirectory(prefix='towerprofile_') as scratch:
+  with files.scratch(tempfile.gettempdir(), 'towerprofile_') as scratch:
     if data_dir is None:
       from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
       data_dir = scratch
@@ -89,8 +90,8 @@ def chrome_trace(events):
   return {'traceEvents': trace, 'displayTimeUnit': 'ms'}
 
 
-def png_timeline(events, windows, report, path):
-  """Draws one row per device, ops coloured by category, dotted step bounds; returns path.
+def png_timeline(events, windows, report):
+  """One row per device, ops coloured by category, dotted step bounds: a matplotlib Figure.
 
   Raises:
     ImportError: matplotlib is not installed (it is needed).
@@ -117,27 +118,34 @@ def png_timeline(events, windows, report, path):
               loc='lower center', bbox_to_anchor=(0.5, 1.08), ncol=len(analysis.CATEGORIES),
               fontsize=8, frameon=False)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  return path
+  return fig
 
 
 def write_all(events, windows, report, out_dir):
   """Writes trace.json, report.json and timeline.png into out_dir (created if missing).
 
+  The three replace those there together, each whole (`common.files.replacing`).
+
   Returns:
     dict name -> path of what was written.
+
+  Raises:
+    common.files.WriteError: they could not be written (a full disk, say).
   """
   os.makedirs(out_dir, exist_ok=True)
-  written = {}
-  for name, content in (('trace', chrome_trace(events)), ('report', report)):
-    written[name] = os.path.join(out_dir, f'{name}.json')
-    with open(written[name], 'w', encoding='utf-8') as f:
-      json.dump(content, f, indent=1, sort_keys=True)
+  written = {name: os.path.join(out_dir, f'{name}.json') for name in ('trace', 'report')}
   try:
-    written['png'] = png_timeline(events, windows, report, os.path.join(out_dir, 'timeline.png'))
+    timeline = png_timeline(events, windows, report)
+    written['png'] = os.path.join(out_dir, 'timeline.png')
   except ImportError:
     logger.warning('matplotlib is not installed: no timeline.png '
                    '(pip install matplotlib, or the [profile] extra).')
+  with files.replacing('--out', *written.values()) as temps:
+    for path, content in zip(temps, (chrome_trace(events), report)):
+      with open(path, 'w', encoding='utf-8') as f:
+        json.dump(content, f, indent=1, sort_keys=True)
+    if 'png' in written:
+      timeline.savefig(temps[2], dpi=100)
   return written
 
 
