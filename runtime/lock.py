@@ -4,7 +4,9 @@
 process ends in any way (exit, crash, kill -9), so a dead run never leaves a
 stale lock behind. The file also records who holds it, for the message the
 second run prints. The holder removes it before letting go, so a finished run
-leaves no file behind (one killed with -9 leaves it, unlocked and harmless).
+leaves no file behind (one killed with -9 leaves it, unlocked and harmless),
+and a directory it created that is still empty then goes too: a run that
+stopped before writing anything leaves no trace.
 Readers (eval, convert) take no lock.
 """
 
@@ -70,6 +72,7 @@ def exclusive(directory, what='training'):
       what it does and since when.
     OSError: the directory or the lock file cannot be created.
   """
+  created = not os.path.isdir(directory)
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, LOCK_FILE)
   handle = _lock(path, directory)
@@ -92,6 +95,9 @@ def exclusive(directory, what='training'):
         os.remove(path)
     with contextlib.suppress(OSError):  # a note that could not be written
       handle.close()  # releases the lock; the descriptor is closed either way
+    if created:
+      with contextlib.suppress(OSError):
+        os.rmdir(directory)  # only if still empty
 
 
 def check(directory):

@@ -26,6 +26,7 @@ from cifar10_towers import convert
 from cifar10_towers import crosscheck
 from cifar10_towers.common import files
 from cifar10_towers.modern import checkpoints as modern_checkpoints
+from cifar10_towers.runtime import lock
 from cifar10_towers.towerprofile import legacy_trace
 from cifar10_towers.towerprofile import run as profile_lib
 
@@ -268,3 +269,21 @@ def test_convert_into_a_to_dir_written_meanwhile_says_it_is_not_empty(legacy_dir
       'was changed).']
   assert os.listdir(tmp_path) == ['C']
   assert os.listdir(to_dir) == ['theirs']
+
+
+# --- a train_dir the run made and left empty; a download that was not kept ------
+
+def test_a_run_that_wrote_nothing_leaves_no_new_train_dir(tmp_path):
+  new = tmp_path / 'new'
+  with pytest.raises(KeyboardInterrupt), lock.exclusive(str(new)):
+    raise KeyboardInterrupt  # stopped before the first step
+  assert not new.exists()
+  existing = tmp_path / 'existing'
+  existing.mkdir()
+  with lock.exclusive(str(existing)):
+    pass
+  assert existing.is_dir()  # not the run's to remove
+  written = tmp_path / 'written'
+  with lock.exclusive(str(written)):
+    (written / 'model.ckpt-1.index').write_bytes(b'')
+  assert os.listdir(written) == ['model.ckpt-1.index']

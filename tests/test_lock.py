@@ -55,7 +55,8 @@ def test_the_lock_file_goes_with_the_run_and_a_removed_one_is_noticed(tmp_path):
   train_dir = str(tmp_path / 'train')
   with lock.exclusive(train_dir, what='legacy training'):
     pass
-  assert os.listdir(train_dir) == []  # a finished run leaves no lock file
+  # A finished run leaves no lock file, nor the directory it made, still empty.
+  assert not os.path.exists(train_dir)
   first = lock.exclusive(train_dir, what='legacy training')
   path = first.__enter__()
   lock.check(train_dir)  # still its own
