@@ -213,10 +213,13 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
       _fetch(url, source, data_dir, progress, timeout)
     actual = sha256_of(source)
     if actual != sha256:
+      # A download is not kept: there is nothing to delete, and the URL may be at fault.
+      fix = ('(or delete the one there)' if local
+             else '(the download was not kept) or check the URL,')
       raise DownloadError(
           f'{origin} has SHA-256 {actual}, expected {sha256}: it is corrupt or not the CIFAR-10 '
-          f'binary archive, and was not unpacked. Put a good copy at {archive} (or delete the '
-          'one there) and run this again.')
+          f'binary archive, and was not unpacked. Put a good copy at {archive} {fix} and run '
+          'this again.')
     _extract(source, stage, origin)
     os.replace(source, archive)  # kept, verified (a no-op for the local one)
   return LOCAL_ARCHIVE if local else DOWNLOADED

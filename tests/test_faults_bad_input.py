@@ -344,7 +344,7 @@ DOWNLOAD_CASES = [
          r'has SHA-256 [0-9a-f]{64}, expected c4a38c50a1bc5f3a1c5537f2155ab9d68f9f25eb'
          r'1ed8d9ddda3db29a59bca1dd: it is corrupt or not the CIFAR-10 binary archive, '
          r'and was not unpacked\. Put a good copy at .*/target/cifar-10-binary\.tar\.gz '
-         r'\(or delete the one there\) and run this again\.$', 'sub'),
+         r'\(the download was not kept\) or check the URL, and run this again\.$', 'sub'),
     Case('download_member_escaping_the_target', download_escaping_member, 1,
          r"^Error: refusing to unpack: archive member "
          r"'cifar-10-batches-bin/\.\./\.\./escaped\.bin' would be extracted to '.*', "

@@ -25,6 +25,7 @@ from cifar10_towers import cli
 from cifar10_towers import convert
 from cifar10_towers import crosscheck
 from cifar10_towers.common import files
+from cifar10_towers.datasets import download
 from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.runtime import lock
 from cifar10_towers.towerprofile import legacy_trace
@@ -287,3 +288,15 @@ def test_a_run_that_wrote_nothing_leaves_no_new_train_dir(tmp_path):
   with lock.exclusive(str(written)):
     (written / 'model.ckpt-1.index').write_bytes(b'')
   assert os.listdir(written) == ['model.ckpt-1.index']
+
+
+def test_a_corrupt_download_says_nothing_was_kept(tmp_path):
+  bad = tmp_path / 'bad.tar.gz'
+  bad.write_bytes(b'not the archive')
+  data_dir = tmp_path / 'data'
+  with pytest.raises(download.DownloadError) as raised:
+    download.maybe_download_and_extract(str(data_dir), url=bad.as_uri())
+  assert str(raised.value).endswith(
+      f'and was not unpacked. Put a good copy at {data_dir}/cifar-10-binary.tar.gz (the '
+      'download was not kept) or check the URL, and run this again.')
+  assert not data_dir.exists()
