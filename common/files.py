@@ -1,4 +1,4 @@
-"""What a command writes: whole files, one line when a write fails, scratch that goes with its owner.
+"""What a command writes: whole files, one line when a write fails, scratch that goes with it.
 
 Every file a command writes for the user (`bench --json` and `--plot`,
 `profile --out`'s files, `crosscheck --dump`'s evidence) is written through
