@@ -596,10 +596,9 @@ def check_plotting():
 
 def plot(report, path):
   """Draws `figure(report)` into a PNG file, whole or not at all (common.files.WriteError)."""
-  drawn = figure(report)
   with files.replacing('--plot', path) as [temp]:
     # The format by the path's extension, as savefig would choose it; PNG without one.
-    drawn.savefig(temp, dpi=100, format=os.path.splitext(path)[1][1:] or 'png')
+    figure(report).savefig(temp, dpi=100, format=os.path.splitext(path)[1][1:] or 'png')
 
 
 def figure(report):
