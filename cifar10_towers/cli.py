@@ -4,11 +4,13 @@ TensorFlow is imported inside the commands, so `python cli.py --help` is instant
 Progress and metrics go to stdout, diagnostics to stderr.
 """
 
+import atexit
 import dataclasses
 import functools
 import importlib
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -764,10 +766,20 @@ def main():
   try:
     cli()  # pylint: disable=no-value-for-parameter
   except SystemExit as e:
-    if _stopped_by_signal:  # by ctx.exit(training.exit_status(...)): an int
-      ending.exit_now(e.code)
-
-    raise
+    status = e.code  # click's, an int: the command's, or 128 + N after a stop (_Group.invoke)
+    if not _stopped_by_signal:
+      # The command ended by itself: its result is kept, or its failure said.
+      # From here a stop signal ends the process at once with that status, not
+      # as killed by the signal (128 + N): a scheduler's grace is kept, and
+      # `convert && modern` goes on. Python gives its signals back to their
+      # default action before it tears the interpreter down (TensorFlow's
+      # 1-2 s), so that teardown is skipped, as after a stop; the atexit hooks
+      # (TensorFlow's clean-up, the stderr filter's) run first.
+      for sig in training.STOP_SIGNALS:
+        if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
+          signal.signal(sig, lambda *_: ending.exit_now(status))
+      atexit._run_exitfuncs()  # pylint: disable=protected-access
+    ending.exit_now(status)
 
 
 if __name__ == '__main__':
