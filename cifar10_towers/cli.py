@@ -551,7 +551,14 @@ def crosscheck(num_gpus, strategy, **options):
   """
   optimizer = _optimizer_from(options)
   _ensure_train_data(options['data_dir'])
-  _crosscheck(devices.plan_devices(num_gpus), optimizer, strategy, **options)
+  plan = devices.plan_devices(num_gpus)
+  from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
+  # Legacy's estimate of a training step with no input queue: the trainers run
+  # one after the other, each fed the batches as constants, so the peak is one
+  # step's. On 1 CPU tower it was 1.27x, 1.08x, 1.05x the measured peak RSS at
+  # batch 256, 1024, 3072: close above it, as training's (1.2-1.7x).
+  memory.check_training('legacy', plan, options['batch_size'], None, 'the cross-check')
+  _crosscheck(plan, optimizer, strategy, **options)
 
 
 @cli.command()
@@ -581,6 +588,8 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
                              param_hint='--misplace_tower')
   _ensure_train_data(data_dir)
   plan = devices.plan_devices(num_gpus)  # before TensorFlow starts
+  from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
+  memory.check_training(impl, plan, batch_size, data_dir)
   from cifar10_towers.towerprofile import run as profile_lib
   click.echo(f'Profiling {steps} step(s) of {impl} on {num_gpus} tower(s) under TensorFlow\'s '
              'tracing...')
