@@ -39,6 +39,42 @@ from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
+
+class _Path(click.Path):
+  """click.Path, the type of every path option: an empty path is a usage error (exit 2)
+  naming the flag, and so is an output path (output=True) that cannot be written.
+
+  An output directory (dir_okay) must be writable or creatable; an output
+  file's directory must be there and writable. Checked as the command line
+  is parsed, before any work: a long run never finds out at its end.
+  """
+
+  def __init__(self, output=False, **settings):
+    super().__init__(**settings)
+    self.output = output
+
+  def convert(self, value, param, ctx):
+    # '' is no path to os.path and open(), and the working directory to TensorFlow.
+    why = None if value else 'an empty path'
+    if not why:
+      value = super().convert(value, param, ctx)
+      if self.output:
+        why = _cannot_write(value if self.dir_okay else os.path.dirname(value) or '.',
+                            create=self.dir_okay)
+    if why:
+      flag = param.opts[0]
+      raise click.BadParameter(f'{why}; pass another {flag}.', ctx, param_hint=flag)
+    return value
+
+
+# The options' types: closed ranges, and directories or files.
+_POSITIVE = click.IntRange(min=1)
+_NON_NEGATIVE = click.IntRange(min=0)
+_POSITIVE_FLOAT = click.FloatRange(min=0.0, min_open=True)
+_TOWERS = click.IntRange(1, devices.MAX_TOWERS)
+_DIR = _Path(file_okay=False)  # one read from
+_OUT_DIR = _Path(output=True)  # one written to (created if missing)
+_OUT_FILE = _Path(output=True, dir_okay=False)
 _IMPLS = ('legacy', 'modern')  # the trainers
 
 
@@ -98,42 +134,6 @@ def _cannot_write(directory, create=True):
   if not os.access(probe, os.W_OK | os.X_OK):
     return f'{probe} is not writable'
 
-
-class _Path(click.Path):
-  """click.Path, the type of every path option: an empty path is a usage error (exit 2)
-  naming the flag, and so is an output path (output=True) that cannot be written.
-
-  An output directory (dir_okay) must be writable or creatable; an output
-  file's directory must be there and writable. Checked as the command line
-  is parsed, before any work: a long run never finds out at its end.
-  """
-
-  def __init__(self, output=False, **settings):
-    super().__init__(**settings)
-    self.output = output
-
-  def convert(self, value, param, ctx):
-    # '' is no path to os.path and open(), and the working directory to TensorFlow.
-    why = None if value else 'an empty path'
-    if not why:
-      value = super().convert(value, param, ctx)
-      if self.output:
-        why = _cannot_write(value if self.dir_okay else os.path.dirname(value) or '.',
-                            create=self.dir_okay)
-    if why:
-      flag = param.opts[0]
-      raise click.BadParameter(f'{why}; pass another {flag}.', ctx, param_hint=flag)
-    return value
-
-
-# The options' types: closed ranges, and directories or files.
-_POSITIVE = click.IntRange(min=1)
-_NON_NEGATIVE = click.IntRange(min=0)
-_POSITIVE_FLOAT = click.FloatRange(min=0.0, min_open=True)
-_TOWERS = click.IntRange(1, devices.MAX_TOWERS)
-_DIR = _Path(file_okay=False)  # one read from
-_OUT_DIR = _Path(output=True)  # one written to (created if missing)
-_OUT_FILE = _Path(output=True, dir_okay=False)
 
 
 def _ensure_train_data(data_dir):

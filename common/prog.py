@@ -37,8 +37,8 @@ def command(args, **options):
   Example: command('eval --run_once', checkpoint_dir='my run') is
   "python cli.py eval --run_once --checkpoint_dir 'my run'".
   """
-  return ' '.join([name(), args] + [f'--{flag} {shlex.quote(value)}'
-                                    for flag, value in options.items()])
+  return f'{name()} {args}' + ''.join(f' --{flag} {shlex.quote(value)}'
+                                     for flag, value in options.items())
 
 
 def converted_dir(train_dir, to_kind):
