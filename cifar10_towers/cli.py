@@ -668,7 +668,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
                              f'only --plot, not {", ".join(given)}.')
     report = bench_lib.read_json(from_json)
   else:
-    if plot_path is not None:
+    if plot_path:
       bench_lib.check_plotting()  # before minutes of measuring, not after
     _ensure_train_data(options['data_dir'])
     report = bench_lib.run(bench_lib.BenchConfig(**options))
@@ -676,7 +676,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
   if json_path:  # never with --from_json
     bench_lib.write_json(report, json_path)
     click.echo(f'Wrote {json_path}.')
-  if plot_path is not None:
+  if plot_path:
     bench_lib.plot(report, plot_path)
     click.echo(f'Wrote {plot_path}.')
 
