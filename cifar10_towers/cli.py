@@ -4,11 +4,13 @@ TensorFlow is imported inside the commands, so `python cli.py --help` is instant
 Progress and metrics go to stdout, diagnostics to stderr.
 """
 
+import atexit
 import dataclasses
 import functools
 import importlib
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -37,13 +39,42 @@ from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
+
+class _Path(click.Path):
+  """click.Path, the type of every path option: an empty path is a usage error (exit 2)
+  naming the flag, and so is an output path (output=True) that cannot be written.
+
+  An output directory (dir_okay) must be writable or creatable; an output
+  file's directory must be there and writable. Checked as the command line
+  is parsed, before any work: a long run never finds out at its end.
+  """
+
+  def __init__(self, output=False, **settings):
+    super().__init__(**settings)
+    self.output = output
+
+  def convert(self, value, param, ctx):
+    # '' is no path to os.path and open(), and the working directory to TensorFlow.
+    why = None if value else 'an empty path'
+    if not why:
+      value = super().convert(value, param, ctx)
+      if self.output:
+        why = _cannot_write(value if self.dir_okay else os.path.dirname(value) or '.',
+                            create=self.dir_okay)
+    if why:
+      flag = param.opts[0]
+      raise click.BadParameter(f'{why}; pass another {flag}.', ctx, param_hint=flag)
+    return value
+
+
 # The options' types: closed ranges, and directories or files.
 _POSITIVE = click.IntRange(min=1)
 _NON_NEGATIVE = click.IntRange(min=0)
 _POSITIVE_FLOAT = click.FloatRange(min=0.0, min_open=True)
 _TOWERS = click.IntRange(1, devices.MAX_TOWERS)
-_DIR = click.Path(file_okay=False)
-_FILE = click.Path(dir_okay=False)
+_DIR = _Path(file_okay=False)  # one read from
+_OUT_DIR = _Path(output=True)  # one written to (created if missing)
+_OUT_FILE = _Path(output=True, dir_okay=False)
 _IMPLS = ('legacy', 'modern')  # the trainers
 
 
@@ -89,16 +120,20 @@ def _given(*names):
   return [name for name in names if source(name) != click.core.ParameterSource.DEFAULT]
 
 
-def _cannot_write(directory):
-  """Why `directory` can be neither written nor created, in words; None if it can."""
+def _cannot_write(directory, create=True):
+  """Why `directory` can be neither written nor created (create False: it must be
+  there), in words; None if it can."""
   probe = directory  # it, or its nearest ancestor that exists ('.' at the top)
   while not os.path.exists(probe):
+    if not create:
+      return f'{directory} does not exist'
     probe = os.path.dirname(probe) or '.'
   if not os.path.isdir(probe):
     why = 'not a directory' if probe == directory else f'so {directory} cannot be created under it'
     return f'{probe} is a file, {why}'
   if not os.access(probe, os.W_OK | os.X_OK):
     return f'{probe} is not writable'
+
 
 
 def _ensure_train_data(data_dir):
@@ -115,7 +150,7 @@ def _ensure_train_data(data_dir):
     _download(data_dir)
   # Fail before building a graph on sizes and label bytes; say which files
   # cannot be real data (all one image, one label, copies), and go on.
-  check = prog.command(f'data check --data_dir {data_dir}')
+  check = prog.command('data check', data_dir=data_dir)
   fmt.checked_files(data_dir, True, f'training goes on (`{check}` lists every problem).')
 
 
@@ -139,7 +174,7 @@ _TRAIN_OPTIONS = _options(
     _option('--num_gpus', _TOWERS, 1, 'Number of towers, one per GPU; with fewer GPUs the '
             'CPU is split into this many logical devices.'),
     _data_dir('Directory holding cifar-10-batches-bin/ (env CIFAR10_DATA_DIR).'),
-    _option('--train_dir', click.Path(), config_lib.DEFAULT_TRAIN_DIR,
+    _option('--train_dir', _OUT_DIR, config_lib.DEFAULT_TRAIN_DIR,
             'Where checkpoints and summaries go; a run resumes from the newest checkpoint '
             'here (env CIFAR10_TRAIN_DIR).', envvar='CIFAR10_TRAIN_DIR'),
     _batch_size('Images per tower per step.'),
@@ -207,8 +242,6 @@ def _train(impl, run_crosscheck, **options):
   # Until the first step nothing is written, so there a stop ends the run at
   # once (training.Stopped, which _Group.invoke reports).
   with click.get_current_context().obj.raising():
-    if why := _cannot_write(options['train_dir']):
-      raise click.BadParameter(why + '; pass another --train_dir.', param_hint='--train_dir')
     if impl == 'modern':
       _check_distribution(run_crosscheck=run_crosscheck, **options)
     config = config_lib.TrainConfig(optimizer=optimizer, **options)
@@ -399,7 +432,7 @@ def modern(**options):
 @_option('--run_once', bool, False,
          'Evaluate the newest checkpoint and exit, instead of waiting for new ones.')
 @_option('--eval_interval_secs', _POSITIVE, 300, 'How often to look for a new checkpoint.')
-@_option('--eval_dir', click.Path(), None,
+@_option('--eval_dir', _Path(), None,
          'Where precision @ 1 goes for TensorBoard (tag "Precision @ 1", at each checkpoint\'s '
          'global step); created if missing, its event files kept (env CIFAR10_EVAL_DIR). '
          'Default: <checkpoint_dir>/eval, so `tensorboard --logdir <checkpoint_dir>` shows '
@@ -499,7 +532,7 @@ _NUM_TOWERS_N = _option('--num_gpus', _TOWERS, 2, 'Number of towers N.')
 @_data_dir('Draw the batches from this data dir; default: generated data.', None, None)
 @_option('--decay_steps', _POSITIVE, 2,
          'Learning-rate decay interval, small so K steps cross the staircase.')
-@_option('--dump', _DIR, None,
+@_option('--dump', _OUT_DIR, None,
          'Write the evidence file DIR/crosscheck.npz (docs/equivalence.md §2).')
 @_option('--rtol', click.FloatRange(min=0.0), None, 'Tolerance of the averaged-gradient and '
          'identity checks [default: 1e-5, the contract].')
@@ -518,7 +551,14 @@ def crosscheck(num_gpus, strategy, **options):
   """
   optimizer = _optimizer_from(options)
   _ensure_train_data(options['data_dir'])
-  _crosscheck(devices.plan_devices(num_gpus), optimizer, strategy, **options)
+  plan = devices.plan_devices(num_gpus)
+  from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
+  # Legacy's estimate of a training step with no input queue: the trainers run
+  # one after the other, each fed the batches as constants, so the peak is one
+  # step's. On 1 CPU tower it was 1.27x, 1.08x, 1.05x the measured peak RSS at
+  # batch 256, 1024, 3072: close above it, as training's (1.2-1.7x).
+  memory.check_training('legacy', plan, options['batch_size'], None, 'the cross-check')
+  _crosscheck(plan, optimizer, strategy, **options)
 
 
 @cli.command()
@@ -527,7 +567,7 @@ def crosscheck(num_gpus, strategy, **options):
 @_batch_size('Images per tower.')
 @_option('--steps', _POSITIVE, 10, 'Traced steps K, after a few untraced warm-up steps.')
 @_data_dir('Directory holding cifar-10-batches-bin/; default: small generated data.', None)
-@_option('--out out_dir', _DIR, 'profile_out',
+@_option('--out out_dir', _OUT_DIR, 'profile_out',
          'Where trace.json (Perfetto, chrome://tracing), timeline.png '
          'and report.json go.')
 @_option('--misplace_tower', _NON_NEGATIVE, None,
@@ -548,6 +588,8 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
                              param_hint='--misplace_tower')
   _ensure_train_data(data_dir)
   plan = devices.plan_devices(num_gpus)  # before TensorFlow starts
+  from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
+  memory.check_training(impl, plan, batch_size, data_dir)
   from cifar10_towers.towerprofile import run as profile_lib
   click.echo(f'Profiling {steps} step(s) of {impl} on {num_gpus} tower(s) under TensorFlow\'s '
              'tracing...')
@@ -560,9 +602,9 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
 
 
 @cli.command()
-@_option('--from_dir', click.Path(exists=True, file_okay=False), None,
+@_option('--from_dir', _Path(exists=True, file_okay=False), None,
          'A train_dir of either trainer; its newest checkpoint is converted.', required=True)
-@_option('--to_dir', _DIR, None, 'A new or empty directory, outside --from_dir, for the other '
+@_option('--to_dir', _OUT_DIR, None, 'A new or empty directory, outside --from_dir, for the other '
          'trainer\'s checkpoint.', required=True)
 def convert(from_dir, to_dir):
   """Turn a legacy train_dir into a modern one, or back.
@@ -596,12 +638,12 @@ def _comma_list(item_type):
 @_option('--window_steps', _POSITIVE, 10, 'Training steps per window.')
 @_option('--matmul_size', _POSITIVE, 4096,
          'Size n of the n x n fp32 matmuls measuring the matmul rate.')
-@_option('--json json_path', _FILE, None, 'Also write the results to this JSON file.')
+@_option('--json json_path', _OUT_FILE, None, 'Also write the results to this JSON file.')
 @_option('--jit', bool, False, 'Compile each tower\'s loss and gradients with XLA in both '
          'trainers (the Keras baseline keeps its default).')
-@_option('--plot plot_path', _FILE, None, 'Also draw the results as a PNG bar chart (needs '
+@_option('--plot plot_path', _OUT_FILE, None, 'Also draw the results as a PNG bar chart (needs '
          'matplotlib: pip install matplotlib, or the [profile] extra).')
-@_option('--from_json', click.Path(exists=True, dir_okay=False), None, 'Measure nothing: read '
+@_option('--from_json', _Path(exists=True, dir_okay=False), None, 'Measure nothing: read '
          'the results of an earlier --json run, print its table and draw it with --plot.')
 @click.pass_context
 def bench(ctx, json_path, plot_path, from_json, **options):
@@ -626,7 +668,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
                              f'only --plot, not {", ".join(given)}.')
     report = bench_lib.read_json(from_json)
   else:
-    if plot_path is not None:
+    if plot_path:
       bench_lib.check_plotting()  # before minutes of measuring, not after
     _ensure_train_data(options['data_dir'])
     report = bench_lib.run(bench_lib.BenchConfig(**options))
@@ -634,7 +676,7 @@ def bench(ctx, json_path, plot_path, from_json, **options):
   if json_path:  # never with --from_json
     bench_lib.write_json(report, json_path)
     click.echo(f'Wrote {json_path}.')
-  if plot_path is not None:
+  if plot_path:
     bench_lib.plot(report, plot_path)
     click.echo(f'Wrote {plot_path}.')
 
@@ -764,10 +806,20 @@ def main():
   try:
     cli()  # pylint: disable=no-value-for-parameter
   except SystemExit as e:
-    if _stopped_by_signal:  # by ctx.exit(training.exit_status(...)): an int
-      ending.exit_now(e.code)
-
-    raise
+    status = e.code  # click's, an int: the command's, or 128 + N after a stop (_Group.invoke)
+    if not _stopped_by_signal:
+      # The command ended by itself: its result is kept, or its failure said.
+      # From here a stop signal ends the process at once with that status, not
+      # as killed by the signal (128 + N): a scheduler's grace is kept, and
+      # `convert && modern` goes on. Python gives its signals back to their
+      # default action before it tears the interpreter down (TensorFlow's
+      # 1-2 s), so that teardown is skipped, as after a stop; the atexit hooks
+      # (TensorFlow's clean-up, the stderr filter's) run first.
+      for sig in training.STOP_SIGNALS:
+        if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
+          signal.signal(sig, lambda *_: ending.exit_now(status))
+      atexit._run_exitfuncs()  # pylint: disable=protected-access
+    ending.exit_now(status)
 
 
 if __name__ == '__main__':

@@ -29,9 +29,16 @@ def name(argv0=None):
   return CONSOLE_SCRIPT if base == CONSOLE_SCRIPT else CHECKOUT
 
 
-def command(args):
-  """`args` (a str such as 'data check --data_dir D') as the user would run it."""
-  return f'{name()} {args}'
+def command(args, **options):
+  """`args` (a str such as 'data check'), then each of `options` as `--name value`,
+  as the user would run it: each value quoted as a shell needs (shlex.quote), so
+  a command with a path such as 'my runs' can be pasted as it is.
+
+  Example: command('eval --run_once', checkpoint_dir='my run') is
+  "python cli.py eval --run_once --checkpoint_dir 'my run'".
+  """
+  return f'{name()} {args}' + ''.join(f' --{flag} {shlex.quote(value)}'
+                                     for flag, value in options.items())
 
 
 def converted_dir(train_dir, to_kind):
@@ -49,5 +56,4 @@ def convert_command(train_dir, to_kind):
     train_dir: str, the train_dir holding the other trainer's checkpoint.
     to_kind: 'legacy' or 'modern', the trainer that refused it.
   """
-  return command(f'convert --from_dir {shlex.quote(train_dir)} '
-                 f'--to_dir {shlex.quote(converted_dir(train_dir, to_kind))}')
+  return command('convert', from_dir=train_dir, to_dir=converted_dir(train_dir, to_kind))

@@ -181,7 +181,7 @@ def available(proc='/proc', cgroup_root='/sys/fs/cgroup'):
   return free + rss, source
 
 
-def check_training(impl, plan, batch_size, data_dir):
+def check_training(impl, plan, batch_size, data_dir, what=None):
   """Refuses a run whose step cannot fit in the memory available to this process.
 
   Call before the trainer builds anything: it costs a stat of the data files.
@@ -190,10 +190,13 @@ def check_training(impl, plan, batch_size, data_dir):
   allocates, so whether a tower fits its GPU is not checked here.
 
   Args:
-    impl: 'legacy' or 'modern'.
+    impl: 'legacy' or 'modern', whose estimate.
     plan: common.devices.DevicePlan.
     batch_size: int, images per tower.
-    data_dir: str, holds the training files (already validated).
+    data_dir: str, holds the training files (already validated); None for no
+      shuffle queue to count: `profile`'s generated 1,000 records (under 4 MiB),
+      or `crosscheck`, which feeds its batches as constants.
+    what: what the message calls the run; default '<impl> training'.
 
   Returns:
     int, the estimate (`estimate`) of host memory.
@@ -202,7 +205,7 @@ def check_training(impl, plan, batch_size, data_dir):
     NotEnoughMemory: one line with the estimate, what is available, and the
       largest --batch_size (and --num_gpus) that would fit.
   """
-  examples = fmt.num_examples(fmt.train_files(data_dir))
+  examples = fmt.num_examples(fmt.train_files(data_dir)) if data_dir else 0
   on_host, towers = plan.kind != 'gpu', plan.num_towers
 
   def host_bytes(b, n):
@@ -226,6 +229,6 @@ def check_training(impl, plan, batch_size, data_dir):
           f'Not even batch 1 fits on {towers} tower(s): free memory (stop other processes) or '
           'use a larger machine.')
   raise NotEnoughMemory(
-      f"{impl} training of {towers} tower(s) x batch {batch_size} needs about "
+      f"{what or impl + ' training'} of {towers} tower(s) x batch {batch_size} needs about "
       f"{need / GIB:.1f} GiB of {'' if on_host else 'host '}memory (estimate), more than "
       f"the {have / GIB:.1f} GiB available to this process ({source}). {todo}")

@@ -36,15 +36,20 @@ KNOWN = re.compile('|'.join([
 _SAY = b'\x00cifar10-towers stderr filter: say\x00'
 _END = b'\x00cifar10-towers stderr filter: end\x00'
 _state = None  # _Filter while installed
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal handler in the main thread may call restore
 
 
 class _Filter:
 
   def __init__(self):
-    self.real = os.dup(2)
+    try:
+      self.real = os.dup(2)
+    except OSError:  # fd 2 closed (`2>&-`, a daemon): what stderr gets goes nowhere
+      self.real = os.open(os.devnull, os.O_WRONLY)
     read_end, self.write_end = os.pipe()  # both non-inheritable
     os.dup2(self.write_end, 2)  # fd 2 itself stays inheritable: children write here
+    if sys.stderr is None:  # Python found fd 2 closed: without this, click writes to stdout
+      sys.stderr = open(2, 'w', buffering=1, closefd=False)  # pylint: disable=consider-using-with
     self.thread = threading.Thread(target=self._pump, args=(read_end,),
                                    name='stderr-filter', daemon=True)
     self.thread.start()

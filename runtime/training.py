@@ -210,7 +210,7 @@ def train_loop(config, stop, run, step, on_step=None):
     run.report_stop(stop.signal_name, step, path)
   elif run.chief:
     logger.info(f'Done: the newest checkpoint is {path}. Evaluate it: ' + prog.command(
-        f'eval --run_once --checkpoint_dir {config.train_dir} --data_dir {config.data_dir}'))
+        'eval --run_once', checkpoint_dir=config.train_dir, data_dir=config.data_dir))
   return step
 
 

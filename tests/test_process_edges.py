@@ -1,0 +1,72 @@
+"""The process around a command: a closed stderr, a stop signal after the command ended.
+
+Real processes (`python cli.py`): the file descriptors and the interpreter's
+teardown are the point. No TensorFlow: `data check` and `data synth`.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import faults_support as fs
+
+
+@pytest.mark.parametrize('good', [True, False], ids=['valid data', 'no data'])
+def test_a_closed_stderr_runs_the_command_as_usual(good, synth_data_dir, tmp_path):
+  """`2>&-` (a daemon, `cmd 2>&- &`): stdout and the exit status as usual, stderr dropped.
+
+  With fd 2 closed Python has no sys.stderr: the diagnostics must not go to stdout.
+  """
+  data_dir = synth_data_dir if good else str(tmp_path / 'none')
+  result = subprocess.run(
+      [sys.executable, fs.CLI, 'data', 'check', '--data_dir', data_dir], cwd=fs.ROOT,
+      env=fs.cli_env(), stdout=subprocess.PIPE, text=True, timeout=60, check=False,
+      preexec_fn=lambda: os.close(2))
+  assert result.returncode == (0 if good else 1)
+  lines = result.stdout.splitlines()
+  if good:
+    assert lines[-1] == f'{data_dir}: all 6 files are valid.', lines
+  else:
+    assert lines == [], lines  # the problem and the Error line were stderr's
+
+
+# A child that runs the CLI and sends itself SIGTERM after the command ended:
+# while the atexit hooks run, or while the interpreter is torn down (where
+# TensorFlow's 1-2 s go, with Python's signal handlers already given back).
+_SIGNAL_AFTER = textwrap.dedent('''
+    import atexit, os, signal, sys, time
+    when, sys.argv = sys.argv[1], ['cli.py'] + sys.argv[2:]
+    from cifar10_towers import cli
+
+    def term(kill=os.kill, pid=os.getpid(), sleep=time.sleep, write=os.write):
+      write(1, b'signalled\\n')
+      kill(pid, signal.SIGTERM)
+      sleep(2)
+
+    class Teardown:
+      def __del__(self):
+        term()
+
+    if when == 'atexit':
+      atexit.register(term)
+    else:
+      held = Teardown()
+    cli.main()
+''')
+
+
+@pytest.mark.parametrize('when', ['atexit', 'teardown'])
+@pytest.mark.parametrize('good', [True, False], ids=['finished', 'failed'])
+def test_a_stop_signal_after_the_command_keeps_its_status(when, good, synth_data_dir, tmp_path):
+  """Its result kept (0) or its failure said (1): a SIGTERM then ends the process at once
+  with that status, not 143, so `convert && modern` goes on."""
+  data_dir = synth_data_dir if good else str(tmp_path / 'none')
+  result = subprocess.run(
+      [sys.executable, '-c', _SIGNAL_AFTER, when, 'data', 'check', '--data_dir', data_dir],
+      cwd=fs.ROOT, env=fs.cli_env(), capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == (0 if good else 1), result.stderr
+  if when == 'atexit':  # the hooks still run (TensorFlow's clean-up)
+    assert result.stdout.splitlines()[-1] == 'signalled', result.stdout
