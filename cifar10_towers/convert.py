@@ -211,7 +211,7 @@ def convert(from_dir, to_dir):
   # A resume with another --optimizer is refused: say which one it needs.
   step = values['global_step']
   again = '' if optimizer == optimizer_lib.SGD else f' --optimizer {optimizer}'
-  command = prog.command(f'{to_kind} --train_dir {to_dir}{again}')
+  command = prog.command(to_kind, train_dir=to_dir) + again
   logger.info(f'Converted the {kind} checkpoint of {from_dir} at global step {step} to a '
               f'{to_kind} checkpoint (optimizer {optimizer}, its slots included): {path}\n'
               f'Continue with `{command}`.')

@@ -182,8 +182,8 @@ def _files(data_dir, names, what):
   if missing:
     raise DataError(
         f'missing {what} data file {missing[0]} ({len(missing)} of {len(paths)} missing). Run '
-        f"`{prog.command(f'data download --data_dir {data_dir}')}` for CIFAR-10, or "
-        f"`{prog.command(f'data synth --data_dir {data_dir}')}` for generated data.")
+        f"`{prog.command('data download', data_dir=data_dir)}` for CIFAR-10, or "
+        f"`{prog.command('data synth', data_dir=data_dir)}` for generated data.")
   return paths
 
 

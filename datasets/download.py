@@ -96,7 +96,7 @@ def _fetch(url, path, data_dir, progress, timeout):
     reason = e if isinstance(e, urllib.error.HTTPError) else getattr(e, 'reason', None) or e
     raise DownloadError(
         f'could not reach {url} ({reason}). Without network access, run '
-        f"`{prog.command(f'data synth --data_dir {data_dir}')}` for generated data, or copy "
+        f"`{prog.command('data synth', data_dir=data_dir)}` for generated data, or copy "
         f'{ARCHIVE_NAME} ({ARCHIVE_BYTES} bytes, SHA-256 {ARCHIVE_SHA256}) to '
         f'{archive_path(data_dir)} and run this again.') from e
 

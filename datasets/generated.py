@@ -110,7 +110,7 @@ def read(data_dir):
     info['generator'] = 'unknown'
   args = info.get('args')
   if not isinstance(args, str) or not args:
-    args = f"data {info['generator']} --data_dir {data_dir}"
+    args = shlex.join(['data', info['generator'], '--data_dir', data_dir])
   info.update(what=f"generated data ({info['generator']})", command=prog.command(args))
   return info
 
