@@ -143,6 +143,7 @@ class _ForkServer:
 
 
 _FORK_SERVER = []
+_FORK_SERVER_START = threading.Lock()  # one server, whichever thread spawns first
 
 
 @atexit.register
@@ -159,8 +160,9 @@ class Spawned:
     """stdout: a file descriptor for the process's stdout (as a shell's `| head`);
     None: a pipe read as self.stdout. stdin: a file descriptor for its stdin;
     None: a pipe at its end."""
-    if not _FORK_SERVER:
-      _FORK_SERVER.append(_ForkServer())
+    with _FORK_SERVER_START:
+      if not _FORK_SERVER:
+        _FORK_SERVER.append(_ForkServer())
     self._server = _FORK_SERVER[0]
     pipes = [os.pipe() for _ in range(3)]
     if stdin is not None:
