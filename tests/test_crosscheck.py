@@ -40,10 +40,29 @@ def test_rel_diff():
   assert crosscheck.rel_diff([1e-9], [0.0]) == np.inf
 
 
+def _crosscheck_cli(monkeypatch, args):
+  """`crosscheck ARGS` in this process: its click result and crosscheck.run's return value."""
+  runs, real_run = [], crosscheck.run
+
+  def run(*args, **kwargs):
+    runs.append(real_run(*args, **kwargs))
+    return runs[-1]
+
+  monkeypatch.setattr(crosscheck, 'run', run)
+  result = CliRunner().invoke(cli.cli, ['crosscheck'] + [str(a) for a in args])
+  assert len(runs) == 1, result.output
+  return result, runs[0]
+
+
 @pytest.mark.parametrize('num_towers', [1, 2, 4])
-def test_crosscheck_passes(device_plan, num_towers):
-  reports, images, labels, _ = crosscheck.run(
-      _plan(device_plan, num_towers), batch_size=8, steps=3, seed=num_towers)
+def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, tmp_path,
+                                                                  monkeypatch):
+  """`crosscheck --dump`: it passes, and the evidence file holds what it compared."""
+  result, (reports, images, labels, _) = _crosscheck_cli(monkeypatch, [
+      '--num_gpus', num_towers, '--batch_size', 8, '--steps', 3, '--seed', num_towers,
+      '--dump', tmp_path])
+  assert result.exit_code == 0, result.output
+  assert 'PASS: all' in result.output
   report = reports['towers']
   assert images.shape == (num_towers, 8, 24, 24, 3)
   assert labels.shape == (num_towers, 8)
@@ -57,6 +76,27 @@ def test_crosscheck_passes(device_plan, num_towers):
   failures = report.failures()
   assert not failures, crosscheck.format_report(report)
   assert report.passed
+
+  evidence = np.load(tmp_path / 'crosscheck.npz')
+  assert evidence['images'].shape == (num_towers, 8, 24, 24, 3)
+  assert evidence['images'].dtype == np.float32
+  assert evidence['labels'].shape == (num_towers, 8)
+  assert evidence['labels'].dtype == np.int32
+  assert evidence['legacy/tower_loss'].shape == (num_towers,)
+  for name in model_spec.VARIABLE_NAMES:
+    shape = model_spec.variable_shape(name)
+    for key in ('init/', 'legacy/grad/', 'modern/grad/', 'legacy/final/',
+                'modern/final/'):
+      assert evidence[key + name].shape == shape, key + name
+    # Our own re-check of the file, independent of crosscheck.rel_diff.
+    a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
+    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
+    np.testing.assert_allclose(evidence['legacy/final/' + name],
+                               evidence['modern/final/' + name],
+                               rtol=0, atol=1e-4 * np.max(np.abs(
+                                   evidence['modern/final/' + name])))
+  np.testing.assert_allclose(evidence['legacy/tower_loss'],
+                             evidence['modern/tower_loss'], rtol=1e-6)
 
 
 def test_crosscheck_passes_with_3_towers_at_the_cli_defaults(device_plan):
@@ -125,22 +165,14 @@ def test_fails_with_sum_instead_of_mean_and_the_cli_exits_1(monkeypatch):
   def summed(tower_grads):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
 
-  runs, real_run = [], crosscheck.run
-
-  def run(*args, **kwargs):  # keeps what the command's table is made of
-    runs.append(real_run(*args, **kwargs))
-    return runs[-1]
-
   monkeypatch.setattr(modern_train, 'average_gradients', summed)
-  monkeypatch.setattr(crosscheck, 'run', run)
-  result = CliRunner().invoke(cli.cli, ['crosscheck', '--num_gpus', '2',
-                                        '--batch_size', '8', '--steps', '2', '--seed', '3'])
+  result, (reports, *_) = _crosscheck_cli(monkeypatch, [
+      '--num_gpus', 2, '--batch_size', 8, '--steps', 2, '--seed', 3])
   assert result.exit_code == 1
   assert 'FAIL' in result.output
   assert 'cross-check failed' in result.output
   assert 'Traceback' not in result.output
-  assert len(runs) == 1
-  report = runs[0][0]['towers']
+  report = reports['towers']
   failed = {(check, name) for check, name, _, _ in report.failures()}
   assert {('1 averaged gradient', n) for n in model_spec.VARIABLE_NAMES} <= failed
   assert any(check.startswith('4 identity (modern)') for check, _ in failed)
@@ -164,34 +196,6 @@ def test_fails_with_wrong_lrn_constant(monkeypatch, two_towers):
   failed = {(check, name) for check, name, _, _ in report.failures()}
   assert ('2 tower loss', 'tower_0') in failed
   assert ('1 averaged gradient', 'conv1/weights') in failed
-
-
-def test_cli_crosscheck_dump_is_rechecked_independently(tmp_path):
-  result = CliRunner().invoke(cli.cli, ['crosscheck', '--num_gpus', '2',
-                                        '--batch_size', '8', '--steps', '2',
-                                        '--dump', str(tmp_path)])
-  assert result.exit_code == 0, result.output
-  assert 'PASS: all' in result.output
-  evidence = np.load(tmp_path / 'crosscheck.npz')
-  assert evidence['images'].shape == (2, 8, 24, 24, 3)
-  assert evidence['images'].dtype == np.float32
-  assert evidence['labels'].shape == (2, 8)
-  assert evidence['labels'].dtype == np.int32
-  assert evidence['legacy/tower_loss'].shape == (2,)
-  for name in model_spec.VARIABLE_NAMES:
-    shape = model_spec.variable_shape(name)
-    for key in ('init/', 'legacy/grad/', 'modern/grad/', 'legacy/final/',
-                'modern/final/'):
-      assert evidence[key + name].shape == shape, key + name
-    # Our own re-check of the file, independent of crosscheck.rel_diff.
-    a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
-    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
-    np.testing.assert_allclose(evidence['legacy/final/' + name],
-                               evidence['modern/final/' + name],
-                               rtol=0, atol=1e-4 * np.max(np.abs(
-                                   evidence['modern/final/' + name])))
-  np.testing.assert_allclose(evidence['legacy/tower_loss'],
-                             evidence['modern/tower_loss'], rtol=1e-6)
 
 
 def test_cli_crosscheck_strategy_mirrored():
