@@ -143,6 +143,7 @@ class _ForkServer:
 
 
 _FORK_SERVER = []
+_FORK_SERVER_START = threading.Lock()  # one server, whichever thread spawns first
 
 
 @atexit.register
@@ -155,13 +156,19 @@ class Spawned:
   """`python ARGV` forked by the fork server: a subprocess.Popen's face
   (pid, stdout, stderr, returncode, poll, wait, send_signal, kill, communicate)."""
 
-  def __init__(self, argv, env, cwd=ROOT, new_session=False, stdout=None):
+  def __init__(self, argv, env, cwd=ROOT, new_session=False, stdout=None, stdin=None):
     """stdout: a file descriptor for the process's stdout (as a shell's `| head`);
-    None: a pipe read as self.stdout."""
-    if not _FORK_SERVER:
-      _FORK_SERVER.append(_ForkServer())
+    None: a pipe read as self.stdout. stdin: a file descriptor for its stdin;
+    None: a pipe at its end."""
+    with _FORK_SERVER_START:
+      if not _FORK_SERVER:
+        _FORK_SERVER.append(_ForkServer())
     self._server = _FORK_SERVER[0]
     pipes = [os.pipe() for _ in range(3)]
+    if stdin is not None:
+      os.close(pipes[0][0])
+      os.close(pipes[0][1])
+      pipes[0] = (os.dup(stdin), None)
     if stdout is not None:
       os.close(pipes[1][1])
       pipes[1] = (None, os.dup(stdout))
@@ -172,7 +179,8 @@ class Spawned:
     finally:
       for fd in child_fds:
         os.close(fd)
-    os.close(pipes[0][1])  # stdin: at its end, as for a background process
+    if pipes[0][1] is not None:
+      os.close(pipes[0][1])  # stdin: at its end, as for a background process
     self.stdout = (None if stdout is not None else
                    open(pipes[1][0], encoding='utf-8', errors='replace'))
     self.stderr = open(pipes[2][0], encoding='utf-8', errors='replace')

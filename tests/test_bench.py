@@ -5,6 +5,7 @@ check what is measured, in which order, and that every ratio is computed from
 the measured numbers.
 """
 
+import functools
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 from cifar10_towers import bench
 from cifar10_towers import cli
 
+import bench_contender
 import faults_support as fs
 
 # conv1 24x24x(5x5x3)x64, conv2 12x12x(5x5x64)x64, local3, local4, softmax_linear.
@@ -209,8 +211,11 @@ def test_bench_command_refuses_bad_lists(args, message):
 
 
 @pytest.mark.slow
-def test_bench_command_measures_and_writes_json(synth_data_dir, tmp_path):
-  """A tiny real run: every contender in its own process; table and JSON agree."""
+def test_bench_command_measures_and_writes_json(synth_data_dir, tmp_path, monkeypatch):
+  """A tiny real run: every contender in its own process (forked by the fork
+  server: tests/bench_contender.py); table and JSON agree."""
+  monkeypatch.setattr(bench, 'run', functools.partial(
+      bench.run, launch=bench_contender.forked_contender()))
   path = tmp_path / 'bench.json'
   with Messages(bench.logger) as messages:
     result = CliRunner().invoke(cli.cli, [

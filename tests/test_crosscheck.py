@@ -40,10 +40,40 @@ def test_rel_diff():
   assert crosscheck.rel_diff([1e-9], [0.0]) == np.inf
 
 
+def _crosscheck_cli(monkeypatch, args):
+  """`crosscheck ARGS` in this process: its click result and crosscheck.run's return value."""
+  runs, real_run = [], crosscheck.run
+
+  def run(*args, **kwargs):
+    runs.append(real_run(*args, **kwargs))
+    return runs[-1]
+
+  monkeypatch.setattr(crosscheck, 'run', run)
+  result = CliRunner().invoke(cli.cli, ['crosscheck'] + [str(a) for a in args])
+  assert len(runs) == 1, result.output
+  return result, runs[0]
+
+
+# 2 towers also on the mirrored engine, upstream's SGD (the three-way check
+# with momentum and Adam is tests/test_optimizers.py's test_crosscheck_matrix).
+STRATEGIES = {1: 'towers', 2: 'mirrored', 4: 'towers'}
+
+
 @pytest.mark.parametrize('num_towers', [1, 2, 4])
-def test_crosscheck_passes(device_plan, num_towers):
-  reports, images, labels, _ = crosscheck.run(
-      _plan(device_plan, num_towers), batch_size=8, steps=3, seed=num_towers)
+def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, tmp_path,
+                                                                  monkeypatch):
+  """`crosscheck --dump`: it passes, and the evidence file holds what it compared."""
+  result, (reports, images, labels, _) = _crosscheck_cli(monkeypatch, [
+      '--num_gpus', num_towers, '--batch_size', 8, '--steps', 3, '--seed', num_towers,
+      '--dump', tmp_path, '--strategy', STRATEGIES[num_towers]])
+  assert result.exit_code == 0, result.output
+  if STRATEGIES[num_towers] == 'mirrored':
+    assert set(reports) == {'towers', 'mirrored'}
+    assert result.output.count('PASS: all') == 2, result.output
+    assert 'legacy vs modern (mirrored)' in result.output
+  else:
+    assert set(reports) == {'towers'}
+    assert result.output.count('PASS: all') == 1, result.output
   report = reports['towers']
   assert images.shape == (num_towers, 8, 24, 24, 3)
   assert labels.shape == (num_towers, 8)
@@ -57,6 +87,27 @@ def test_crosscheck_passes(device_plan, num_towers):
   failures = report.failures()
   assert not failures, crosscheck.format_report(report)
   assert report.passed
+
+  evidence = np.load(tmp_path / 'crosscheck.npz')
+  assert evidence['images'].shape == (num_towers, 8, 24, 24, 3)
+  assert evidence['images'].dtype == np.float32
+  assert evidence['labels'].shape == (num_towers, 8)
+  assert evidence['labels'].dtype == np.int32
+  assert evidence['legacy/tower_loss'].shape == (num_towers,)
+  for name in model_spec.VARIABLE_NAMES:
+    shape = model_spec.variable_shape(name)
+    for key in ('init/', 'legacy/grad/', 'modern/grad/', 'legacy/final/',
+                'modern/final/'):
+      assert evidence[key + name].shape == shape, key + name
+    # Our own re-check of the file, independent of crosscheck.rel_diff.
+    a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
+    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
+    np.testing.assert_allclose(evidence['legacy/final/' + name],
+                               evidence['modern/final/' + name],
+                               rtol=0, atol=1e-4 * np.max(np.abs(
+                                   evidence['modern/final/' + name])))
+  np.testing.assert_allclose(evidence['legacy/tower_loss'],
+                             evidence['modern/tower_loss'], rtol=1e-6)
 
 
 def test_crosscheck_passes_with_3_towers_at_the_cli_defaults(device_plan):
@@ -117,7 +168,8 @@ def test_fails_with_upstream_unfiltered_weight_decay(monkeypatch, two_towers):
   assert ('1 averaged gradient', 'local4/weights') in failed
 
 
-def test_fails_with_sum_instead_of_mean(monkeypatch, two_towers):
+def test_fails_with_sum_instead_of_mean_and_the_cli_exits_1(monkeypatch):
+  """The rows the sum fails, and `crosscheck` on it: exit 1, the table, no traceback."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import step as modern_train
 
@@ -125,7 +177,13 @@ def test_fails_with_sum_instead_of_mean(monkeypatch, two_towers):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
 
   monkeypatch.setattr(modern_train, 'average_gradients', summed)
-  report = crosscheck.run(two_towers, batch_size=8, steps=2, seed=3)[0]['towers']
+  result, (reports, *_) = _crosscheck_cli(monkeypatch, [
+      '--num_gpus', 2, '--batch_size', 8, '--steps', 2, '--seed', 3])
+  assert result.exit_code == 1
+  assert 'FAIL' in result.output
+  assert 'cross-check failed' in result.output
+  assert 'Traceback' not in result.output
+  report = reports['towers']
   failed = {(check, name) for check, name, _, _ in report.failures()}
   assert {('1 averaged gradient', n) for n in model_spec.VARIABLE_NAMES} <= failed
   assert any(check.startswith('4 identity (modern)') for check, _ in failed)
@@ -149,69 +207,6 @@ def test_fails_with_wrong_lrn_constant(monkeypatch, two_towers):
   failed = {(check, name) for check, name, _, _ in report.failures()}
   assert ('2 tower loss', 'tower_0') in failed
   assert ('1 averaged gradient', 'conv1/weights') in failed
-
-
-def test_cli_crosscheck_dump_is_rechecked_independently(tmp_path):
-  result = CliRunner().invoke(cli.cli, ['crosscheck', '--num_gpus', '2',
-                                        '--batch_size', '8', '--steps', '2',
-                                        '--dump', str(tmp_path)])
-  assert result.exit_code == 0, result.output
-  assert 'PASS: all' in result.output
-  evidence = np.load(tmp_path / 'crosscheck.npz')
-  assert evidence['images'].shape == (2, 8, 24, 24, 3)
-  assert evidence['images'].dtype == np.float32
-  assert evidence['labels'].shape == (2, 8)
-  assert evidence['labels'].dtype == np.int32
-  assert evidence['legacy/tower_loss'].shape == (2,)
-  for name in model_spec.VARIABLE_NAMES:
-    shape = model_spec.variable_shape(name)
-    for key in ('init/', 'legacy/grad/', 'modern/grad/', 'legacy/final/',
-                'modern/final/'):
-      assert evidence[key + name].shape == shape, key + name
-    # Our own re-check of the file, independent of crosscheck.rel_diff.
-    a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
-    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
-    np.testing.assert_allclose(evidence['legacy/final/' + name],
-                               evidence['modern/final/' + name],
-                               rtol=0, atol=1e-4 * np.max(np.abs(
-                                   evidence['modern/final/' + name])))
-  np.testing.assert_allclose(evidence['legacy/tower_loss'],
-                             evidence['modern/tower_loss'], rtol=1e-6)
-
-
-def test_cli_crosscheck_exits_1_when_broken(monkeypatch):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.modern import step as modern_train
-
-  def summed(tower_grads):
-    return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
-
-  monkeypatch.setattr(modern_train, 'average_gradients', summed)
-  result = CliRunner().invoke(cli.cli, ['crosscheck', '--num_gpus', '2',
-                                        '--batch_size', '4', '--steps', '1'])
-  assert result.exit_code == 1
-  assert 'FAIL' in result.output
-  assert 'cross-check failed' in result.output
-  assert 'Traceback' not in result.output
-
-
-def test_three_way_with_mirrored_strategy(two_towers):
-  reports, *_ = crosscheck.run(two_towers, batch_size=8, steps=3, seed=5,
-                               engines=('towers', 'mirrored'))
-  assert set(reports) == {'towers', 'mirrored'}
-  for engine, report in reports.items():
-    assert report.passed, (engine, crosscheck.format_report(report))
-  # The same legacy result is the reference of both comparisons.
-  assert reports['towers'].legacy is reports['mirrored'].legacy
-
-
-def test_cli_crosscheck_strategy_mirrored():
-  result = CliRunner().invoke(cli.cli, ['crosscheck', '--num_gpus', '2',
-                                        '--batch_size', '4', '--steps', '2',
-                                        '--strategy', 'mirrored'])
-  assert result.exit_code == 0, result.output
-  assert result.output.count('PASS: all') == 2
-  assert 'legacy vs modern (mirrored)' in result.output
 
 
 def test_batches_from_a_data_dir_read_only_the_files_they_need(tmp_path, monkeypatch):

@@ -1,9 +1,10 @@
 """modern.train has one training loop, and every engine runs through it.
 
 `modern.train._train_loop` is wrapped to record the engine it is given; each
-of towers, mirrored and multiworker (a one-worker cluster, in its own
-process: MultiWorkerMirroredStrategy must start before any other op) then
-trains 4 steps through `python cli.py modern`'s code and saves model.ckpt-4.
+of towers, mirrored and multiworker (a one-worker cluster, in its own process
+forked by tests/fork_server.py: MultiWorkerMirroredStrategy must start before
+any other op) then trains 4 steps through `python cli.py modern`'s code and
+saves model.ckpt-4.
 Summaries are on (steps 2 and 4), and the event files are read back as
 TensorBoard reads them: towers writes every tag of
 runtime.training.summary_tags, the replica engines the subset the README's
@@ -11,8 +12,6 @@ TensorBoard section names (summary_tags(n, activations=False)), all a graph.
 """
 
 import os
-import subprocess
-import sys
 
 import tensorflow as tf
 
@@ -94,13 +93,15 @@ def test_multiworker_runs_through_the_one_loop(synth_data_dir, tmp_path):
     args += ['--' + key, str(settings[key])]
   env = fs.cli_env()
   env.pop('TF_CONFIG', None)
-  result = subprocess.run([sys.executable, '-c', _SPY % {'root': fs.ROOT}] + args,
-                          cwd=fs.ROOT, env=env, capture_output=True, text=True,
-                          timeout=180, check=False)
-  assert result.returncode == 0, result.stderr[-3000:]
-  lines = result.stdout.splitlines()
+  spy = tmp_path / 'spy.py'
+  spy.write_text(_SPY % {'root': fs.ROOT})
+  # `python spy.py ARGS`, forked by the fork server (no TensorFlow import of its own).
+  proc = fs.Spawned([str(spy)] + args, env)
+  stdout, stderr = proc.communicate(timeout=180)
+  assert proc.returncode == 0, stderr[-3000:]
+  lines = stdout.splitlines()
   assert [l for l in lines if l.startswith('ENGINE')] == ['ENGINE MultiWorker']
-  assert sum(': step ' in line for line in lines) == 2, result.stdout
+  assert sum(': step ' in line for line in lines) == 2, stdout
   assert tf.train.latest_checkpoint(str(train_dir)) == os.path.join(
       str(train_dir), 'model.ckpt-4')
   # On CPUs a worker runs one replica.

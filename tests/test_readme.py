@@ -10,7 +10,8 @@ network, `data download` skipped), and one more:
   (click's CliRunner, as tests/faults_support.invoke_cli): a process per
   command would import TensorFlow 8 times, ~5 s of CPU each, and the test
   must stay near a minute on 2 cores (`bench` still starts its contenders'
-  own processes). .ci/run runs the same commands as real `python cli.py`
+  own processes, forked by tests/fork_server.py: tests/bench_contender.py).
+  .ci/run runs the same commands as real `python cli.py`
   processes (`python tests/readme_commands.py`) in the quick start's venv,
   with only the quick start's install; tests/test_prog.py runs real
   processes too. profile's `profile_out/` lands in the copy, where
@@ -29,6 +30,7 @@ the checkout (an absolute path or a placeholder such as FILE), which the
 Commands run cannot see for the commands outside that section.
 """
 
+import functools
 import os
 import re
 import shlex
@@ -38,6 +40,7 @@ import time
 
 import pytest
 
+import bench_contender
 import faults_support as fs
 import readme_commands as rc
 
@@ -155,8 +158,11 @@ def commands_run(tmp_path_factory):
   env = rc.environment(root)
   commands = rc.read_commands()
   ran, failure = [], None
+  from cifar10_towers import bench  # pylint: disable=import-outside-toplevel
   with pytest.MonkeyPatch.context() as monkeypatch:
     monkeypatch.chdir(work)
+    monkeypatch.setattr(bench, 'run', functools.partial(
+        bench.run, launch=bench_contender.forked_contender()))
     for words in commands:
       if rc.needs_network(words):
         continue

@@ -248,7 +248,8 @@ def test_learnable_after_train_distortions(clear_set, kind):
   # Two distorted copies of every training image.
   train = np.concatenate([distort(x_train), distort(x_train)])
   assert train.shape == (2000, 24, 24, 3)
-  predict = _fit_softmax(_spectrum_features(train), np.tile(y_train, 2))
+  # 150 steps of gradient descent: these accuracies are the same as after 300.
+  predict = _fit_softmax(_spectrum_features(train), np.tile(y_train, 2), steps=150)
   eval_correct = predict(_spectrum_features(evaluate(x_test))) == y_test
   distorted_correct = predict(_spectrum_features(distort(x_test))) == y_test
   # Measured 1.0 and 0.998 (both kinds; with the faint images too: ~0.77).
