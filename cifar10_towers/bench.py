@@ -512,22 +512,21 @@ def summarize(config, windows, finals, inputs, data_description):
 def format_table(report):
   """The report as a text table with a header of how it was measured."""
   settings, machine = report['settings'], report['machine']
-  fewest, size = min(settings['num_gpus']), machine['matmul_size']
+  fewest = min(settings['num_gpus'])
   fewest_key = f'ratio_to_{fewest}_tower'
   table = [(f'impl|towers|batch|img/s|windows min-max|img/cpu-s|vs keras|vs matmul|vs {fewest} '
             'tower|input img/s|input/train|peak RSS MiB').split('|')]
   for row in report['rows']:
-    input_cells = {key: '-' if row[key] is None else form % row[key]  # '-': Keras reads no input
-                   for key, form in (('input_images_per_sec', '%.0f'),
-                                     ('input_to_training', '%.1fx'))}
+    input_cells = ('-|-' if row['input_images_per_sec'] is None  # Keras reads no input
+                   else f'{row["input_images_per_sec"]:.0f}|{row["input_to_training"]:.1f}x')
     table.append((
         f'{row["impl"]}{" (XLA)" * row["jit"]}|{row["num_gpus"]}|{row["batch_size"]}|'
         f'{row["images_per_sec"]:.0f}|{row["window_min"]:.0f}-{row["window_max"]:.0f}|'
         f'{row["images_per_cpu_second"]:.0f}|{row["ratio_to_baseline"]:.2f}x|'
-        f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|'
-        f'{input_cells["input_images_per_sec"]}|{input_cells["input_to_training"]}|'
+        f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|{input_cells}|'
         f'{row["peak_rss_bytes"] / 2 ** 20:.0f}').split('|'))
   widths = [max(map(len, column)) for column in zip(*table)]
+  size = machine['matmul_size']
   return '\n'.join([
       f'matmul estimate: best of {len(machine["matmul_runs_flops_per_sec"])} rounds of fp32 '
       f'{size}x{size} matmuls = {machine["matmul_flops_per_sec"] / 1e9:.1f} GFLOP/s / '
@@ -539,7 +538,7 @@ def format_table(report):
       f'{settings["warmup_rounds"]} warm-up rounds first); ratios: median of the per-round '
       f'ratios; data: {settings["data"]}', ''] + [
           '  '.join(c.ljust(w) if i == 0 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in table])
+                    for i, (c, w) in enumerate(zip(r, widths))) for r in table])
 
 
 def write_json(report, path):
