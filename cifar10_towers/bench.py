@@ -140,11 +140,14 @@ def training_flops_per_image():
 # --- inside a contender process ------------------------------------------------
 
 
-def _train_config(spec, train_dir, max_steps):
+def _train_config(spec):
+  """The trainer's settings: windows + 1 of `window_steps` steps, a train_dir in the scratch."""
+  steps = (spec['windows'] + 1) * spec['window_steps']
   return config_lib.TrainConfig(
-      data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
-      batch_size=spec['batch_size'], max_steps=max_steps,
-      save_every=max_steps + 1, jit=spec['jit'])  # only the final checkpoint
+      data_dir=spec['data_dir'], num_gpus=spec['num_gpus'], batch_size=spec['batch_size'],
+      max_steps=steps, save_every=steps + 1, jit=spec['jit'],  # only the final checkpoint
+      # In the parent's scratch directory, which the parent removes (it kills its contenders).
+      train_dir=tempfile.mkdtemp(prefix='train_', dir=spec['scratch']))
 
 
 def contend_training(spec, boundary):
@@ -160,10 +163,7 @@ def contend_training(spec, boundary):
     if step % spec['window_steps'] == 0:
       boundary()
 
-  # In the parent's scratch directory, which the parent removes (it kills its contenders).
-  train_dir = tempfile.mkdtemp(prefix='train_', dir=spec['scratch'])
-  steps = (spec['windows'] + 1) * spec['window_steps']
-  trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
+  trainer.train(_train_config(spec), plan, on_step=on_step)
 
 
 def keras_model(keras):
@@ -262,7 +262,7 @@ def _input_batches(spec):
   import tensorflow.compat.v1 as tf  # pylint: disable=g-import-not-at-top
   from cifar10_towers.legacy import train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
-    batches = train.tower_input_batches(_train_config(spec, tempfile.gettempdir(), 1))
+    batches = train.tower_input_batches(_train_config(spec))
     with tf.train.MonitoredSession(tf.train.ChiefSessionCreator(
         config=train.session_config(plan))) as sess:
       while True:
@@ -327,8 +327,8 @@ def contend(spec, conn, stderr_path):
 class Contender:
   """A contender process (`contend` in a spawned interpreter), parent side."""
 
-  def __init__(self, spec, timeout_secs):
-    self.spec, self._timeout = spec, timeout_secs
+  def __init__(self, spec):
+    self.spec = spec
     self._stderr = tempfile.NamedTemporaryFile(  # in the run's scratch, which goes with it
         mode='w+', prefix='stderr_', dir=spec['scratch'], delete=False)
     self._conn, child = multiprocessing.Pipe()
@@ -345,9 +345,9 @@ class Contender:
         error line.
     """
     try:
-      if self._conn.poll(self._timeout):
+      if self._conn.poll(self.spec['timeout_secs']):
         return self._conn.recv()
-      problem = f'timed out after {self._timeout:.0f} s'
+      problem = f'timed out after {self.spec["timeout_secs"]:.0f} s'
     except EOFError:
       self._proc.join()
       last_line = (self._stderr.read().strip().splitlines() or ['no output'])[-1]
@@ -387,8 +387,8 @@ def run(config, launch=Contender):
 
   Args:
     config: BenchConfig.
-    launch: callable(spec, timeout_secs) -> a started Contender (tests may
-      substitute it).
+    launch: callable(spec) -> a started Contender (tests may substitute
+      it).
 
   Raises:
     BenchError: a measurement failed.
@@ -413,7 +413,7 @@ def run(config, launch=Contender):
                 f'{"; ".join(map(describe, specs))}')
     contenders, windows, inputs = [], collections.defaultdict(list), {}
     try:
-      contenders.extend(launch(spec, config.timeout_secs) for spec in specs)
+      contenders.extend(map(launch, specs))
       for i, contender in enumerate(contenders):
         contender.read()  # its TensorFlow import, graph or trace: seconds each
         logger.info(f'Ready: {describe(contender.spec)} ({i + 1} of {len(specs)})')
@@ -424,13 +424,13 @@ def run(config, launch=Contender):
           spec = contender.spec
           steps = '' if spec['kind'] == MATMUL else f', {config.window_steps} steps'
           logger.info(f'[{label}] measuring {describe(spec)}{steps}')
-          windows[_key(spec)].append(dict(contender.window(), round=r))
+          windows[_key(spec)].append(contender.window())
         contenders.append(contenders.pop(0))  # the next round starts one contender later
       finals = {_key(c.spec): c.window() for c in contenders}
       # Then each input pipeline alone, one process each.
       for spec in [dict(s, kind='input') for s in specs if s['kind'] == 'train']:
         logger.info(f'[inputs] measuring {describe(spec)}')
-        contenders.append(launch(spec, config.timeout_secs))
+        contenders.append(launch(spec))
         inputs[_key(spec)] = contenders[-1].read()
     finally:
       for contender in contenders:
@@ -454,8 +454,9 @@ def summarize(config, windows, finals, inputs, data_description):
   Args:
     config: BenchConfig.
     windows: dict (impl, num_gpus) -> list of window dicts (seconds,
-      cpu_seconds, round; round < 0 in warm-up), in the order they ran; the
-      matmul's key is (MATMUL, None) and its windows hold flops_per_sec.
+      cpu_seconds), in the order they ran: `config.warmup_rounds` warm-up
+      windows first; the matmul's key is (MATMUL, None) and its windows hold
+      flops_per_sec.
     finals: dict (impl, num_gpus) -> the contender's result (peak_rss_bytes).
     inputs: dict (impl, num_gpus) -> the input contender's result.
     data_description: str, where the training data came from.
@@ -471,7 +472,7 @@ def summarize(config, windows, finals, inputs, data_description):
   def rates(impl, num_gpus, clock='seconds'):
     """Images/sec (clock 'cpu_seconds': per CPU-second) of each timed window, in round order."""
     images = config.window_steps * config.batch_size * num_gpus
-    return [images / w[clock] for w in windows[impl, num_gpus] if w['round'] >= 0]
+    return [images / w[clock] for w in windows[impl, num_gpus][config.warmup_rounds:]]
 
   rows = []
   for num_gpus in config.num_gpus:
