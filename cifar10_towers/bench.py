@@ -300,8 +300,8 @@ def contend(spec, conn, stderr_path):
   this program's own memory map (getrusage's ru_maxrss survives exec: it could
   be the parent's).
   """
-  for fd, path in ((1, os.devnull), (2, stderr_path)):
-    os.dup2(os.open(path, os.O_WRONLY), fd)
+  os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+  os.dup2(os.open(stderr_path, os.O_WRONLY), 2)
   stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
   # Contenders share the GPUs: each takes the memory it uses, not all of it.
   os.environ.setdefault('TF_FORCE_GPU_ALLOW_GROWTH', 'true')
@@ -406,8 +406,8 @@ def run(config, launch=Contender):
     common = dict(dataclasses.asdict(config), data_dir=data_dir, records=records,
                   windows=config.warmup_rounds + config.rounds, scratch=scratch)
     # The paced contenders: per tower count Keras and each trainer; then the matmul.
-    specs = [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
-             for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]
+    specs = [dict(common, kind='baseline' if impl == BASELINE else 'train', impl=impl, num_gpus=n)
+             for n in config.num_gpus for impl in (BASELINE, *config.impls)
              ] + [dict(common, kind=MATMUL, impl=MATMUL, num_gpus=None)]
     logger.info(f'Starting {len(specs)} contenders, one process each: '
                 f'{"; ".join(map(describe, specs))}')
