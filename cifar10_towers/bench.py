@@ -140,11 +140,14 @@ def training_flops_per_image():
 # --- inside a contender process ------------------------------------------------
 
 
-def _train_config(spec, train_dir, max_steps):
+def _train_config(spec):
+  """The trainer's settings: windows + 1 of `window_steps` steps, a train_dir in the scratch."""
+  steps = (spec['windows'] + 1) * spec['window_steps']
   return config_lib.TrainConfig(
-      data_dir=spec['data_dir'], train_dir=train_dir, num_gpus=spec['num_gpus'],
-      batch_size=spec['batch_size'], max_steps=max_steps,
-      save_every=max_steps + 1, jit=spec['jit'])  # only the final checkpoint
+      data_dir=spec['data_dir'], num_gpus=spec['num_gpus'], batch_size=spec['batch_size'],
+      max_steps=steps, save_every=steps + 1, jit=spec['jit'],  # only the final checkpoint
+      # In the parent's scratch directory, which the parent removes (it kills its contenders).
+      train_dir=tempfile.mkdtemp(prefix='train_', dir=spec['scratch']))
 
 
 def contend_training(spec, boundary):
@@ -160,10 +163,7 @@ def contend_training(spec, boundary):
     if step % spec['window_steps'] == 0:
       boundary()
 
-  # In the parent's scratch directory, which the parent removes (it kills its contenders).
-  train_dir = tempfile.mkdtemp(prefix='train_', dir=spec['scratch'])
-  steps = (spec['windows'] + 1) * spec['window_steps']
-  trainer.train(_train_config(spec, train_dir, steps), plan, on_step=on_step)
+  trainer.train(_train_config(spec), plan, on_step=on_step)
 
 
 def keras_model(keras):
@@ -262,7 +262,7 @@ def _input_batches(spec):
   import tensorflow.compat.v1 as tf  # pylint: disable=g-import-not-at-top
   from cifar10_towers.legacy import train  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
-    batches = train.tower_input_batches(_train_config(spec, tempfile.gettempdir(), 1))
+    batches = train.tower_input_batches(_train_config(spec))
     with tf.train.MonitoredSession(tf.train.ChiefSessionCreator(
         config=train.session_config(plan))) as sess:
       while True:
@@ -300,8 +300,8 @@ def contend(spec, conn, stderr_path):
   this program's own memory map (getrusage's ru_maxrss survives exec: it could
   be the parent's).
   """
-  for fd, path in ((1, os.devnull), (2, stderr_path)):
-    os.dup2(os.open(path, os.O_WRONLY), fd)
+  os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+  os.dup2(os.open(stderr_path, os.O_WRONLY), 2)
   stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
   # Contenders share the GPUs: each takes the memory it uses, not all of it.
   os.environ.setdefault('TF_FORCE_GPU_ALLOW_GROWTH', 'true')
@@ -327,8 +327,8 @@ def contend(spec, conn, stderr_path):
 class Contender:
   """A contender process (`contend` in a spawned interpreter), parent side."""
 
-  def __init__(self, spec, timeout_secs):
-    self.spec, self._timeout = spec, timeout_secs
+  def __init__(self, spec):
+    self.spec = spec
     self._stderr = tempfile.NamedTemporaryFile(  # in the run's scratch, which goes with it
         mode='w+', prefix='stderr_', dir=spec['scratch'], delete=False)
     self._conn, child = multiprocessing.Pipe()
@@ -345,9 +345,9 @@ class Contender:
         error line.
     """
     try:
-      if self._conn.poll(self._timeout):
+      if self._conn.poll(self.spec['timeout_secs']):
         return self._conn.recv()
-      problem = f'timed out after {self._timeout:.0f} s'
+      problem = f'timed out after {self.spec["timeout_secs"]:.0f} s'
     except EOFError:
       self._proc.join()
       last_line = (self._stderr.read().strip().splitlines() or ['no output'])[-1]
@@ -387,8 +387,8 @@ def run(config, launch=Contender):
 
   Args:
     config: BenchConfig.
-    launch: callable(spec, timeout_secs) -> a started Contender (tests may
-      substitute it).
+    launch: callable(spec) -> a started Contender (tests may substitute
+      it).
 
   Raises:
     BenchError: a measurement failed.
@@ -406,14 +406,14 @@ def run(config, launch=Contender):
     common = dict(dataclasses.asdict(config), data_dir=data_dir, records=records,
                   windows=config.warmup_rounds + config.rounds, scratch=scratch)
     # The paced contenders: per tower count Keras and each trainer; then the matmul.
-    specs = [dict(common, kind=kind, impl=impl, num_gpus=n) for n in config.num_gpus
-             for kind, impl in [('baseline', BASELINE)] + [('train', i) for i in config.impls]
+    specs = [dict(common, kind='baseline' if impl == BASELINE else 'train', impl=impl, num_gpus=n)
+             for n in config.num_gpus for impl in (BASELINE, *config.impls)
              ] + [dict(common, kind=MATMUL, impl=MATMUL, num_gpus=None)]
     logger.info(f'Starting {len(specs)} contenders, one process each: '
                 f'{"; ".join(map(describe, specs))}')
     contenders, windows, inputs = [], collections.defaultdict(list), {}
     try:
-      contenders.extend(launch(spec, config.timeout_secs) for spec in specs)
+      contenders.extend(map(launch, specs))
       for i, contender in enumerate(contenders):
         contender.read()  # its TensorFlow import, graph or trace: seconds each
         logger.info(f'Ready: {describe(contender.spec)} ({i + 1} of {len(specs)})')
@@ -424,13 +424,13 @@ def run(config, launch=Contender):
           spec = contender.spec
           steps = '' if spec['kind'] == MATMUL else f', {config.window_steps} steps'
           logger.info(f'[{label}] measuring {describe(spec)}{steps}')
-          windows[_key(spec)].append(dict(contender.window(), round=r))
+          windows[_key(spec)].append(contender.window())
         contenders.append(contenders.pop(0))  # the next round starts one contender later
       finals = {_key(c.spec): c.window() for c in contenders}
       # Then each input pipeline alone, one process each.
       for spec in [dict(s, kind='input') for s in specs if s['kind'] == 'train']:
         logger.info(f'[inputs] measuring {describe(spec)}')
-        contenders.append(launch(spec, config.timeout_secs))
+        contenders.append(launch(spec))
         inputs[_key(spec)] = contenders[-1].read()
     finally:
       for contender in contenders:
@@ -454,8 +454,9 @@ def summarize(config, windows, finals, inputs, data_description):
   Args:
     config: BenchConfig.
     windows: dict (impl, num_gpus) -> list of window dicts (seconds,
-      cpu_seconds, round; round < 0 in warm-up), in the order they ran; the
-      matmul's key is (MATMUL, None) and its windows hold flops_per_sec.
+      cpu_seconds), in the order they ran: `config.warmup_rounds` warm-up
+      windows first; the matmul's key is (MATMUL, None) and its windows hold
+      flops_per_sec.
     finals: dict (impl, num_gpus) -> the contender's result (peak_rss_bytes).
     inputs: dict (impl, num_gpus) -> the input contender's result.
     data_description: str, where the training data came from.
@@ -471,7 +472,7 @@ def summarize(config, windows, finals, inputs, data_description):
   def rates(impl, num_gpus, clock='seconds'):
     """Images/sec (clock 'cpu_seconds': per CPU-second) of each timed window, in round order."""
     images = config.window_steps * config.batch_size * num_gpus
-    return [images / w[clock] for w in windows[impl, num_gpus] if w['round'] >= 0]
+    return [images / w[clock] for w in windows[impl, num_gpus][config.warmup_rounds:]]
 
   rows = []
   for num_gpus in config.num_gpus:
@@ -512,22 +513,21 @@ def summarize(config, windows, finals, inputs, data_description):
 def format_table(report):
   """The report as a text table with a header of how it was measured."""
   settings, machine = report['settings'], report['machine']
-  fewest, size = min(settings['num_gpus']), machine['matmul_size']
+  fewest = min(settings['num_gpus'])
   fewest_key = f'ratio_to_{fewest}_tower'
   table = [(f'impl|towers|batch|img/s|windows min-max|img/cpu-s|vs keras|vs matmul|vs {fewest} '
             'tower|input img/s|input/train|peak RSS MiB').split('|')]
   for row in report['rows']:
-    input_cells = {key: '-' if row[key] is None else form % row[key]  # '-': Keras reads no input
-                   for key, form in (('input_images_per_sec', '%.0f'),
-                                     ('input_to_training', '%.1fx'))}
+    input_cells = ('-|-' if row['input_images_per_sec'] is None  # Keras reads no input
+                   else f'{row["input_images_per_sec"]:.0f}|{row["input_to_training"]:.1f}x')
     table.append((
         f'{row["impl"]}{" (XLA)" * row["jit"]}|{row["num_gpus"]}|{row["batch_size"]}|'
         f'{row["images_per_sec"]:.0f}|{row["window_min"]:.0f}-{row["window_max"]:.0f}|'
         f'{row["images_per_cpu_second"]:.0f}|{row["ratio_to_baseline"]:.2f}x|'
-        f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|'
-        f'{input_cells["input_images_per_sec"]}|{input_cells["input_to_training"]}|'
+        f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|{input_cells}|'
         f'{row["peak_rss_bytes"] / 2 ** 20:.0f}').split('|'))
   widths = [max(map(len, column)) for column in zip(*table)]
+  size = machine['matmul_size']
   return '\n'.join([
       f'matmul estimate: best of {len(machine["matmul_runs_flops_per_sec"])} rounds of fp32 '
       f'{size}x{size} matmuls = {machine["matmul_flops_per_sec"] / 1e9:.1f} GFLOP/s / '
@@ -539,7 +539,7 @@ def format_table(report):
       f'{settings["warmup_rounds"]} warm-up rounds first); ratios: median of the per-round '
       f'ratios; data: {settings["data"]}', ''] + [
           '  '.join(c.ljust(w) if i == 0 else c.rjust(w)
-                    for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in table])
+                    for i, (c, w) in enumerate(zip(r, widths))) for r in table])
 
 
 def write_json(report, path):

@@ -56,24 +56,6 @@ def write_failed(what, directory, cause, flag):
           f'{flag}.')
 
 
-def _remove_stale(directory, prefix):
-  """Removes the scratch directories under `prefix` in `directory` whose owners are gone.
-
-  Those of this host (`<prefix><host>-<pid>-...`, with anything after it,
-  e.g. '.old') whose PID no process has now.
-  """
-  mine = re.compile(rf'{re.escape(prefix + socket.gethostname())}-(\d+)-')
-  for name in os.listdir(directory):
-    match = mine.match(name)
-    if match:
-      try:
-        os.kill(int(match[1]), 0)
-      except ProcessLookupError:  # the owner is gone
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-      except PermissionError:  # it runs, as another user
-        pass
-
-
 @contextlib.contextmanager
 def scratch(directory, prefix):
   """A new directory `<directory>/<prefix><host>-<pid>-<random>` for the block.
@@ -85,7 +67,18 @@ def scratch(directory, prefix):
   Yields:
     str, its path.
   """
-  _remove_stale(directory, prefix)
+  # First the dead owners' ones: those of this host (`<prefix><host>-<pid>-...`,
+  # with anything after it, e.g. '.old') whose PID no process has now.
+  mine = re.compile(rf'{re.escape(prefix + socket.gethostname())}-(\d+)-')
+  for name in os.listdir(directory):
+    match = mine.match(name)
+    if match:
+      try:
+        os.kill(int(match[1]), 0)
+      except ProcessLookupError:  # the owner is gone
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+      except PermissionError:  # it runs, as another user
+        pass
   path = os.path.join(directory,
                       f'{prefix}{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}')
   os.mkdir(path)

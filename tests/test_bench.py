@@ -44,8 +44,8 @@ class FakeContender:
            'modern': [130.0, 300.0, 600.0]}
   CPU_CORES = 1.6  # CPU seconds per wall second of every window
 
-  def __init__(self, spec, timeout_secs, log):
-    assert timeout_secs > 0
+  def __init__(self, spec, log):
+    assert spec['timeout_secs'] > 0
     self.spec = spec
     self._log = log
     self._windows = 0
@@ -101,8 +101,8 @@ class Messages(logging.Handler):
 def fake_report(synth_data_dir):
   log, launched = [], []
 
-  def launch(spec, timeout_secs):
-    launched.append(FakeContender(spec, timeout_secs, log))
+  def launch(spec):
+    launched.append(FakeContender(spec, log))
     return launched[-1]
 
   config = bench.BenchConfig(num_gpus=(1, 2), batch_size=8, data_dir=synth_data_dir,
@@ -190,8 +190,8 @@ def test_table_shows_every_row_with_its_ratios(fake_report):
 
 def test_a_failing_contender_is_a_bench_error(tmp_path):
   spec = {'kind': 'no-such-measurement', 'impl': 'modern', 'num_gpus': 1,
-          'batch_size': 8, 'scratch': str(tmp_path)}
-  contender = bench.Contender(spec, timeout_secs=120)
+          'batch_size': 8, 'scratch': str(tmp_path), 'timeout_secs': 120}
+  contender = bench.Contender(spec)
   with pytest.raises(bench.BenchError,
                      match=r'modern, 1 tower.*failed \(exit 1\).*KeyError'):
     contender.read()

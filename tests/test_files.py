@@ -166,7 +166,7 @@ def test_bench_owns_its_contenders_scratch(temp_dir):
   running.mkdir()  # a live run's: kept
   specs = []
 
-  def launch(spec, unused_timeout_secs):
+  def launch(spec):
     specs.append(spec)
     os.mkdir(os.path.join(spec['scratch'], 'train_1'))  # the contender's train_dir
     raise KeyboardInterrupt  # a stop while they start
