@@ -49,8 +49,8 @@ def forked_contender():
   class Forked(bench.Contender):
     """bench.Contender, its process `python bench_contender.py` from the fork server."""
 
-    def __init__(self, spec, timeout_secs):  # pylint: disable=super-init-not-called
-      self.spec, self._timeout = spec, timeout_secs
+    def __init__(self, spec):  # pylint: disable=super-init-not-called
+      self.spec = spec
       self._stderr = tempfile.NamedTemporaryFile(mode='w+', prefix='bench_stderr_')
       ours, theirs = socket.socketpair()
       try:
