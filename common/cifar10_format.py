@@ -24,6 +24,7 @@ import errno
 import hashlib
 import logging
 import os
+import pathlib
 import shutil
 
 import numpy as np
@@ -89,8 +90,7 @@ def write_records(path, images, labels):
   Data sets are written into a staging directory that replaces theirs whole
   (`staged_batches_dir`), so no reader ever sees a partial file.
   """
-  with open(path, 'wb') as f:
-    f.write(encode_records(images, labels))
+  pathlib.Path(path).write_bytes(encode_records(images, labels))
 
 
 def read_records(path):
@@ -105,8 +105,7 @@ def read_records(path):
   Raises:
     DataError: the size is not a multiple of 3073 bytes, or a label is not 0..9.
   """
-  with open(path, 'rb') as f:
-    records = _records(f.read(), path)
+  records = _records(pathlib.Path(path).read_bytes(), path)
   images = records[:, 1:].reshape(-1, DEPTH, HEIGHT, WIDTH).transpose(0, 2, 3, 1)
   return images, records[:, 0].astype(np.int32)
 
@@ -154,8 +153,7 @@ def _judge(path, seen):
     DataError: the file is malformed (see `read_records`).
     OSError: it (or the file it matches) cannot be read.
   """
-  with open(path, 'rb') as f:
-    data = f.read()
+  data = pathlib.Path(path).read_bytes()
   records = _records(data, path)
   n, problems = records.shape[0], []
   if n < MIN_RECORDS_TO_JUDGE:
@@ -169,10 +167,8 @@ def _judge(path, seen):
   if (labels == labels[0]).all():
     problems.append(f'all {n} records have label {labels[0]}')
   original = seen.setdefault((len(data), hashlib.blake2b(data[::4099]).digest()), path)
-  if original != path:
-    with open(original, 'rb') as f:
-      if f.read() == data:
-        problems.append(f'a byte-for-byte copy of {os.path.basename(original)}')
+  if original != path and pathlib.Path(original).read_bytes() == data:
+    problems.append(f'a byte-for-byte copy of {os.path.basename(original)}')
   return n, problems
 
 

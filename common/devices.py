@@ -62,25 +62,28 @@ def plan_devices(num_gpus):
     logger.warning(f'{num_gpus} tower(s) asked for, {len(gpus)} GPU(s) found: running the '
                    f'towers on logical GPUs of {GPU_SPLIT_MB} MiB, {per_gpu} per GPU.')
     for gpu in gpus:
-      _split(gpu, per_gpu, tf.config.LogicalDeviceConfiguration(memory_limit=GPU_SPLIT_MB))
+      _split(gpu, per_gpu, GPU_SPLIT_MB)
   if gpus:
     return DevicePlan(tuple(f'/device:GPU:{i}' for i in range(num_gpus)), 'gpu', 1)
   if num_gpus > 1:
     logger.warning(f'{num_gpus} tower(s) asked for, no GPU found: running the towers on '
                    f'{num_gpus} logical CPU devices.')
-  have = _split(tf.config.list_physical_devices('CPU')[0], num_gpus,
-                tf.config.LogicalDeviceConfiguration())
+  have = _split(tf.config.list_physical_devices('CPU')[0], num_gpus)
   return DevicePlan(tuple(f'/device:CPU:{i}' for i in range(num_gpus)), 'cpu', have)
 
 
-def _split(device, count, logical):
-  """Splits a physical device into `count` logical ones unless it has as many; returns how many."""
+def _split(device, count, memory_limit=None):
+  """Splits a physical device into `count` logical ones unless it has as many; returns how many.
+
+  Each logical GPU gets `memory_limit` MiB; a logical CPU has none.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   configured = tf.config.get_logical_device_configuration(device)
   have = len(configured) if configured else 1
   if have < count:
     try:
-      tf.config.set_logical_device_configuration(device, [logical] * count)
+      tf.config.set_logical_device_configuration(
+          device, [tf.config.LogicalDeviceConfiguration(memory_limit)] * count)
     except RuntimeError as e:
       raise DeviceError(
           f'cannot split {device.name} into {count} devices: TensorFlow already started with '

@@ -25,15 +25,15 @@ def to_cifar_images(images):
   """Turns 8x8 digits into CIFAR-sized colour images.
 
   Args:
-    images: float array [N, 8, 8], values 0..16.
+    images: float array [N, 8, 8], values 0..16, as load_digits gives them.
 
   Returns:
     uint8 [N, 32, 32, 3]: 3x nearest-neighbour enlargement to 24x24, centred on
     a black 32x32 canvas, scaled to 0..255 and repeated over the 3 channels.
   """
-  big = np.asarray(images, np.float64).repeat(_SCALE, axis=1).repeat(_SCALE, axis=2)
+  big = images.repeat(_SCALE, axis=1).repeat(_SCALE, axis=2)
   pad = (fmt.HEIGHT - big.shape[1]) // 2  # 24x24 in the middle of 32x32
-  pixels = np.clip(np.rint(big * (255.0 / _MAX_VALUE)), 0, 255).astype(np.uint8)
+  pixels = np.rint(big * (255.0 / _MAX_VALUE)).astype(np.uint8)  # 16 -> 255
   return np.pad(pixels, ((0, 0), (pad, pad), (pad, pad)))[..., None].repeat(fmt.DEPTH, axis=3)
 
 
@@ -86,7 +86,7 @@ def convert_digits(data_dir, seed=0):
                         'installed: run `pip install scikit-learn`') from e
   digits = datasets.load_digits()
   images = to_cifar_images(digits.images)
-  labels = np.asarray(digits.target, np.int32)
+  labels = digits.target
   train_idx, test_idx = split(labels, np.random.default_rng(seed))
   parts = np.array_split(train_idx, len(fmt.TRAIN_FILES)) + [test_idx]
   # Always marked: no fixture stands in for CIFAR-10 with the digits.

@@ -63,15 +63,6 @@ def _missing(directory):
   return [n for n in fmt.DATA_FILES if not os.path.isfile(os.path.join(directory, n))]
 
 
-def sha256_of(path):
-  """Hex SHA-256 digest of a file."""
-  digest = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for chunk in iter(lambda: f.read(_CHUNK_BYTES), b''):
-      digest.update(chunk)
-  return digest.hexdigest()
-
-
 def _fetch(url, path, data_dir, progress, timeout):
   """Streams `url` into the new file `path`.
 
@@ -211,7 +202,8 @@ def maybe_download_and_extract(data_dir, url=DATA_URL, sha256=ARCHIVE_SHA256,
     source = archive if local else os.path.join(stage, ARCHIVE_NAME)
     if not local:
       _fetch(url, source, data_dir, progress, timeout)
-    actual = sha256_of(source)
+    with open(source, 'rb') as f:
+      actual = hashlib.file_digest(f, 'sha256').hexdigest()
     if actual != sha256:
       # A download is not kept: there is nothing to delete, and the URL may be at fault.
       fix = ('(or delete the one there)' if local

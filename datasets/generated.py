@@ -14,6 +14,7 @@ replace it only with --force. No TensorFlow here.
 import datetime
 import json
 import os
+import pathlib
 import shlex
 
 from cifar10_towers.common import cifar10_format as fmt
@@ -63,8 +64,7 @@ def write_set(data_dir, files, needed_bytes, class_names, mark, generator, versi
     for name, images, labels in files:
       fmt.write_records(os.path.join(out_dir, name), images, labels)
       counts[name] = len(labels)
-    with open(os.path.join(out_dir, fmt.META_FILE), 'w') as f:
-      print(*class_names, sep='\n', file=f)
+    pathlib.Path(out_dir, fmt.META_FILE).write_text('\n'.join(class_names) + '\n')
     if mark:
       write_marker(out_dir, generator, version, data_dir, **params)
   return counts
@@ -83,8 +83,8 @@ def write_marker(directory, generator, version, data_dir, **params):
       'written': datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec='seconds'),
   }
-  with open(os.path.join(directory, fmt.GENERATED_FILE), 'w') as f:
-    print(json.dumps(info, indent=2, sort_keys=True), file=f)
+  pathlib.Path(directory, fmt.GENERATED_FILE).write_text(
+      json.dumps(info, indent=2, sort_keys=True) + '\n')
 
 
 def read(data_dir):
@@ -100,8 +100,7 @@ def read(data_dir):
   if not os.path.lexists(path):
     return None
   try:
-    with open(path, encoding='utf-8') as f:
-      info = json.load(f)
+    info = json.loads(pathlib.Path(path).read_text(encoding='utf-8'))
   except (OSError, ValueError):
     info = None
   if not isinstance(info, dict):

@@ -41,8 +41,8 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       hold this model's moving averages.
   """
   with tf.Graph().as_default() as graph:
-    # One epoch in file order (one reader thread), the last batch smaller.
-    images, labels = inputs.inputs(True, data_dir, batch_size, num_epochs=1, num_threads=1)
+    # One epoch in file order, the last batch smaller.
+    images, labels = inputs.inputs(True, data_dir, batch_size)
     logits = model.inference(images)
     top_k_op = tf.nn.in_top_k(logits, labels, 1)
 

@@ -86,24 +86,23 @@ def distorted_inputs(data_dir, batch_size,
   return images, labels
 
 
-def inputs(eval_data, data_dir, batch_size, num_epochs=None,
-           num_threads=hparams.NUM_PREPROCESS_THREADS):
-  """Evaluation batches: central crop, standardized, in file order.
+def inputs(eval_data, data_dir, batch_size):
+  """Evaluation batches: central crop, standardized, every record once in file order.
+
+  Deviation from upstream: evaluation counts every test record exactly once.
+  Upstream cycled through the files forever, with 16 threads; here one
+  thread reads one epoch, which then raises OutOfRangeError, and the last
+  batch is smaller instead of wrapping around (the epoch counter needs
+  `tf.local_variables_initializer()`).
 
   Args:
     eval_data: bool, read the test file (True) or the training files (False).
     data_dir: str, directory holding `cifar-10-batches-bin/`.
     batch_size: int, images per batch.
-    num_epochs: optional int. None cycles forever (upstream); 1 reads every
-      record exactly once and then raises OutOfRangeError, the last batch
-      being smaller (needs `tf.local_variables_initializer()`).
-    num_threads: int, threads reading images. With 1 the batches follow the
-      file order exactly.
 
   Returns:
-    images: float32 [batch_size, 24, 24, 3] ([None, 24, 24, 3] when
-      `num_epochs` is set).
-    labels: int32 [batch_size] (or [None]).
+    images: float32 [None, 24, 24, 3], batches of batch_size, the last smaller.
+    labels: int32 [None].
 
   Raises:
     common.cifar10_format.DataError: a data file is missing or malformed.
@@ -112,17 +111,13 @@ def inputs(eval_data, data_dir, batch_size, num_epochs=None,
   min_queue_examples = hparams.min_queue_examples(cifar10_format.num_examples(filenames))
 
   with tf.name_scope('input'):
-    filename_queue = tf.train.string_input_producer(
-        filenames, num_epochs=num_epochs, shuffle=False)
+    filename_queue = tf.train.string_input_producer(filenames, num_epochs=1, shuffle=False)
     read_input = read_cifar10(filename_queue)
     float_image = preprocess.eval_image(read_input.uint8image)
 
   images, labels = tf.train.batch(
-      [float_image, read_input.label], batch_size, num_threads=num_threads,
-      capacity=min_queue_examples + 3 * batch_size,
-      # Deviation from upstream: evaluation counts every test record exactly once.
-      # A finite input ends with a smaller batch instead of wrapping around.
-      allow_smaller_final_batch=num_epochs is not None)
+      [float_image, read_input.label], batch_size, num_threads=1,
+      capacity=min_queue_examples + 3 * batch_size, allow_smaller_final_batch=True)
   tf.summary.image('images', images)
   return images, labels
 

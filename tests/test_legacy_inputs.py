@@ -61,8 +61,7 @@ def test_read_cifar10_decodes_pixels_and_labels(tmp_path):
 def test_inputs_one_epoch_sees_every_record_once_in_order(tmp_path):
   images, labels = _write_test_file(str(tmp_path), 10, seed=1)
   with tf.Graph().as_default():
-    batch = inputs.inputs(eval_data=True, data_dir=str(tmp_path), batch_size=4,
-                          num_epochs=1, num_threads=1)
+    batch = inputs.inputs(eval_data=True, data_dir=str(tmp_path), batch_size=4)
     got = _run_queues(batch)
   assert [len(b[1]) for b in got] == [4, 4, 2]
   np.testing.assert_array_equal(np.concatenate([b[1] for b in got]), labels)
