@@ -55,12 +55,11 @@ class _Path(click.Path):
 
   def convert(self, value, param, ctx):
     # '' is no path to os.path and open(), and the working directory to TensorFlow.
-    why = None if value else 'an empty path'
-    if not why:
+    why = 'an empty path'
+    if value:
       value = super().convert(value, param, ctx)
-      if self.output:
-        why = _cannot_write(value if self.dir_okay else os.path.dirname(value) or '.',
-                            create=self.dir_okay)
+      why = self.output and _cannot_write(
+          value if self.dir_okay else os.path.dirname(value) or '.', create=self.dir_okay)
     if why:
       flag = param.opts[0]
       raise click.BadParameter(f'{why}; pass another {flag}.', ctx, param_hint=flag)
@@ -263,9 +262,6 @@ def _train(impl, run_crosscheck, **options):
     progress.end_line()
 
 
-# Set to 1, a failure also prints its traceback (its causes included) before
-# its one line; otherwise no TensorFlow op, node block or traceback is shown.
-DEBUG_ENV = 'CIFAR10_TOWERS_DEBUG'
 _COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data synth')
 # Commands that own a loop and answer a stop at its boundaries, saying what
 # they kept; every other command ends at once (training.Stopped), its writers
@@ -294,7 +290,9 @@ class _Group(click.Group):
     try:
       super().invoke(ctx)  # `cli` below enters stop.raising() where it applies
     except (errors.Failure, OSError) as e:
-      if os.environ.get(DEBUG_ENV) == '1':  # the whole story, before the one line
+      # CIFAR10_TOWERS_DEBUG=1: the whole story, the traceback and its causes,
+      # before the one line; otherwise no TensorFlow op, node block or traceback.
+      if os.environ.get('CIFAR10_TOWERS_DEBUG') == '1':
         traceback.print_exception(e)
       # A user's or the world's error: its line, its exit code; an OSError: the
       # closed stream (stdout's reader gone: `| head`) or the path it names.
@@ -743,8 +741,7 @@ def synth(data_dir, train_per_file, num_test, seed, force):
     from cifar10_towers.common import cifar10_format as fmt
     from cifar10_towers.datasets import synth as synth_lib
     # CIFAR-10's size takes ~10 s: a bar over the files, or a line for each.
-    with progress.Progress(len(fmt.TRAIN_FILES + fmt.EVAL_FILES), 'Generating',
-                           'files') as shown:
+    with progress.Progress(len(fmt.DATA_FILES), 'Generating', 'files') as shown:
       counts = synth_lib.generate(
           data_dir, train_per_file=train_per_file, num_test=num_test, seed=seed,
           progress=lambda name, number, count: shown.stage(
