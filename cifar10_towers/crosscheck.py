@@ -237,12 +237,12 @@ def write_evidence(path_dir, images, labels, init, report):
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images, 'labels': labels}  # float32, int32 (draw_batches)
   arrays.update((f'init/{name}', value) for name, value in init.items())
-  groups = [('grad', 'grads'), ('final', 'final'), ('slot', 'final_slots')]
+  groups = {'grad': 'grads', 'final': 'final', 'slot': 'final_slots'}  # key -> Result field
   if report.optimizer.clips_averaged:
-    groups.append(('clipped_grad', 'applied'))
+    groups['clipped_grad'] = 'applied'
   for impl, result in (('legacy', report.legacy), ('modern', report.modern)):
     arrays[f'{impl}/tower_loss'] = np.asarray(result.tower_losses, np.float32)
-    for what, field in groups:
+    for what, field in groups.items():
       arrays.update((f'{impl}/{what}/{key}', np.asarray(value, np.float32))
                     for key, value in getattr(result, field).items())
   path = os.path.join(path_dir, 'crosscheck.npz')
@@ -298,15 +298,6 @@ def _numpy(tensors):
   return {name: np.asarray(value) for name, value in tensors.items()}
 
 
-def _result(run, plan, images, labels, *args):
-  """run's Result on the N towers, with the identity's 1 tower on their concatenation."""
-  result = run(plan, images, labels, *args)
-  single_tower = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
-  result.single_tower_grads = run(single_tower, images.reshape((1, -1) + images.shape[2:]),
-                                  labels.reshape(1, -1), 0, *args[1:]).applied
-  return result
-
-
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
         engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.Optimizer()):
   """Runs the whole cross-check.
@@ -340,14 +331,20 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
   os.environ['TF_CUDNN_USE_AUTOTUNE'] = '0'
   images, labels = draw_batches(plan.num_towers, batch_size, seed, data_dir)
   init = initial_values(seed)
-  args = (plan, images, labels, steps, init, decay_steps, optimizer)
-  workload = f'{plan.num_towers} tower(s) x {batch_size} images, {steps} steps...'
-  logger.info(f'legacy: {workload}')
-  legacy = _result(_legacy_run, *args)
-  reports = {}
-  for engine in engines:
-    logger.info(f'modern ({engine}): {workload}')
+  single_tower = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
 
-    reports[engine] = compare(legacy, _result(functools.partial(_modern_run, engine), *args),
-                              optimizer, lr_sum(optimizer, steps, decay_steps), grad_rtol)
+  def result(name, run_one):
+    """run_one's Result on the N towers, with the identity's 1 tower on their concatenation."""
+    logger.info(f'{name}: {plan.num_towers} tower(s) x {batch_size} images, {steps} steps...')
+    return dataclasses.replace(
+        run_one(plan, images, labels, steps, init, decay_steps, optimizer),
+        single_tower_grads=run_one(single_tower, images.reshape((1, -1) + images.shape[2:]),
+                                   labels.reshape(1, -1), 0, init, decay_steps, optimizer).applied)
+
+  legacy = result('legacy', _legacy_run)
+  lr_total = lr_sum(optimizer, steps, decay_steps)
+  reports = {engine: compare(legacy, result(f'modern ({engine})',
+                                            functools.partial(_modern_run, engine)),
+                             optimizer, lr_total, grad_rtol)
+             for engine in engines}
   return reports, images, labels, init

@@ -37,7 +37,7 @@ INPUT_OPS = ('QueueDequeueV2', 'QueueDequeueManyV2', 'IteratorGetNext', 'Iterato
 # The category of an op outside the towers by its first name scope (the first match wins).
 # Modern's step (modern/step.py) names its parts as legacy's: average_gradients, update,
 # moving_average; `unstack` splits each tower's batch off the one batch (legacy: dequeue_i).
-SCOPES = ((EMA, ('ema', 'moving_average', 'ExponentialMovingAverage')),
+SCOPES = ((EMA, ('ema', 'moving_average')),  # ExponentialMovingAverage: anywhere (categorize)
           (AVERAGE, ('average', 'mean_loss')),
           (INPUT, ('dequeue', 'prefetch_queue', 'shuffle_batch', 'IteratorGetNext', 'iterator',
                    'unstack')),

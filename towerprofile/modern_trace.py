@@ -63,7 +63,7 @@ def events_from_xspace(space, device_of, logical_gpus):
     (events, windows, sources): list of analysis.Event; per step (start_us,
     end_us); dict op name -> 'gpu_plane' | 'send_key' | 'graph'.
   """
-  ops, windows, actual = [], {}, {}
+  ops, windows, actual = [], [], {}
   for plane in space.planes:
     gpu = plane.name.startswith('/device:GPU:')
     for line in plane.lines if gpu or plane.name == '/host:CPU' else ():
@@ -72,8 +72,8 @@ def events_from_xspace(space, device_of, logical_gpus):
         start = line.timestamp_ns / 1e3 + event.offset_ps / 1e6
         span, device = (start, start + event.duration_ps / 1e6), None
         op_name, _, op_type = (stats.get('tf_op', '') if gpu else name).rpartition(':')
-        if name == STEP_EVENT:
-          windows[int(stats.get('step_num', 0))] = span
+        if name == STEP_EVENT:  # the steps follow each other: in order of their starts
+          windows.append(span)
           continue
         if gpu:
           device = analysis.canonical_device(plane.name)
@@ -93,10 +93,10 @@ def events_from_xspace(space, device_of, logical_gpus):
           actual.setdefault(stats['from'], (device, 'send_key'))
         if op_name and op_type:
           ops.append((op_name, op_type, span, device))
-  spans = [windows[k] for k in sorted(windows)]
+  windows.sort()
   events, sources = [], {}
   for op_name, op_type, (start, end), device in ops:
-    step = next((k for k, (lo, hi) in enumerate(spans) if lo <= start < hi), None)
+    step = next((k for k, (lo, hi) in enumerate(windows) if lo <= start < hi), None)
     if step is not None:
       if device is None:
         device, sources[op_name] = actual.get(op_name) or (
@@ -105,7 +105,7 @@ def events_from_xspace(space, device_of, logical_gpus):
       # reads for the towers, the clipping).
       events.append(analysis.Event(op_name, op_type, device, start, end, step,
                                    analysis.categorize(op_name, op_type, analysis.UPDATE)))
-  return events, spans, sources
+  return events, windows, sources
 
 
 def trace(config, plan, decay_steps, steps, warmup):

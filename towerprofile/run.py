@@ -98,7 +98,7 @@ def png_timeline(events, windows, report):
   """
   from matplotlib import figure, patches  # pylint: disable=g-import-not-at-top
   names = sorted({e.device for e in events})
-  origin = min(start for start, _ in windows)
+  origin = min(windows)[0]  # the first step's start
   fig = figure.Figure(figsize=(12, 1.0 + 0.7 * len(names)))
   axes = fig.add_subplot()
   # One bar per op, in its category's colour of tab10 (matplotlib's C0, C1, ...).
