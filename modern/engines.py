@@ -324,11 +324,11 @@ class MultiWorker(Mirrored):
 
   def __init__(self, config, plan):
     super().__init__(config, plan)
-    self.cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
-    self.num_workers = self.cluster.num_workers
-    self.worker_index = self.cluster.worker_index
-    self.is_chief = self.cluster.is_chief
-    self.lock_what = f'multiworker training as {self.cluster.name()}'
+    cluster = self.cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
+    self.num_workers = cluster.num_workers
+    self.worker_index = cluster.worker_index
+    self.is_chief = cluster.is_chief
+    self.lock_what = f'multiworker training as {cluster.name()}'
     if not self.is_chief:  # TensorFlow's convention for a non-chief's copy
       self.write_dir = os.path.join(config.train_dir, f'workertemp_{self.worker_index}')
 
