@@ -80,7 +80,6 @@ class Towers:
     self.config = config
     self.plan = plan
     self.write_dir = config.train_dir
-    self.trainer = None
 
   def strategy(self):
     """The tf.distribute.Strategy the step runs under; None: the towers' own step."""
@@ -117,12 +116,9 @@ class Towers:
   def broadcast(self):
     """Gives every process the chief's (restored or fresh) state."""
 
-  def finish(self, step):
-    """After the final save at global step `step`: returns when every process is there."""
-
-  def report_stop(self, stopped_by, step, path):
-    """Says how the run ended after a stop request (`stopped_by`, a signal name)."""
-    ending.say(training.stopped_line(stopped_by, step, path))  # on stderr
+  # After the final save, and how the run ended after a stop request: one
+  # process's are runtime.training.Run's own (MultiWorker's meet the peers).
+  finish, report_stop = training.Run.finish, training.Run.report_stop
 
 
 class ReplicaTrainer(step_lib.Trainer):
@@ -328,11 +324,11 @@ class MultiWorker(Mirrored):
 
   def __init__(self, config, plan):
     super().__init__(config, plan)
-    self.cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
-    self.num_workers = self.cluster.num_workers
-    self.worker_index = self.cluster.worker_index
-    self.is_chief = self.cluster.is_chief
-    self.lock_what = f'multiworker training as {self.cluster.name()}'
+    cluster = self.cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
+    self.num_workers = cluster.num_workers
+    self.worker_index = cluster.worker_index
+    self.is_chief = cluster.is_chief
+    self.lock_what = f'multiworker training as {cluster.name()}'
     if not self.is_chief:  # TensorFlow's convention for a non-chief's copy
       self.write_dir = os.path.join(config.train_dir, f'workertemp_{self.worker_index}')
 

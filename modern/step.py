@@ -283,13 +283,7 @@ class Trainer:
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
     self._tower_fn = tf.function(self._tower, jit_compile=True) if jit else self._tower
-    self._gradients_fn = tf.function(lambda *args: self._gradients(*args)[:2])
-
-  @property
-  def batch_counts(self):
-    """The numbers of batches a step may be given: a batch per tower (replica)
-    of the whole run, or of this process (the plan's)."""
-    return sorted({self.num_towers, self.plan.num_towers})
+    self._gradients_fn = tf.function(self._gradients)
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -417,11 +411,13 @@ class Trainer:
     images = tf.convert_to_tensor(tower_batches[0], tf.float32)
     labels = tf.convert_to_tensor(tower_batches[1], tf.int32)
     size = hparams.IMAGE_SIZE
+    # A batch per tower (replica) of the whole run, or of this process (the plan's).
+    counts = sorted({self.num_towers, self.plan.num_towers})
     # (The dimensions after the first two first: a rank below 2 fails there.)
-    if (images.shape[2:] != (size, size, 3) or images.shape[0] not in self.batch_counts
+    if (images.shape[2:] != (size, size, 3) or images.shape[0] not in counts
         or labels.shape != images.shape[:2]):
       raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
-                       f'with N in {self.batch_counts} (a batch per tower), got '
+                       f'with N in {counts} (a batch per tower), got '
                        f'{images.shape} and {labels.shape}')
     return images, labels, tf.constant(float(stop_requested)), summaries and self.inner_summaries
 
@@ -464,7 +460,7 @@ class Trainer:
       (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
        order; tower total losses float32 [num_towers]).
     """
-    grads, tower_losses = self._gradients_fn(*self._args(tower_batches))
+    grads, tower_losses = self._gradients_fn(*self._args(tower_batches))[:2]
     # One copy of each (identical on every replica after the all-reduce).
     return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
             zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses

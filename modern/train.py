@@ -57,11 +57,11 @@ def _write_summaries(writer, step, state, tower_losses, summaries, batches):
   # The learning rate the step just taken used (read before the increment).
   lr = model_spec.learning_rate(step - 1, state.decay_steps, state.optimizer.learning_rate)
   values = {training.MEAN_LOSS_TAG: tower_losses.mean(), training.LEARNING_RATE_TAG: lr,
-            **summaries, **state.variables()}
-  # Deviation from upstream: every tower's loss summary is written.
-  values.update((training.tower_tag(i, 'total_loss'), v) for i, v in enumerate(tower_losses))
-  values.update((model_spec.average_name(name), var)
-                for name, var in state.shadow_variables().items())
+            **summaries, **state.variables(),
+            # Deviation from upstream: every tower's loss summary is written.
+            **{training.tower_tag(i, 'total_loss'): v for i, v in enumerate(tower_losses)},
+            **{model_spec.average_name(name): var
+               for name, var in state.shadow_variables().items()}}
   with writer.as_default():
     for tag, value in values.items():  # a histogram of each tensor, a scalar of each scalar
       value = tf.convert_to_tensor(value)
@@ -110,8 +110,7 @@ def train(config, plan, on_step=None):
         if config.seed is not None:
           tf.random.set_seed(config.seed)
         engine.start(decay_steps)
-        if config.log_device_placement:
-          tf.debugging.set_log_device_placement(True)
+        tf.debugging.set_log_device_placement(config.log_device_placement)
         checkpoint = ckpt_lib.checkpoint_object(engine.trainer.state)
         # Only the chief restores; the others take its state (engine.broadcast).
         resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint,
