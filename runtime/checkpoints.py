@@ -386,9 +386,6 @@ def check_fits(path, expected_shapes):
                         'move its checkpoints away.')
 
 
-advice = files.advice  # what to do about a failed write (runtime.evaluation's name for it)
-
-
 def write_failed(directory, what, error, flag='--train_dir'):
   """The CheckpointError for a write into a train_dir that failed (e.g. disk full).
 

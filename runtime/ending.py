@@ -69,8 +69,7 @@ def cause(error):
             'reader ended or the terminal is gone)')
   if isinstance(error, OSError) and error.filename:
     return f'{error.filename}: {error.strerror or error}'
-  module = type(error).__module__ or ''
-  if module.startswith('tensorflow'):
+  if type(error).__module__.startswith('tensorflow'):
     from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
     kind = re.sub(r'(?<!^)(?=[A-Z])', ' ', type(error).__name__.replace('Error', ''))
     return f"TensorFlow failed ({kind.lower() or 'error'}): {checkpoints.reason(error)}"

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import errors
+from cifar10_towers.common import files
 from cifar10_towers.common import prog
 from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import ending
@@ -80,7 +81,7 @@ def precision_writer(eval_dir):
     """EvalError of `cause`, the line saying what failed."""
     return EvalError(
         f'could not write {PRECISION_TAG} to --eval_dir {eval_dir} ({cause}). '
-        f'{advice or checkpoints.advice(cause)}, or pass another --eval_dir; the checkpoints '
+        f'{advice or files.advice(cause)}, or pass another --eval_dir; the checkpoints '
         'are untouched.')
 
   if eval_dir is None:

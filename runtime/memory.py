@@ -52,6 +52,7 @@ can be read (not Linux) nothing is checked.
 """
 
 import bisect
+import itertools
 import os
 import pathlib
 import re
@@ -150,8 +151,8 @@ def _headrooms(proc, cgroup_root):
         (cgroup_root, 'memory.max', 'memory.current', 'inactive_file'))
     # This cgroup and every ancestor: each limit applies. In a container the
     # mount's root is the container's own cgroup, whatever the path says.
-    parts = [part for part in path.split('/') if part]
-    for directory in (os.path.join(base, *parts[:depth]) for depth in range(len(parts) + 1)):
+    for directory in itertools.accumulate(filter(None, path.split('/')), os.path.join,
+                                          initial=base):
       limit = _field('', directory, limit_file) or _NO_LIMIT
       if limit < _NO_LIMIT:
         # Page cache the kernel reclaims before it kills counts as free.

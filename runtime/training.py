@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+import types
 
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
@@ -79,8 +80,8 @@ class LogWindow:
     return log_line(step, loss, *rates, max_steps)
 
 
-class Run:
-  """A trainer's side of `train_loop`: the hooks given, the defaults below.
+class Run(types.SimpleNamespace):
+  """A trainer's side of `train_loop`: the hooks given (keyword arguments), the defaults below.
 
   The hooks each trainer gives (legacy.train._train_loop, modern.train._train_loop):
     step(step, first, write_summary): runs one step from global step `step`:
@@ -110,9 +111,6 @@ class Run:
 
   chief = alone = True
   peer_errors = ()
-
-  def __init__(self, **hooks):
-    self.__dict__.update(hooks)
 
   def finish(self, step):
     """After the final save (with peers: the final barrier)."""
@@ -221,7 +219,8 @@ HEARTBEAT_AFTER = 5.0
 HEARTBEAT_EVERY = 10.0
 
 
-class Heartbeat(threading.Thread):
+@contextlib.contextmanager
+def Heartbeat(message):  # pylint: disable=invalid-name
   """A context: while its block runs past HEARTBEAT_AFTER seconds, one line every HEARTBEAT_EVERY.
 
   The lines come from a thread of its own, as the main thread is inside
@@ -229,27 +228,24 @@ class Heartbeat(threading.Thread):
   seconds waited so far; an exception in it (e.g. a session closed under a
   stop) ends the heartbeat quietly.
   """
+  done = threading.Event()
 
-  def __init__(self, message):
-    super().__init__(name='heartbeat', daemon=True)
-    self._message, self._done = message, threading.Event()
-
-  def __enter__(self):
-    self.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._done.set()
-    self.join()
-
-  def run(self):
+  def beat():
     start, wait = time.monotonic(), HEARTBEAT_AFTER
-    while not self._done.wait(wait):
+    while not done.wait(wait):
       try:
-        logger.info(self._message(int(time.monotonic() - start)))
+        logger.info(message(int(time.monotonic() - start)))
       except Exception:  # pylint: disable=broad-except
         return
       wait = HEARTBEAT_EVERY
+
+  thread = threading.Thread(target=beat, name='heartbeat', daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    done.set()
+    thread.join()
 
 
 # --- TensorBoard: the one tag set both trainers write ------------------------
@@ -446,13 +442,14 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in (
     'SIGXCPU', 'SIGPWR') if hasattr(signal, name))
 
 
-class StopRequest:
+class StopRequest(threading.Event):
   """A stop signal (STOP_SIGNALS) as a request to stop: a flag at step boundaries,
   and at once where blocked.
 
   Use as a context manager around everything a signal should stop cleanly. The
   loop checks `requested` at each step boundary and stops there with a
-  checkpoint.
+  checkpoint. An Event, set once a signal asked to stop: `wait(timeout)`
+  sleeps up to `timeout` seconds, waking early on a stop (True if one came).
 
   Python runs a signal handler in the main thread only, between two bytecodes,
   so a main thread blocked inside TensorFlow (a queue still filling, a
@@ -479,53 +476,47 @@ class StopRequest:
   _active = None  # the outermost entered StopRequest, or None
 
   def __init__(self):
-    self.event = threading.Event()
+    super().__init__()
     self.lock = threading.Lock()  # of `callbacks`, held while they run
     self.signal_name = None  # the signal's name ('SIGINT', ...) once requested
     self.callbacks = []  # while_blocked callbacks, innermost last
     self.raising_depth = 0  # depth of `raising` blocks (main thread only)
     self._raised = False  # a `raising` block has raised Stopped
-    self._previous = {}  # signal -> its handler before `__enter__`
-    self._watcher = None
+    self._undo = contextlib.ExitStack()  # what `__exit__` undoes of `__enter__`
 
   def __enter__(self):
     if StopRequest._active:
       return StopRequest._active  # nested: share the outer request
     if threading.current_thread() is threading.main_thread():
+      reader, writer = socket.socketpair()
+      writer.setblocking(False)
+      watcher = threading.Thread(target=self._watch, args=(reader,), name='stop-request',
+                                 daemon=True)
+      # Undone last first: the wakeup fd and the handlers as they were; then the
+      # writer closed, the watcher's recv returns b'' and it ends.
+      self._undo.callback(reader.close)
+      self._undo.callback(watcher.join, timeout=5)
+      self._undo.callback(writer.close)
       for sig in STOP_SIGNALS:
         if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
-          self._previous[sig] = signal.signal(sig, self._handle)
-      self._reader, self._writer = socket.socketpair()
-      self._writer.setblocking(False)
-      self._previous_wakeup_fd = signal.set_wakeup_fd(
-          self._writer.fileno(), warn_on_full_buffer=False)
-      self._watcher = threading.Thread(target=self._watch, name='stop-request', daemon=True)
-      self._watcher.start()
+          # None: a handler not set from Python, i.e. the default.
+          previous = signal.signal(sig, self._handle) or signal.SIG_DFL
+          self._undo.callback(signal.signal, sig, previous)
+      self._undo.callback(signal.set_wakeup_fd, signal.set_wakeup_fd(
+          writer.fileno(), warn_on_full_buffer=False))
+      watcher.start()
     StopRequest._active = self
     return self
 
   def __exit__(self, *exc):
-    if StopRequest._active is not self:
-      return
-    StopRequest._active = None
-    if self._watcher:  # installed (in the main thread)
-      signal.set_wakeup_fd(self._previous_wakeup_fd)
-      for sig, handler in self._previous.items():
-        # None: a handler not set from Python, i.e. the default.
-        signal.signal(sig, handler or signal.SIG_DFL)
-      self._writer.close()  # the watcher's recv returns b'': it ends
-      self._watcher.join(timeout=5)
-      self._reader.close()
-      self._watcher = None
+    if StopRequest._active is self:
+      StopRequest._active = None
+      self._undo.close()
 
   @property
   def requested(self):
     """True once a signal asked to stop."""
-    return self.event.is_set()
-
-  def wait(self, timeout):
-    """Sleeps up to `timeout` seconds, waking early on a stop; True if one came."""
-    return self.event.wait(timeout)
+    return self.is_set()
 
   @contextlib.contextmanager
   def while_blocked(self, callback):
@@ -573,7 +564,7 @@ class StopRequest:
   def _stop(self, signum):
     # No lock: the main thread's handler may run while that thread holds one.
     self.signal_name = self.signal_name or signal.Signals(signum).name
-    self.event.set()
+    self.set()
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
     # The main thread's handler: marks the request, and raises in a
@@ -584,10 +575,10 @@ class StopRequest:
       self._raised = True
       raise Stopped(self.signal_name)
 
-  def _watch(self):
+  def _watch(self, reader):
     received = 0
     with contextlib.suppress(OSError):
-      while data := self._reader.recv(64):  # b'' once the writer is closed
+      while data := reader.recv(64):  # b'' once the writer is closed
         for signum in (s for s in data if s in STOP_SIGNALS):
           received += 1
           name = signal.Signals(signum).name
