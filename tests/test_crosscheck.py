@@ -242,15 +242,18 @@ def test_training_with_crosscheck_proves_then_trains(synth_data_dir, tmp_path):
   assert os.path.exists(tmp_path / 'model.ckpt-1.index')
 
 
-@pytest.mark.parametrize('failing,says', [
-    ('4 identity (modern): N towers vs 1 on concat', 'legacy and modern agree, but in both N '
-     'towers differ from 1 tower'),
-    ('1 averaged gradient', 'legacy and modern do not compute the same thing.')])
-def test_a_failure_says_whether_legacy_and_modern_disagree(monkeypatch, failing, says):
+@pytest.mark.parametrize('failing,measured,says', [
+    ('4 identity (modern): N towers vs 1 on concat', 1e-3, 'legacy and modern agree, but in '
+     'both N towers differ from 1 tower'),
+    ('1 averaged gradient', 1.4e-5, 'differ by less than 10x the tolerance, which float32 '
+     'rounding of a large batch\'s sums can do'),
+    ('1 averaged gradient', 1e-4, 'legacy and modern do not compute the same thing.')])
+def test_a_failure_says_whether_legacy_and_modern_disagree(monkeypatch, failing, measured, says):
   """Only identity rows failing (cuDNN's arithmetic by batch, docs/equivalence.md §3) is not
-  a legacy/modern difference, and the line says so."""
+  a legacy/modern difference, and the line says so; rows failing by under 10x the tolerance
+  may be float32 rounding (1.4e-5 was measured at batch 3072), and the line says how to tell."""
   rows = [('1 averaged gradient', 'conv1/biases', 0.0, 1e-5),
-          (failing, 'conv1/weights', 1e-3, 1e-5)]
+          (failing, 'conv1/weights', measured, 1e-5)]
   monkeypatch.setattr(crosscheck, 'run', lambda *args, **kwargs: (
       {'towers': crosscheck.Report(rows, None, None, None)}, None, None, None))
   monkeypatch.setattr(crosscheck, 'format_report', lambda report: 'the table')
