@@ -467,7 +467,7 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
     # The first step waits for the shuffle queue to fill: tens of seconds,
     # said on stdout past training.HEARTBEAT_AFTER.
     try:
-      with training.Heartbeat(first_step_progress) if first else contextlib.nullcontext():
+      with training.heartbeat(first_step_progress) if first else contextlib.nullcontext():
         _, tower_losses, summary = sess.run([
             towers.train_op, towers.tower_losses, towers.summary_op if write_summary else []])
     except closed:

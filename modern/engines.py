@@ -429,7 +429,7 @@ class MultiWorker(Mirrored):
     with self.waiting('the final barrier', step):
       self.trainer.barrier()
 
-  def lost_peers(self, error, step, first_step, save, stop):  # pylint: disable=unused-argument
+  def lost_peers(self, error, step, first_step, stop):
     """After a wait for the peers failed in this thread: saves what it can, says so.
 
     Returns:

@@ -152,7 +152,7 @@ def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_w
     with engine.waiting('the start-up', step, first=True):
       engine.broadcast()
   except engine.peer_errors as e:
-    return engine.lost_peers(e, step, step, save, stop)  # nothing to save
+    return engine.lost_peers(e, step, step, stop)  # nothing to save
   step = global_step()
   if resume_from:
     logger.info(f'Resuming from {resume_from} at global step {step}.')
@@ -173,7 +173,7 @@ def _train_loop(config, engine, save, resume_from, stop, on_step, examples_per_w
     def progress(what):
       # During the first step, a heartbeat line saying `what` it waits for
       # past 5 s. Progress comes from the chief.
-      return (training.Heartbeat(lambda seconds: f'{what}... {seconds} s')
+      return (training.heartbeat(lambda seconds: f'{what}... {seconds} s')
               if first and engine.is_chief else contextlib.nullcontext())
 
     with stop.raising() if first and alone else contextlib.nullcontext():

@@ -97,7 +97,7 @@ class Run(types.SimpleNamespace):
       checkpoint's path. Its `last_saved`: the global step of the newest
       checkpoint written or resumed from, or None.
     held(): the global step the variables hold now.
-    lost_peers(error, step, first_step, save, stop), with `peer_errors`: a
+    lost_peers(error, step, first_step, stop), with `peer_errors`: a
       wait for the peers failed: the step reached, or raises.
 
   Attributes:
@@ -199,7 +199,7 @@ def train_loop(config, stop, run, step, on_step=None):
           logger.warning(f'could not write the last TensorBoard summaries to {run.write_dir} '
                          f'({str(e).strip().splitlines()[0]}).')
   except run.peer_errors as e:
-    return run.lost_peers(e, step, first_step, run.save, stop)
+    return run.lost_peers(e, step, first_step, stop)
   except Exception as e:  # pylint: disable=broad-except
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
@@ -220,7 +220,7 @@ HEARTBEAT_EVERY = 10.0
 
 
 @contextlib.contextmanager
-def Heartbeat(message):  # pylint: disable=invalid-name
+def heartbeat(message):
   """A context: while its block runs past HEARTBEAT_AFTER seconds, one line every HEARTBEAT_EVERY.
 
   The lines come from a thread of its own, as the main thread is inside

@@ -215,11 +215,11 @@ def test_log_window_means_over_plain_steps():
 def test_heartbeat_is_silent_when_fast_and_beats_when_slow(monkeypatch):
   monkeypatch.setattr(training, 'HEARTBEAT_AFTER', 0.3)
   monkeypatch.setattr(training, 'HEARTBEAT_EVERY', 0.2)
-  with fs.Logged() as logged, training.Heartbeat(lambda s: 'waiting %d' % s):
+  with fs.Logged() as logged, training.heartbeat(lambda s: 'waiting %d' % s):
     pass
   assert logged.out == []
   monkeypatch.setattr(training, 'HEARTBEAT_AFTER', 0.1)
-  with fs.Logged() as logged, training.Heartbeat(lambda s: 'waiting %d' % s):
+  with fs.Logged() as logged, training.heartbeat(lambda s: 'waiting %d' % s):
     time.sleep(0.65)
   lines = logged.out
   assert len(lines) >= 2, lines
