@@ -436,6 +436,22 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   return step
 
 
+def _save(saver, sess, config, step):
+  """Writes `model.ckpt-<step>`; a failed write (e.g. disk full) stops training.
+
+  The Saver names a checkpoint latest only after writing it whole, so a
+  failure leaves the previous one in place; its partial files are removed.
+  Nothing is written if train_dir was removed under the run (LockError).
+  A function of its own: the fault tests hold a run in it (tests/test_faults_runs.py's
+  save phases, tests/test_faults_interrupt.py).
+  """
+  lock.check(config.train_dir)
+  try:
+    saver.save(sess, config.checkpoint_prefix(), global_step=step)
+  except (tf.errors.OpError, OSError) as e:
+    raise checkpoints.save_failed(config.train_dir, step, e) from e
+
+
 def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
   """`runtime.training.train_loop` fed by the queue threads, which it always stops.
 
@@ -480,19 +496,9 @@ def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
     return int(sess.run(towers.global_step))
 
   def save():
-    """Writes `model.ckpt-<step>` unless written; a failed write (e.g. disk full) stops training.
-
-    The Saver names a checkpoint latest only after writing it whole, so a
-    failure leaves the previous one in place; its partial files are removed.
-    Nothing is written if train_dir was removed under the run (LockError).
-    """
     step = held()
     if step != save.last_saved:
-      lock.check(config.train_dir)
-      try:
-        graph_parts.saver.save(sess, config.checkpoint_prefix(), global_step=step)
-      except (tf.errors.OpError, OSError) as e:
-        raise checkpoints.save_failed(config.train_dir, step, e) from e
+      _save(graph_parts.saver, sess, config, step)
       save.last_saved = step
     return f'{config.checkpoint_prefix()}-{step}'
 
