@@ -268,7 +268,6 @@ _COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data
 # they kept; every other command ends at once (training.Stopped), its writers
 # leaving nothing half-written.
 _LOOP_COMMANDS = _IMPLS + ('eval',)
-_stopped_by_signal = False  # see _Group.invoke
 
 
 class _Group(click.Group):
@@ -315,16 +314,8 @@ class _Group(click.Group):
       ending.say(str(training.Stopped(name)) if command in _IMPLS
                  else f'Stopped by {name}; `{command}` did not finish, and left nothing '
                  'half-written.')
-    if not stop.requested:
-      return
-    # Set when a signal stopped the command. By then the checkpoint is
-    # written, the input threads are joined and the summaries flushed, so
-    # `main` skips TensorFlow's interpreter teardown (1-2 s, several times
-    # that on a busy machine) and a scheduler's grace period (`docker stop`:
-    # 10 s) is met.
-    global _stopped_by_signal  # pylint: disable=global-statement
-    _stopped_by_signal = True
-    ctx.exit(training.exit_status(stop.signal_name))
+    if stop.requested:
+      ctx.exit(training.exit_status(stop.signal_name))
 
 
 @click.group(cls=_Group, context_settings={'help_option_names': ['-h', '--help'],
@@ -813,19 +804,19 @@ def main():
     cli()  # pylint: disable=no-value-for-parameter
   except SystemExit as e:
     status = e.code  # click's, an int: the command's, or 128 + N after a stop (_Group.invoke)
-    if not _stopped_by_signal:
-      # The command ended by itself: its result is kept, or its failure said.
-      # From here a stop signal ends the process at once with that status, not
-      # as killed by the signal (128 + N): a scheduler's grace is kept, and
-      # `convert && modern` goes on. Python gives its signals back to their
-      # default action before it tears the interpreter down (TensorFlow's
-      # 1-2 s), so that teardown is skipped, as after a stop; the atexit hooks
-      # (TensorFlow's clean-up, the stderr filter's) run first.
-      for sig in training.STOP_SIGNALS:
-        if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
-          signal.signal(sig, lambda *_: ending.exit_now(status))
-      atexit._run_exitfuncs()  # pylint: disable=protected-access
-    ending.exit_now(status)
+  # The command has ended: its result is kept, or its failure or stop said.
+  # From here a stop signal ends the process at once with that status, not as
+  # killed by the signal: a scheduler's grace is kept, and `convert && modern`
+  # goes on. The atexit hooks run (TensorFlow's clean-up of its autograph temp
+  # files, the stderr filter's flush); Python's interpreter teardown, in which
+  # its signals are back at their default action, is skipped: with TensorFlow
+  # loaded it takes 1-2 s, several times that on a busy machine, and a
+  # scheduler's grace period (`docker stop`: 10 s) must be met.
+  for sig in training.STOP_SIGNALS:
+    if signal.getsignal(sig) != signal.SIG_IGN:  # nohup: it stays ignored
+      signal.signal(sig, lambda *_: ending.exit_now(status))
+  atexit._run_exitfuncs()  # pylint: disable=protected-access
+  ending.exit_now(status)
 
 
 if __name__ == '__main__':
