@@ -105,9 +105,8 @@ def _options(*options):
   return lambda f: functools.reduce(lambda g, option: option(g), reversed(options), f)
 
 
-def _data_dir(help_text, default=config_lib.DEFAULT_DATA_DIR, envvar='CIFAR10_DATA_DIR',
-              type_=_DIR):
-  return _option('--data_dir', type_, default, help_text, envvar=envvar)
+def _data_dir(help_text, default=config_lib.DEFAULT_DATA_DIR, envvar='CIFAR10_DATA_DIR'):
+  return _option('--data_dir', _DIR, default, help_text, envvar=envvar)
 
 
 def _batch_size(help_text, default=hparams.BATCH_SIZE):
@@ -686,7 +685,6 @@ def data(ctx):
 
 
 _DATA_DIR = _data_dir('Directory that holds (or will hold) cifar-10-batches-bin/.')
-_DATA_OUT_DIR = _data_dir('Directory to write cifar-10-batches-bin/ in.', type_=_OUT_DIR)
 _FORCE = _option('--force', bool, False, 'Also replace data this command did not write: '
                  'CIFAR-10, your own, or the other generator\'s.')
 _SEED = _option('--seed', int, 0)
@@ -729,7 +727,7 @@ def _say_if_generated(data_dir, doing):
 
 
 @data.command()
-@_DATA_OUT_DIR
+@_DATA_DIR
 @_option('--train_per_file', _POSITIVE, 1000, 'Records in each of the 5 training files.')
 @_option('--num_test', _POSITIVE, 1000, 'Records in test_batch.bin.')
 @_SEED
@@ -783,7 +781,7 @@ def check(data_dir):
 
 
 @data.command()
-@_DATA_OUT_DIR
+@_DATA_DIR
 @_SEED
 @_FORCE
 def digits(data_dir, seed, force):

@@ -61,16 +61,13 @@ def test_an_empty_path_is_a_usage_error(args, refused):
     ('--dump', 'afile', 'afile is a file, not a directory'),
     ('--out', 'afile/sub', 'afile is a file, so afile/sub cannot be created under it'),
     ('--to_dir', 'afile/sub', 'afile is a file, so afile/sub cannot be created under it'),
-    ('--data_dir', 'afile/sub', 'afile is a file, so afile/sub cannot be created under it'),
-    ('--data_dir', 'afile', 'afile is a file, not a directory'),
 ])
 def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     flag, path, why, tmp_path, monkeypatch, refused):
   monkeypatch.chdir(tmp_path)
   (tmp_path / 'afile').write_text('')
   command = {'--dump': ['crosscheck'], '--out': ['profile', 'legacy'],
-             '--to_dir': ['convert', '--from_dir', '.'],
-             '--data_dir': ['data', 'digits' if '/' in path else 'synth']}.get(flag, ['bench'])
+             '--to_dir': ['convert', '--from_dir', '.']}.get(flag, ['bench'])
   assert refused(command + [flag, path]) == [
       f'Error: Invalid value for {flag}: {why}; pass another {flag}.']
   assert os.listdir(tmp_path) == ['afile']
