@@ -7,9 +7,9 @@ steer ("After K steps" there), by their median element: the variables to 1e-2
 of the summed lr, the slots 1e-2 relative. The cross-check matrix runs on
 tiny batches (2 images per tower, 2 steps) to keep the suite's time: what it
 compares is the arithmetic, not learning. Its towers: 1 (nothing to average)
-and 3 (the 1/N of a mean not exact in floating point); 2 towers in the cells
-that check the mirrored engine too, the injected faults' below and
-tests/test_crosscheck.py's.
+and 3 (the 1/N of a mean not exact in floating point); two of its 3-tower
+cells check the mirrored engine too. 2 towers: the Adam sweep's first cell
+(mirrored too), the injected faults' below and tests/test_crosscheck.py's.
 
 The matrix runs through the command line (`crosscheck --optimizer ...`), so
 its flags and tables are checked on the way. Its cells are the code paths,
@@ -55,9 +55,10 @@ def _global_norm(grads):
                            for g in grads.values())))
 
 
-# Cells of 2 towers that hold the mirrored engine to the same contract too:
-# the replica engines update every slot through TrainState (mirrored slots).
-MIRRORED = [(2, 'adam', 'averaged'), (2, 'momentum', 'per_tower')]
+# Cells that hold the mirrored engine to the same contract too, one per
+# optimizer with slots and per --clip_where: the replica engines update every
+# slot through TrainState (mirrored slots).
+MIRRORED = [(3, 'adam', 'averaged'), (3, 'momentum', 'per_tower')]
 MATRIX = [(3, name, clip_where) for name in (optimizer_lib.MOMENTUM, optimizer_lib.ADAM)
           for clip_where in optimizer_lib.CLIP_WHERE] + [
               (1, optimizer_lib.SGD, optimizer_lib.AVERAGED),
@@ -78,8 +79,8 @@ def _crosscheck_cli(monkeypatch, args):
   return result, runs[0][0]
 
 
-@pytest.mark.parametrize('num_towers,name,clip_where', MATRIX + MIRRORED,
-                         ids=['-'.join(map(str, cell)) for cell in MATRIX + MIRRORED])
+@pytest.mark.parametrize('num_towers,name,clip_where', MATRIX,
+                         ids=['-'.join(map(str, cell)) for cell in MATRIX])
 def test_crosscheck_matrix(monkeypatch, num_towers, name, clip_where):
   """Each cell through the command line: its optimizer flags reach both trainers."""
   spec = optimizer_lib.Optimizer(name=name, clip_norm=CLIP, clip_where=clip_where)
@@ -127,9 +128,12 @@ def test_crosscheck_matrix(monkeypatch, num_towers, name, clip_where):
 # rounding-sized gradients apart (seed 6 failed the old contract); plain Adam
 # on 3 mirrored towers at seed 4, where ties flip in step 2 and conv1's
 # variables end up to 0.2 of the summed lr apart. Every seed of a sweep must
-# pass, not a chosen one.
-ADAM_SWEEP = [(2, 16, 5, 0.001, 1, CLIP), (3, 16, 5, 0.001, 4, None)] + [
-    (3, 2, 2, 0.1, seed, CLIP) for seed in range(5, 8)]
+# pass, not a chosen one. The lr 0.1 cells' other seeds: seed 3 is
+# test_crosscheck_matrix's 3-adam-averaged cell (the same cell through the CLI,
+# mirrored too); seeds 5 and 7 ran the same code on other numbers and were
+# dropped for the suite's time (they passed the contract with the others).
+ADAM_SWEEP = [(2, 16, 5, 0.001, 1, CLIP), (3, 16, 5, 0.001, 4, None),
+              (3, 2, 2, 0.1, 6, CLIP)]
 
 
 @pytest.mark.parametrize('num_towers,batch_size,steps,learning_rate,seed,clip', ADAM_SWEEP)
