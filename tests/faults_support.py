@@ -241,6 +241,27 @@ def invoke_cli(args, env=None):
   return result.exit_code, result.stdout, result.stderr, exception
 
 
+def crosscheck_cli(monkeypatch, args):
+  """`crosscheck ARGS` in this process, its one crosscheck.run recorded.
+
+  Returns:
+    (click's Result, what crosscheck.run returned: (reports, images, labels, init)).
+  """
+  from click.testing import CliRunner
+  from cifar10_towers import cli  # pylint: disable=import-outside-toplevel
+  from cifar10_towers import crosscheck  # pylint: disable=import-outside-toplevel
+  runs, real_run = [], crosscheck.run
+
+  def run(*args, **kwargs):
+    runs.append(real_run(*args, **kwargs))
+    return runs[-1]
+
+  monkeypatch.setattr(crosscheck, 'run', run)
+  result = CliRunner().invoke(cli.cli, ['crosscheck'] + [str(a) for a in args])
+  assert len(runs) == 1, result.output
+  return result, runs[0]
+
+
 class Running:
   """A `python cli.py ...` subprocess whose stdout lines are read as they come.
 

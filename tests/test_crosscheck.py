@@ -17,6 +17,8 @@ from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 
+import faults_support as fs
+
 
 def _plan(device_plan, n):
   return devices.DevicePlan(device_plan.tower_devices[:n], device_plan.kind,
@@ -40,19 +42,6 @@ def test_rel_diff():
   assert crosscheck.rel_diff([1e-9], [0.0]) == np.inf
 
 
-def _crosscheck_cli(monkeypatch, args):
-  """`crosscheck ARGS` in this process: its click result and crosscheck.run's return value."""
-  runs, real_run = [], crosscheck.run
-
-  def run(*args, **kwargs):
-    runs.append(real_run(*args, **kwargs))
-    return runs[-1]
-
-  monkeypatch.setattr(crosscheck, 'run', run)
-  result = CliRunner().invoke(cli.cli, ['crosscheck'] + [str(a) for a in args])
-  assert len(runs) == 1, result.output
-  return result, runs[0]
-
 
 # 2 towers also on the mirrored engine, upstream's SGD (the three-way check
 # with momentum and Adam is tests/test_optimizers.py's test_crosscheck_matrix).
@@ -63,7 +52,7 @@ STRATEGIES = {1: 'towers', 2: 'mirrored', 4: 'towers'}
 def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, tmp_path,
                                                                   monkeypatch):
   """`crosscheck --dump`: it passes, and the evidence file holds what it compared."""
-  result, (reports, images, labels, _) = _crosscheck_cli(monkeypatch, [
+  result, (reports, images, labels, _) = fs.crosscheck_cli(monkeypatch, [
       '--num_gpus', num_towers, '--batch_size', 8, '--steps', 3, '--seed', num_towers,
       '--dump', tmp_path, '--strategy', STRATEGIES[num_towers]])
   assert result.exit_code == 0, result.output
@@ -177,7 +166,7 @@ def test_fails_with_sum_instead_of_mean_and_the_cli_exits_1(monkeypatch):
     return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
 
   monkeypatch.setattr(modern_train, 'average_gradients', summed)
-  result, (reports, *_) = _crosscheck_cli(monkeypatch, [
+  result, (reports, *_) = fs.crosscheck_cli(monkeypatch, [
       '--num_gpus', 2, '--batch_size', 8, '--steps', 2, '--seed', 3])
   assert result.exit_code == 1
   assert 'FAIL' in result.output

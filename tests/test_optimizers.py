@@ -38,6 +38,8 @@ from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import training
 
+import faults_support as fs
+
 CLIP = 1.0  # well below the initial gradients' global norm: clipping is active
 
 
@@ -65,19 +67,6 @@ MATRIX = [(3, name, clip_where) for name in (optimizer_lib.MOMENTUM, optimizer_l
               (1, optimizer_lib.ADAM, optimizer_lib.PER_TOWER)]
 
 
-def _crosscheck_cli(monkeypatch, args):
-  """`crosscheck ARGS` in this process: its click result and the reports of its tables."""
-  runs, real_run = [], crosscheck.run
-
-  def run(*args, **kwargs):
-    runs.append(real_run(*args, **kwargs))
-    return runs[-1]
-
-  monkeypatch.setattr(crosscheck, 'run', run)
-  result = CliRunner().invoke(cli.cli, ['crosscheck'] + [str(a) for a in args])
-  assert len(runs) == 1, result.output
-  return result, runs[0][0]
-
 
 @pytest.mark.parametrize('num_towers,name,clip_where', MATRIX,
                          ids=['-'.join(map(str, cell)) for cell in MATRIX])
@@ -86,7 +75,7 @@ def test_crosscheck_matrix(monkeypatch, num_towers, name, clip_where):
   spec = optimizer_lib.Optimizer(name=name, clip_norm=CLIP, clip_where=clip_where)
   mirrored = (num_towers, name, clip_where) in MIRRORED
   engines = ('towers', 'mirrored') if mirrored else ('towers',)
-  result, reports = _crosscheck_cli(monkeypatch, [
+  result, (reports, *_) = fs.crosscheck_cli(monkeypatch, [
       '--num_gpus', num_towers, '--batch_size', 2, '--steps', 2, '--seed', num_towers,
       '--optimizer', name, '--clip_norm', CLIP, '--clip_where', clip_where,
       '--strategy', 'mirrored' if mirrored else 'towers'])
