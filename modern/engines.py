@@ -382,14 +382,6 @@ class MultiWorker(Mirrored):
       if sigterm is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
 
-  def dataset(self):
-    # tf.data's autotuning thread can hold up the deletion of the iterator at
-    # the end for tens of seconds (TF 2.21), while the other workers wait at
-    # the final barrier; without it AUTOTUNE means one parallel call per core.
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return super().dataset().with_options(options)
-
   def _save_completed(self, step, first_step):
     """The chief saves the last step completed in this run, if any: its path, or None."""
     if not self.is_chief or step <= first_step:

@@ -18,8 +18,9 @@ memory of the training process, in bytes:
                     + 16 x 128 x P                  16 threads preprocessing up
                                                     to 128 records each
             modern: min_after_dequeue x R           the shuffle buffer of raw records
-                    + (3N + 1) x B x I              the prefetch buffer (autotuned;
-                                                    taken as 2 elements of N
+                    + (3N + 1) x B x I              the prefetch buffer (it grows
+                                                    as the step waits; taken as
+                                                    2 elements of N
                                                     batches), the element the
                                                     step holds, one being batched
                     + C x B x P                     C parallel map calls (one
