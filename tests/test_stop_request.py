@@ -23,8 +23,10 @@ def _signal_soon(sig, delay=0.3):
   return timer
 
 
-@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize('sig', training.STOP_SIGNALS, ids=lambda s: s.name)
 def test_a_signal_is_a_request_and_the_handlers_come_back(sig):
+  """Each stop signal: its name, and 128 + its number (tests/test_ending.py trains through
+  four of them, the same handler)."""
   before = signal.getsignal(sig)
   with training.StopRequest() as stop:
     assert not stop.requested and stop.signal_name is None
