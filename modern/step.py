@@ -283,7 +283,7 @@ class Trainer:
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
     self._tower_fn = tf.function(self._tower, jit_compile=True) if jit else self._tower
-    self._gradients_fn = tf.function(self._gradients)
+    self._gradients_fn = tf.function(self._gradients, autograph=False)
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -387,8 +387,10 @@ class Trainer:
 
   # `summaries` (a Python bool) traces the step of the steps that write
   # summaries apart: the same arithmetic, and what the summaries need from
-  # inside it; the other steps run the plain step unchanged.
-  @tf.function
+  # inside it; the other steps run the plain step unchanged. No autograph (nor in
+  # _gradients_fn): the step is Python that builds ops, with no `if` or `for` over
+  # a tensor to convert, and converting it cost a modern process 1 s of its start.
+  @tf.function(autograph=False)
   def _step(self, images, labels, vote, summaries=False):
     """One training step over all towers.
 
