@@ -191,7 +191,7 @@ class ReplicaTrainer(step_lib.Trainer):
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
 
-  @tf.function
+  @tf.function(autograph=False)  # as modern.step's
   def broadcast_from_chief(self):
     """Sets every worker's variables, averages and global step to the chief's."""
     state = self.state
@@ -213,7 +213,7 @@ class ReplicaTrainer(step_lib.Trainer):
       self.strategy.extended.update(var, lambda v, x: v.assign(tf.cast(x, v.dtype)),
                                     args=(value,))
 
-  @tf.function
+  @tf.function(autograph=False)
   def barrier(self):
     """Returns when every replica of every worker has called it."""
     return self.strategy.experimental_local_results(self.strategy.run(
