@@ -108,6 +108,9 @@ def test_crosscheck_passes_with_3_towers_at_the_cli_defaults(device_plan):
       reports['towers'])
 
 
+# The injected faults below show at the initial variables (rows 1, 2 and 4), so
+# they run K = 0 steps: no training step is built (test_optimizers.py's faults
+# that need the steps, rows 3, run them).
 @pytest.fixture
 def two_towers(device_plan):
   return _plan(device_plan, 2)
@@ -124,7 +127,7 @@ def test_fails_when_weight_decay_counted_twice(monkeypatch, two_towers):
     return original(model, images, labels, params, activation_hook) + extra
 
   monkeypatch.setattr(modern_train, 'tower_loss', twice)
-  report = crosscheck.run(two_towers, batch_size=8, steps=2, seed=1)[0]['towers']
+  report = crosscheck.run(two_towers, batch_size=8, steps=0, seed=1)[0]['towers']
   assert not report.passed
   failed = {(check, name) for check, name, _, _ in report.failures()}
   assert ('1 averaged gradient', 'local3/weights') in failed
@@ -149,7 +152,7 @@ def test_fails_with_upstream_unfiltered_weight_decay(monkeypatch, two_towers):
     return tf1.add_n(tf1.get_collection('losses'), name='total_loss')
 
   monkeypatch.setattr(legacy_train, 'tower_loss', unfiltered)
-  report = crosscheck.run(two_towers, batch_size=8, steps=2, seed=2)[0]['towers']
+  report = crosscheck.run(two_towers, batch_size=8, steps=0, seed=2)[0]['towers']
   failed = {(check, name) for check, name, _, _ in report.failures()}
   # Tower 1 also counts tower 0's terms; tower 0 is unaffected.
   assert ('2 tower loss', 'tower_1') in failed
@@ -167,7 +170,7 @@ def test_fails_with_sum_instead_of_mean_and_the_cli_exits_1(monkeypatch):
 
   monkeypatch.setattr(modern_train, 'average_gradients', summed)
   result, (reports, *_) = fs.crosscheck_cli(monkeypatch, [
-      '--num_gpus', 2, '--batch_size', 8, '--steps', 2, '--seed', 3])
+      '--num_gpus', 2, '--batch_size', 8, '--steps', 0, '--seed', 3])
   assert result.exit_code == 1
   assert 'FAIL' in result.output
   assert 'cross-check failed' in result.output
@@ -192,7 +195,7 @@ def test_fails_with_wrong_lrn_constant(monkeypatch, two_towers):
       return original(*args, **kwargs)
 
   monkeypatch.setattr(legacy_train, 'build_towers', build_with_wrong_alpha)
-  report = crosscheck.run(two_towers, batch_size=8, steps=2, seed=4)[0]['towers']
+  report = crosscheck.run(two_towers, batch_size=8, steps=0, seed=4)[0]['towers']
   failed = {(check, name) for check, name, _, _ in report.failures()}
   assert ('2 tower loss', 'tower_0') in failed
   assert ('1 averaged gradient', 'conv1/weights') in failed
