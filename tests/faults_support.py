@@ -518,10 +518,13 @@ def _wrap(func, hook):
   def wrapper(*args, **kwargs):
     calls[0] += 1
     if calls[0] == hook.get('nth', 1):
+      # The pause ends `dwell` seconds after the line, whenever it begins: a
+      # run frozen (SIGSTOP) right after the line, before its sleep, must not
+      # sleep the whole pause again once thawed (tests freeze at the line).
+      until = time.monotonic() + hook.get('dwell', 0)
       if 'say' in hook:
         print(hook['say'], flush=True)
-      if hook.get('dwell'):
-        time.sleep(hook['dwell'])
+      time.sleep(max(0.0, until - time.monotonic()))
     if 'returns' in hook:
       return hook['returns']
     return func(*args, **kwargs)
@@ -576,7 +579,7 @@ def hook(at, say=None, dwell=0.0, nth=1, returns=None):
 
   The project's modules are named inside the cifar10_towers package
   ('modern.step:...'); others in full ('tensorflow.python...:...').
-  Prints `say` on stdout and sleeps `dwell` seconds before the call goes on,
+  Prints `say` on stdout and pauses until `dwell` seconds after it before the call goes on,
   or returns `returns` instead of calling (when given).
   """
   if at.split('.')[0] in PROJECT_PACKAGES:
