@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import queue
 import shutil
@@ -260,6 +261,38 @@ def crosscheck_cli(monkeypatch, args):
   result = CliRunner().invoke(cli.cli, ['crosscheck'] + [str(a) for a in args])
   assert len(runs) == 1, result.output
   return result, runs[0]
+
+
+def crosscheck_in_background(arg_lists, out_dir):
+  """`crosscheck ARGS` for each list of arg_lists, as crosscheck_cli runs them, but in a
+  forked process (tests/crosscheck_child.py) while this one goes on.
+
+  This process is single-threaded Python most of the time (graph building,
+  tracing), which leaves one of two cores idle: a module's slowest
+  cross-checks run there beside its other tests.
+
+  Returns:
+    A callable that waits for the runs: a list of (exit code, output, what
+    crosscheck.run returned), one per list of arg_lists.
+  """
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  path = os.path.join(out_dir, 'crosscheck_child.pickle')
+  proc = Spawned([os.path.join(ROOT, 'tests', 'crosscheck_child.py'), path,
+                  len(tf.config.list_logical_devices('CPU')),
+                  json.dumps([[str(a) for a in args] for args in arg_lists])], cli_env())
+  results = []
+
+  def wait():
+    if not results:
+      _, err = proc.communicate(timeout=600)
+      assert proc.returncode == 0, err[-3000:]
+      with open(path, 'rb') as f:
+        results.extend(pickle.load(f))
+    errors = [error for *_, error in results if error]
+    assert not errors, errors[0]
+    return [result[:3] for result in results]
+  wait.proc = proc
+  return wait
 
 
 class Running:

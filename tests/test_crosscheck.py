@@ -43,71 +43,6 @@ def test_rel_diff():
 
 
 
-# 2 towers also on the mirrored engine, upstream's SGD (the three-way check
-# with momentum and Adam is tests/test_optimizers.py's test_crosscheck_matrix).
-STRATEGIES = {1: 'towers', 2: 'mirrored', 4: 'towers'}
-
-
-@pytest.mark.parametrize('num_towers', [1, 2, 4])
-def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, tmp_path,
-                                                                  monkeypatch):
-  """`crosscheck --dump`: it passes, and the evidence file holds what it compared."""
-  result, (reports, images, labels, _) = fs.crosscheck_cli(monkeypatch, [
-      '--num_gpus', num_towers, '--batch_size', 8, '--steps', 3, '--seed', num_towers,
-      '--dump', tmp_path, '--strategy', STRATEGIES[num_towers]])
-  assert result.exit_code == 0, result.output
-  if STRATEGIES[num_towers] == 'mirrored':
-    assert set(reports) == {'towers', 'mirrored'}
-    assert result.output.count('PASS: all') == 2, result.output
-    assert 'legacy vs modern (mirrored)' in result.output
-  else:
-    assert set(reports) == {'towers'}
-    assert result.output.count('PASS: all') == 1, result.output
-  report = reports['towers']
-  assert images.shape == (num_towers, 8, 24, 24, 3)
-  assert labels.shape == (num_towers, 8)
-  # The check must compare something real: gradients and updates are not zero.
-  for name in model_spec.VARIABLE_NAMES:
-    assert np.max(np.abs(report.legacy.grads[name])) > 0, name
-  assert not np.allclose(report.legacy.final['local3/weights'],
-                         crosscheck.initial_values(num_towers)['local3/weights'])
-  # 10 gradients, N losses, 10 variables, 10 averages, 2 x 10 identities.
-  assert len(report.rows) == 10 + num_towers + 10 + 10 + 20
-  failures = report.failures()
-  assert not failures, crosscheck.format_report(report)
-  assert report.passed
-
-  evidence = np.load(tmp_path / 'crosscheck.npz')
-  assert evidence['images'].shape == (num_towers, 8, 24, 24, 3)
-  assert evidence['images'].dtype == np.float32
-  assert evidence['labels'].shape == (num_towers, 8)
-  assert evidence['labels'].dtype == np.int32
-  assert evidence['legacy/tower_loss'].shape == (num_towers,)
-  for name in model_spec.VARIABLE_NAMES:
-    shape = model_spec.variable_shape(name)
-    for key in ('init/', 'legacy/grad/', 'modern/grad/', 'legacy/final/',
-                'modern/final/'):
-      assert evidence[key + name].shape == shape, key + name
-    # Our own re-check of the file, independent of crosscheck.rel_diff.
-    a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
-    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
-    np.testing.assert_allclose(evidence['legacy/final/' + name],
-                               evidence['modern/final/' + name],
-                               rtol=0, atol=1e-4 * np.max(np.abs(
-                                   evidence['modern/final/' + name])))
-  np.testing.assert_allclose(evidence['legacy/tower_loss'],
-                             evidence['modern/tower_loss'], rtol=1e-6)
-
-
-def test_crosscheck_passes_with_3_towers_at_the_cli_defaults(device_plan):
-  """batch 16, 5 steps, seed 0: with legacy on TF's LRN kernels and modern on
-  common.lrn's, this failed (variables after K steps 4e-3 apart)."""
-  reports = crosscheck.run(_plan(device_plan, 3), batch_size=16, steps=5,
-                           seed=0)[0]
-  assert not reports['towers'].failures(), crosscheck.format_report(
-      reports['towers'])
-
-
 # The injected faults below show at the initial variables (rows 1, 2 and 4), so
 # they run K = 0 steps: no training step is built (test_optimizers.py's faults
 # that need the steps, rows 3, run them).
@@ -253,3 +188,85 @@ def test_a_failure_says_whether_legacy_and_modern_disagree(monkeypatch, failing,
   assert result.exit_code == 1
   assert 'cross-check failed for legacy vs towers' in result.output
   assert says in result.output
+
+
+# 2 towers also on the mirrored engine, upstream's SGD (the three-way check
+# with momentum and Adam is tests/test_optimizers.py's test_crosscheck_matrix).
+STRATEGIES = {1: 'towers', 2: 'mirrored', 4: 'towers'}
+
+
+DUMPED = (1, 2, 4)  # the towers of the --dump runs
+
+
+@pytest.fixture(scope='module', autouse=True)
+def passing_runs(tmp_path_factory):
+  """The passing cross-checks below, started as the module begins: they run in a process
+  of their own (faults_support.crosscheck_in_background) beside the module's other tests.
+
+  Returns (the --dump runs' parent directory, a callable returning each run's (exit
+  code, output, what crosscheck.run returned): the DUMPED runs, then 3 towers).
+  """
+  base = tmp_path_factory.mktemp('passing')
+  runs = [['--num_gpus', n, '--batch_size', 8, '--steps', 3, '--seed', n,
+           '--dump', base / str(n), '--strategy', STRATEGIES[n]] for n in DUMPED]
+  wait = fs.crosscheck_in_background(runs + [['--num_gpus', 3]], str(base))
+  yield base, wait
+  wait.proc.kill()  # a no-op once it ended (when a test below ran)
+
+
+@pytest.mark.parametrize('num_towers', DUMPED)
+def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, passing_runs):
+  """`crosscheck --dump`: it passes, and the evidence file holds what it compared."""
+  base, wait = passing_runs
+  code, output, (reports, images, labels, _) = wait()[DUMPED.index(num_towers)]
+  assert code == 0, output
+  if STRATEGIES[num_towers] == 'mirrored':
+    assert set(reports) == {'towers', 'mirrored'}
+    assert output.count('PASS: all') == 2, output
+    assert 'legacy vs modern (mirrored)' in output
+  else:
+    assert set(reports) == {'towers'}
+    assert output.count('PASS: all') == 1, output
+  report = reports['towers']
+  assert images.shape == (num_towers, 8, 24, 24, 3)
+  assert labels.shape == (num_towers, 8)
+  # The check must compare something real: gradients and updates are not zero.
+  for name in model_spec.VARIABLE_NAMES:
+    assert np.max(np.abs(report.legacy.grads[name])) > 0, name
+  assert not np.allclose(report.legacy.final['local3/weights'],
+                         crosscheck.initial_values(num_towers)['local3/weights'])
+  # 10 gradients, N losses, 10 variables, 10 averages, 2 x 10 identities.
+  assert len(report.rows) == 10 + num_towers + 10 + 10 + 20
+  failures = report.failures()
+  assert not failures, crosscheck.format_report(report)
+  assert report.passed
+
+  evidence = np.load(base / str(num_towers) / 'crosscheck.npz')
+  assert evidence['images'].shape == (num_towers, 8, 24, 24, 3)
+  assert evidence['images'].dtype == np.float32
+  assert evidence['labels'].shape == (num_towers, 8)
+  assert evidence['labels'].dtype == np.int32
+  assert evidence['legacy/tower_loss'].shape == (num_towers,)
+  for name in model_spec.VARIABLE_NAMES:
+    shape = model_spec.variable_shape(name)
+    for key in ('init/', 'legacy/grad/', 'modern/grad/', 'legacy/final/',
+                'modern/final/'):
+      assert evidence[key + name].shape == shape, key + name
+    # Our own re-check of the file, independent of crosscheck.rel_diff.
+    a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
+    assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
+    np.testing.assert_allclose(evidence['legacy/final/' + name],
+                               evidence['modern/final/' + name],
+                               rtol=0, atol=1e-4 * np.max(np.abs(
+                                   evidence['modern/final/' + name])))
+  np.testing.assert_allclose(evidence['legacy/tower_loss'],
+                             evidence['modern/tower_loss'], rtol=1e-6)
+
+
+def test_crosscheck_passes_with_3_towers_at_the_cli_defaults(passing_runs):
+  """batch 16, 5 steps, seed 0: with legacy on TF's LRN kernels and modern on
+  common.lrn's, this failed (variables after K steps 4e-3 apart)."""
+  code, output, (reports, *_) = passing_runs[1]()[len(DUMPED)]
+  assert code == 0, output
+  assert not reports['towers'].failures(), crosscheck.format_report(
+      reports['towers'])

@@ -1,0 +1,40 @@
+"""`python crosscheck_child.py OUT DEVICES ARGS_JSON`: a test's `crosscheck` runs, in a process.
+
+tests/faults_support.crosscheck_in_background forks this (tests/fork_server.py)
+so that a module's slowest cross-checks run beside its other tests, on the
+core the single-threaded test process leaves idle. ARGS_JSON is a list of
+argument lists; each runs as faults_support.crosscheck_cli runs it in the
+test process (click's CliRunner, on DEVICES logical CPU devices, as many as
+the test process split the CPU into), and OUT receives the pickled list of
+(exit code, output, what crosscheck.run returned, traceback text or None).
+"""
+
+import json
+import os
+import pickle
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=wrong-import-position
+from click.testing import CliRunner
+
+from cifar10_towers import cli
+from cifar10_towers import crosscheck
+from cifar10_towers.common import devices
+
+cli._configure_logging()  # pylint: disable=protected-access
+devices.plan_devices(int(sys.argv[2]))  # as the test process (conftest.device_plan)
+_runs, _real_run = [], crosscheck.run
+crosscheck.run = lambda *args, **kwargs: _runs.append(_real_run(*args, **kwargs)) or _runs[-1]
+_results = []
+for _args in json.loads(sys.argv[3]):
+  del _runs[:]
+  _result = CliRunner().invoke(cli.cli, ['crosscheck'] + _args)
+  _error = (None if _result.exception is None or isinstance(_result.exception, SystemExit)
+            else ''.join(traceback.format_exception(*_result.exc_info)))
+  _results.append((_result.exit_code, _result.output, _runs[0] if len(_runs) == 1 else None,
+                   _error))
+with open(sys.argv[1], 'wb') as _f:
+  pickle.dump(_results, _f)
