@@ -20,7 +20,7 @@ from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import training
 import faults_support as fs
 
-SLOW_WRITE = 1.5  # seconds each summary write is slowed by
+SLOW_WRITE = 0.75  # seconds each summary write is slowed by
 
 
 def _slow_summary_writes(impl, monkeypatch):
