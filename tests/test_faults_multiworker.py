@@ -461,7 +461,9 @@ def test_a_worker_listed_at_the_wrong_index_is_named():
 
   def run(me, listener):
     try:
-      cluster.rendezvous(me, listener, 5)
+      # The impostor's own hello fails at once; the real worker 0 fails as
+      # fast when the impostor reads its hello, else at this timeout (no answer).
+      cluster.rendezvous(me, listener, 2)
     except cluster.StartupError as e:
       errors.append(str(e))
 
