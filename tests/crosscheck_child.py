@@ -18,23 +18,24 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
-from click.testing import CliRunner
+import pytest
 
 from cifar10_towers import cli
-from cifar10_towers import crosscheck
 from cifar10_towers.common import devices
+
+import faults_support as fs
 
 cli._configure_logging()  # pylint: disable=protected-access
 devices.plan_devices(int(sys.argv[2]))  # as the test process (conftest.device_plan)
-_runs, _real_run = [], crosscheck.run
-crosscheck.run = lambda *args, **kwargs: _runs.append(_real_run(*args, **kwargs)) or _runs[-1]
 _results = []
 for _args in json.loads(sys.argv[3]):
-  del _runs[:]
-  _result = CliRunner().invoke(cli.cli, ['crosscheck'] + _args)
-  _error = (None if _result.exception is None or isinstance(_result.exception, SystemExit)
-            else ''.join(traceback.format_exception(*_result.exc_info)))
-  _results.append((_result.exit_code, _result.output, _runs[0] if len(_runs) == 1 else None,
-                   _error))
+  try:
+    with pytest.MonkeyPatch.context() as _monkeypatch:
+      _result, _run = fs.crosscheck_cli(_monkeypatch, _args)
+    _error = (None if _result.exception is None or isinstance(_result.exception, SystemExit)
+              else ''.join(traceback.format_exception(*_result.exc_info)))
+    _results.append((_result.exit_code, _result.output, _run, _error))
+  except Exception:  # pylint: disable=broad-except
+    _results.append((None, None, None, traceback.format_exc()))
 with open(sys.argv[1], 'wb') as _f:
   pickle.dump(_results, _f)
