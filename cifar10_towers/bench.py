@@ -201,7 +201,7 @@ def contend_training(spec, boundary):
 
   def on_step(step, *_):  # a summary's writing and a save come after their step's on_step
     laps[step % config.summary_every] = _clocks(last)
-    if step % config.summary_every == 2 and step > 2:  # the ready boundary's figures are unread
+    if step % config.summary_every == 2 < step:  # the first (step 2) is no boundary
       boundary(**_window_figures(laps, config.save_every, spec['window_steps']))
     last[:] = _clocks()  # (after the boundary's wait)
 
@@ -630,7 +630,7 @@ def read_json(path):
       estimate = machine['matmul_estimate_images_per_sec'] = machine['matmul_flops_per_sec'] / flops
       for row in report['rows']:
         row.pop('ratio_to_ceiling', None)
-        row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
+        row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate  # no costs then
     machine.setdefault('cpu_model', 'CPU model not recorded')  # in reports before --plot
     report.setdefault('measured_at', 'date not recorded')
     format_table(report)  # reads every other figure that the table and the plot show
