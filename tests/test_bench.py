@@ -234,6 +234,83 @@ def test_table_shows_every_row_with_its_ratios(fake_report):
           'every 1000 steps') in table
 
 
+class FakeClocks:
+  """Stands in for bench's `time`: wall and CPU clocks that only `spend` moves."""
+
+  def __init__(self):
+    self.wall = self.cpu = 0.0
+
+  def perf_counter(self):
+    return self.wall
+
+  def process_time(self):
+    return self.cpu
+
+  def spend(self, seconds):
+    self.wall += seconds
+    self.cpu += 1.5 * seconds  # 1.5 cores busy
+
+
+def test_a_trainers_windows_hold_plain_steps_a_summary_and_saves_timed_apart(
+    monkeypatch, tmp_path):
+  """contend_training through a trainer that keeps runtime.training.train_loop's order.
+
+  Each step takes 0.1 s; a summary step 0.4 s more in the step and 0.05 s to
+  write after its `on_step`, a save 0.3 s after the step's `on_step`.
+  """
+  from cifar10_towers.modern import train as modern_train  # pylint: disable=import-outside-toplevel
+  clocks, windows, steps = FakeClocks(), [], []
+  monkeypatch.setattr(bench, 'time', clocks)
+
+  def train(config, plan, on_step):
+    del plan
+    for step in range(1, config.max_steps + 1):
+      summary = step % config.summary_every == 0
+      clocks.spend(0.1 + 0.4 * summary)  # the step, computing its summaries
+      on_step(step, 0.1, 8)
+      clocks.spend(0.05 * summary + 0.3 * (step % config.save_every == 0))  # write, save
+      steps.append(step)
+
+  def boundary(**figures):
+    windows.append((steps[-1] + 1 if steps else 1, figures))  # (the step of on_step, ...)
+    clocks.spend(5.0)  # the wait for the parent's go: in no window
+
+  monkeypatch.setattr(modern_train, 'train', train)
+  spec = {'impl': 'modern', 'num_gpus': 1, 'batch_size': 8, 'data_dir': str(tmp_path),
+          'windows': 3, 'window_steps': 10, 'jit': False, 'scratch': str(tmp_path)}
+  bench.contend_training(spec, boundary)
+  # A window of 14 steps: 11 plain, a save (step 7), a summary step and a save (step 14);
+  # the ready boundary after the first summary step, then one per window.
+  assert [step for step, _ in windows] == [16, 30, 44, 58] and steps[-1] == 58
+  for _, figures in windows[1:]:
+    assert figures['seconds'] == pytest.approx(10 * 0.1, rel=1e-9)  # 10 plain steps
+    assert figures['cpu_seconds'] == pytest.approx(10 * 0.15, rel=1e-9)
+    assert figures['costs'] == {'summary_ms': pytest.approx(450, rel=1e-9),
+                                'save_ms': pytest.approx(300, rel=1e-9)}
+    # At the default cadence: 10 x (0.1 + 0.45 / 100 + 0.3 / 1000) s.
+    assert figures['cadence_seconds'] == pytest.approx(1.048, rel=1e-9)
+
+
+def test_a_report_from_before_the_costs_reads_back_saying_what_it_lacks(tmp_path):
+  """Reports written before the costs were measured (docs/bench.json among them)."""
+  report = synthetic_report()
+  for row in report['rows']:
+    for record in [row] + row['rounds']:
+      for key in ('cadence_images_per_sec', 'summary_ms', 'save_ms'):
+        record.pop(key, None)
+  path = tmp_path / 'old.json'
+  path.write_text(json.dumps(report))
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', str(path)])
+  assert result.exit_code == 0, result.output
+  assert ('summary ms, save ms, cadence img/s: not measured (the report predates them): img/s '
+          'and ratios are of whole windows') in result.output
+  rows = [l.split() for l in result.output.splitlines() if l.startswith(('legacy', 'modern'))]
+  assert len(rows) == 4 and all(row[5:8] == ['-', '-', '-'] for row in rows)
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', os.path.join(
+      fs.ROOT, 'docs', 'bench.json')])
+  assert result.exit_code == 0 and 'not measured (the report predates them)' in result.output
+
+
 def test_a_failing_contender_is_a_bench_error(tmp_path):
   spec = {'kind': 'no-such-measurement', 'impl': 'modern', 'num_gpus': 1,
           'batch_size': 8, 'scratch': str(tmp_path), 'timeout_secs': 120}
@@ -305,8 +382,6 @@ def test_bench_command_measures_and_writes_json(synth_data_dir, tmp_path, monkey
       assert cadence == pytest.approx([16 / (16 / r['images_per_sec'] + 2 * (
           r['summary_ms'] / 100 + r['save_ms'] / 1000) / 1000) for r in rounds])
       assert line.split()[5:7] == ['%.0f' % row['summary_ms'], '%.0f' % row['save_ms']]
-      print(impl, 'summary ms', [r['summary_ms'] for r in rounds], 'save ms',
-            [r['save_ms'] for r in rounds], 'img/s', rates, 'cadence', cadence)
     if impl != 'keras':
       assert len(row['input_window_images_per_sec']) == bench.INPUT_WINDOWS
       assert row['input_images_per_sec'] == pytest.approx(
