@@ -3,9 +3,14 @@
 For every (implementation, towers) combination the benchmark measures
 
 - training images/sec in steady state: the trainer's own `train()` (its real
-  input pipeline, step, logging and summaries), timed over windows of
-  `window_steps` steps; a window is the time between two of the trainer's
-  log lines;
+  input pipeline, step and logging), its plain steps (no summary, no save)
+  timed in windows of 2 x (window_steps // 2 + 2) steps, each step through
+  the loop's `on_step`;
+- what one summary step and one checkpoint save cost beyond a plain step,
+  timed in the same windows (`_window_figures`), and the training
+  images/sec at the default cadence, a summary step every 100 steps and a
+  save every 1000, which every ratio uses (Keras writes neither: its plain
+  images/sec);
 - the input pipeline alone: images/sec the trainer's pipeline delivers to its
   towers when nothing trains;
 - the baseline: the same net (`common.model_spec` layers, initializers and
@@ -20,8 +25,8 @@ For every (implementation, towers) combination the benchmark measures
   docs/bench.json), so nothing calls it a ceiling;
 - peak memory: the RSS high-water mark of each contender's process;
 - images per CPU-second: images over the CPU time the process used in the
-  window, an efficiency that other load on the machine disturbs far less
-  than wall time does.
+  window (a trainer's: in its plain steps), an efficiency that other load on
+  the machine disturbs far less than wall time does.
 
 How. Every contender (Keras, legacy and modern for each tower count, and the
 matmul) runs in its own process (multiprocessing's spawn: a fresh interpreter
@@ -185,8 +190,9 @@ def _window_figures(laps, half, window_steps):
   save, summary = save_lap - wall, sum(both) - save_lap - wall  # (both - 2 x wall - save)
   return dict(seconds=wall * window_steps, cpu_seconds=cpu * window_steps,
               costs={'summary_ms': 1000 * summary, 'save_ms': 1000 * save},
-              cadence_seconds=window_steps * (wall + summary / config_lib.TrainConfig.summary_every +
-                                              save / config_lib.TrainConfig.save_every))
+              cadence_seconds=window_steps * (
+                  wall + summary / config_lib.TrainConfig.summary_every +
+                  save / config_lib.TrainConfig.save_every))
 
 
 def contend_training(spec, boundary):
