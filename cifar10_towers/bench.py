@@ -4,7 +4,7 @@ For every (implementation, towers) combination the benchmark measures
 
 - training images/sec in steady state: the trainer's own `train()` (its real
   input pipeline, step and logging), its plain steps (no summary, no save)
-  timed in windows of 2 x (window_steps // 2 + 2) steps, each step through
+  timed in windows of 2 x ((window_steps + 5) // 2) steps, each step through
   the loop's `on_step`;
 - what one summary step and one checkpoint save cost beyond a plain step,
   timed in the same windows (`_window_figures`), and the training
@@ -154,10 +154,10 @@ def _train_config(spec):
   """The trainer's settings: windows + 1 windows of 2 x half steps, a train_dir in the scratch.
 
   A save every half steps and a summary step every other save: each window
-  holds a save, a summary step with a save, and window_steps plain steps or
-  one more (half: window_steps // 2 + 2; `_window_figures`).
+  holds a save, a summary step with a save, and window_steps plain steps
+  (one more if odd; half: (window_steps + 5) // 2; `_window_figures`).
   """
-  half = spec['window_steps'] // 2 + 2
+  half = (spec['window_steps'] + 5) // 2
   return config_lib.TrainConfig(
       data_dir=spec['data_dir'], num_gpus=spec['num_gpus'], batch_size=spec['batch_size'],
       max_steps=(spec['windows'] + 1) * 2 * half + 2, save_every=half, summary_every=2 * half,
@@ -172,8 +172,10 @@ def _window_figures(laps, half, window_steps):
     laps: dict step % (2 x half) -> [wall, CPU seconds] from the `on_step`
       before to this step's: the step, and what the loop did after the step
       before. With a summary step and a save at step 0 (mod 2 x half) and a
-      save at half, laps 0 and 1 hold a summary step and a save, lap half + 1
-      a save, the others plain steps. Those three are taken out of it.
+      save at half, laps 0 and 1 hold a summary step and a save, laps half
+      and half + 1 a save, whether the loop calls `on_step` before the
+      summary's writing and the save (runtime.training.train_loop does) or
+      after them; the others hold plain steps. The four are taken out of it.
     half: int, the steps between saves.
     window_steps: int.
 
@@ -185,9 +187,9 @@ def _window_figures(laps, half, window_steps):
     (TrainConfig's defaults; there every tenth summary step is a save step,
     and their costs add up as here).
   """
-  save_lap, *both = (laps.pop(phase)[0] for phase in (half + 1, 0, 1))
+  saves, both = (laps.pop(phase)[0] + laps.pop(phase + 1)[0] for phase in (half, 0))
   wall, cpu = map(statistics.fmean, zip(*laps.values()))
-  save, summary = save_lap - wall, sum(both) - save_lap - wall  # (both - 2 x wall - save)
+  save, summary = saves - 2 * wall, both - saves  # both: 2 x wall + summary + save
   return dict(seconds=wall * window_steps, cpu_seconds=cpu * window_steps,
               costs={'summary_ms': 1000 * summary, 'save_ms': 1000 * save},
               cadence_seconds=window_steps * (
@@ -205,7 +207,7 @@ def contend_training(spec, boundary):
   trainer = importlib.import_module(f"cifar10_towers.{spec['impl']}.train")
   config, laps, last = _train_config(spec), {}, _clocks()
 
-  def on_step(step, *_):  # a summary's writing and a save come after their step's on_step
+  def on_step(step, *_):  # at step 2 (mod 2 x half): after the summary's and the saves' laps
     laps[step % config.summary_every] = _clocks(last)
     if step % config.summary_every == 2 < step:  # the first (step 2) is no boundary
       boundary(**_window_figures(laps, config.save_every, spec['window_steps']))

@@ -251,15 +251,20 @@ class FakeClocks:
     self.cpu += 1.5 * seconds  # 1.5 cores busy
 
 
+@pytest.mark.parametrize('window_steps, windows, boundaries', [
+    (10, 3, [16, 30, 44, 58]), (1, 2, [8, 14, 20])])
+@pytest.mark.parametrize('on_step_first', [True, False])
 def test_a_trainers_windows_hold_plain_steps_a_summary_and_saves_timed_apart(
-    monkeypatch, tmp_path):
-  """contend_training through a trainer that keeps runtime.training.train_loop's order.
+    monkeypatch, tmp_path, on_step_first, window_steps, windows, boundaries):
+  """contend_training through a fake trainer's loop, with fake clocks.
 
   Each step takes 0.1 s; a summary step 0.4 s more in the step and 0.05 s to
-  write after its `on_step`, a save 0.3 s after the step's `on_step`.
+  write after it, a save 0.3 s after the step. The loop calls `on_step`
+  before the writing and the save (runtime.training.train_loop's order), or
+  after them: the figures are the same.
   """
   from cifar10_towers.modern import train as modern_train  # pylint: disable=import-outside-toplevel
-  clocks, windows, steps = FakeClocks(), [], []
+  clocks, seen, steps = FakeClocks(), [], []
   monkeypatch.setattr(bench, 'time', clocks)
 
   def train(config, plan, on_step):
@@ -267,28 +272,33 @@ def test_a_trainers_windows_hold_plain_steps_a_summary_and_saves_timed_apart(
     for step in range(1, config.max_steps + 1):
       summary = step % config.summary_every == 0
       clocks.spend(0.1 + 0.4 * summary)  # the step, computing its summaries
-      on_step(step, 0.1, 8)
+      if on_step_first:
+        on_step(step, 0.1, 8)
       clocks.spend(0.05 * summary + 0.3 * (step % config.save_every == 0))  # write, save
+      if not on_step_first:
+        on_step(step, 0.1, 8)
       steps.append(step)
 
   def boundary(**figures):
-    windows.append((steps[-1] + 1 if steps else 1, figures))  # (the step of on_step, ...)
+    seen.append((steps[-1] + 1, figures))  # (the step of this on_step, ...)
     clocks.spend(5.0)  # the wait for the parent's go: in no window
 
   monkeypatch.setattr(modern_train, 'train', train)
   spec = {'impl': 'modern', 'num_gpus': 1, 'batch_size': 8, 'data_dir': str(tmp_path),
-          'windows': 3, 'window_steps': 10, 'jit': False, 'scratch': str(tmp_path)}
+          'windows': windows, 'window_steps': window_steps, 'jit': False,
+          'scratch': str(tmp_path)}
   bench.contend_training(spec, boundary)
-  # A window of 14 steps: 11 plain, a save (step 7), a summary step and a save (step 14);
-  # the ready boundary after the first summary step, then one per window.
-  assert [step for step, _ in windows] == [16, 30, 44, 58] and steps[-1] == 58
-  for _, figures in windows[1:]:
-    assert figures['seconds'] == pytest.approx(10 * 0.1, rel=1e-9)  # 10 plain steps
-    assert figures['cpu_seconds'] == pytest.approx(10 * 0.15, rel=1e-9)
+  # 10 steps: windows of 14 steps, 10 plain, a save at step 7, a summary step and
+  # a save at step 14; 1 step: windows of 6 steps, 2 plain, saves at steps 3 and 6.
+  # The ready boundary after the first summary step, then one per window.
+  assert [step for step, _ in seen] == boundaries and steps[-1] == boundaries[-1]
+  for _, figures in seen[1:]:
+    assert figures['seconds'] == pytest.approx(window_steps * 0.1, rel=1e-9)  # plain steps
+    assert figures['cpu_seconds'] == pytest.approx(window_steps * 0.15, rel=1e-9)
     assert figures['costs'] == {'summary_ms': pytest.approx(450, rel=1e-9),
                                 'save_ms': pytest.approx(300, rel=1e-9)}
-    # At the default cadence: 10 x (0.1 + 0.45 / 100 + 0.3 / 1000) s.
-    assert figures['cadence_seconds'] == pytest.approx(1.048, rel=1e-9)
+    # At the default cadence: window_steps x (0.1 + 0.45 / 100 + 0.3 / 1000) s.
+    assert figures['cadence_seconds'] == pytest.approx(window_steps * 0.1048, rel=1e-9)
 
 
 def test_a_report_from_before_the_costs_reads_back_saying_what_it_lacks(tmp_path):
