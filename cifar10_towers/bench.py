@@ -3,9 +3,14 @@
 For every (implementation, towers) combination the benchmark measures
 
 - training images/sec in steady state: the trainer's own `train()` (its real
-  input pipeline, step, logging and summaries), timed over windows of
-  `window_steps` steps; a window is the time between two of the trainer's
-  log lines;
+  input pipeline, step and logging), its plain steps (no summary, no save)
+  timed in windows of 2 x ((window_steps + 5) // 2) steps, each step through
+  the loop's `on_step`;
+- what one summary step and one checkpoint save cost beyond a plain step,
+  timed in the same windows (`_window_figures`), and the training
+  images/sec at the default cadence, a summary step every 100 steps and a
+  save every 1000, which every ratio uses (Keras writes neither: its plain
+  images/sec);
 - the input pipeline alone: images/sec the trainer's pipeline delivers to its
   towers when nothing trains;
 - the baseline: the same net (`common.model_spec` layers, initializers and
@@ -20,8 +25,8 @@ For every (implementation, towers) combination the benchmark measures
   docs/bench.json), so nothing calls it a ceiling;
 - peak memory: the RSS high-water mark of each contender's process;
 - images per CPU-second: images over the CPU time the process used in the
-  window, an efficiency that other load on the machine disturbs far less
-  than wall time does.
+  window (a trainer's: in its plain steps), an efficiency that other load on
+  the machine disturbs far less than wall time does.
 
 How. Every contender (Keras, legacy and modern for each tower count, and the
 matmul) runs in its own process (multiprocessing's spawn: a fresh interpreter
@@ -140,30 +145,75 @@ def training_flops_per_image():
 # --- inside a contender process ------------------------------------------------
 
 
+def _clocks(since=(0, 0)):
+  """[wall, CPU] seconds of this process since `since`, an earlier `_clocks()`."""
+  return [now - then for then, now in zip(since, (time.perf_counter(), time.process_time()))]
+
+
 def _train_config(spec):
-  """The trainer's settings: windows + 1 of `window_steps` steps, a train_dir in the scratch."""
-  steps = (spec['windows'] + 1) * spec['window_steps']
+  """The trainer's settings: windows + 1 windows of 2 x half steps, a train_dir in the scratch.
+
+  A save every half steps and a summary step every other save: each window
+  holds a save, a summary step with a save, and window_steps plain steps
+  (one more if odd; half: (window_steps + 5) // 2; `_window_figures`).
+  """
+  half = (spec['window_steps'] + 5) // 2
   return config_lib.TrainConfig(
       data_dir=spec['data_dir'], num_gpus=spec['num_gpus'], batch_size=spec['batch_size'],
-      max_steps=steps, save_every=steps + 1, jit=spec['jit'],  # only the final checkpoint
-      # In the parent's scratch directory, which the parent removes (it kills its contenders).
+      max_steps=(spec['windows'] + 1) * 2 * half + 2, save_every=half, summary_every=2 * half,
+      jit=spec['jit'],  # in the parent's scratch directory, which the parent removes
       train_dir=tempfile.mkdtemp(prefix='train_', dir=spec['scratch']))
 
 
+def _window_figures(laps, half, window_steps):
+  """A window's plain step time and its summary and save costs, from its laps.
+
+  Args:
+    laps: dict step % (2 x half) -> [wall, CPU seconds] from the `on_step`
+      before to this step's: the step, and what the loop did after the step
+      before. With a summary step and a save at step 0 (mod 2 x half) and a
+      save at half, laps 0 and 1 hold a summary step and a save, laps half
+      and half + 1 a save, whether the loop calls `on_step` before the
+      summary's writing and the save (runtime.training.train_loop does) or
+      after them; the others hold plain steps. The four are taken out of it.
+    half: int, the steps between saves.
+    window_steps: int.
+
+  Returns:
+    dict: seconds, cpu_seconds: of window_steps plain steps, at the mean
+    plain lap; costs: summary_ms, save_ms, a summary step's and a save's
+    cost beyond a plain step; cadence_seconds: of window_steps steps at the
+    default cadence, a summary step every 100 and a save every 1000 steps
+    (TrainConfig's defaults; there every tenth summary step is a save step,
+    and their costs add up as here).
+  """
+  saves, both = (laps.pop(phase)[0] + laps.pop(phase + 1)[0] for phase in (half, 0))
+  wall, cpu = map(statistics.fmean, zip(*laps.values()))
+  save, summary = saves - 2 * wall, both - saves  # both: 2 x wall + summary + save
+  return dict(seconds=wall * window_steps, cpu_seconds=cpu * window_steps,
+              costs={'summary_ms': 1000 * summary, 'save_ms': 1000 * save},
+              cadence_seconds=window_steps * (
+                  wall + summary / config_lib.TrainConfig.summary_every +
+                  save / config_lib.TrainConfig.save_every))
+
+
 def contend_training(spec, boundary):
-  """Runs one trainer's real `train()`, a window every `window_steps` steps (`on_step`).
+  """Runs one trainer's real `train()`, timing each step (`on_step`), a window every 2 x half.
 
   The first boundary (after graph building, queue filling or tracing, and one
-  window of steps) is the ready one.
+  window of steps with its first summary and saves) is the ready one.
   """
   plan = devices.plan_devices(spec['num_gpus'])
   trainer = importlib.import_module(f"cifar10_towers.{spec['impl']}.train")
+  config, laps, last = _train_config(spec), {}, _clocks()
 
-  def on_step(step, *_):  # whole windows are timed
-    if step % spec['window_steps'] == 0:
-      boundary()
+  def on_step(step, *_):  # at step 2 (mod 2 x half): after the summary's and the saves' laps
+    laps[step % config.summary_every] = _clocks(last)
+    if step % config.summary_every == 2 < step:  # the first (step 2) is no boundary
+      boundary(**_window_figures(laps, config.save_every, spec['window_steps']))
+    last[:] = _clocks()  # (after the boundary's wait)
 
-  trainer.train(_train_config(spec), plan, on_step=on_step)
+  trainer.train(config, plan, on_step=on_step)
 
 
 def keras_model(keras):
@@ -293,8 +343,9 @@ def contend(spec, conn, stderr_path):
 
   Its stdout (the trainer's own output) is discarded, its stderr goes to
   stderr_path. The contender calls `boundary(**figures)` at each window
-  boundary: it sends the window just run (its wall and CPU seconds and any
-  figures; {} at the first, ready boundary) and waits, blocked, until the
+  boundary: it sends the window just run (its wall and CPU seconds, or those
+  given in figures, and any other figures; at the first, ready boundary, the
+  seconds since the start, which are not read) and waits, blocked, until the
   parent says go. The result holds what the contender returned and the RSS
   high-water mark of this process: /proc/self/status' VmHWM, which belongs to
   this program's own memory map (getrusage's ru_maxrss survives exec: it could
@@ -305,15 +356,12 @@ def contend(spec, conn, stderr_path):
   stderr_filter.install()  # as cli.main: TensorFlow's known noise is no error line
   # Contenders share the GPUs: each takes the memory it uses, not all of it.
   os.environ.setdefault('TF_FORCE_GPU_ALLOW_GROWTH', 'true')
-  start = []  # (wall, CPU) clock at the window's start
+  start = _clocks()  # (wall, CPU) clock at the window's start
 
-  def boundary(**figures):
-    if start:
-      figures.update(seconds=time.perf_counter() - start[0],
-                     cpu_seconds=time.process_time() - start[1])
-    conn.send(figures)
+  def boundary(**figures):  # the contender's own seconds (a trainer's plain steps) first
+    conn.send(dict(zip(('seconds', 'cpu_seconds'), _clocks(start)), **figures))
     conn.recv()  # GO; EOFError ends the contender if the parent went away
-    start[:] = time.perf_counter(), time.process_time()
+    start[:] = _clocks()
 
   result = CONTENDERS[spec['kind']](spec, boundary) or {}
   with open('/proc/self/status', encoding='ascii') as f:
@@ -470,28 +518,33 @@ def summarize(config, windows, finals, inputs, data_description):
   towers_key = f'ratio_to_{min(config.num_gpus)}_tower'
 
   def rates(impl, num_gpus, clock='seconds'):
-    """Images/sec (clock 'cpu_seconds': per CPU-second) of each timed window, in round order."""
+    """Images/sec of each timed window, in round order, over its `clock` (Keras has
+    no cadence_seconds: it writes no summaries nor checkpoints, and it is its seconds)."""
     images = config.window_steps * config.batch_size * num_gpus
-    return [images / w[clock] for w in windows[impl, num_gpus][config.warmup_rounds:]]
+    return [images / w.get(clock, w['seconds'])
+            for w in windows[impl, num_gpus][config.warmup_rounds:]]
 
   rows = []
   for num_gpus in config.num_gpus:
     for impl in (BASELINE, *config.impls):
       measured = rates(impl, num_gpus)
-      rounds = [{'round': r, 'images_per_sec': rate, 'images_per_cpu_second': cpu_rate,
-                 'baseline_images_per_sec': base, 'ratio_to_baseline': rate / base,
-                 towers_key: rate / few}
-                for r, (rate, cpu_rate, base, few) in enumerate(zip(
-                    measured, rates(impl, num_gpus, 'cpu_seconds'),
-                    rates(BASELINE, num_gpus), rates(impl, min(config.num_gpus))))]
-      row = {key: statistics.median(r[key] for r in rounds) for key in (
-          'images_per_sec', 'images_per_cpu_second', 'ratio_to_baseline', towers_key)}
+      # Each round: its rates, ratios and (a trainer's) summary and save costs.
+      rounds = [{'round': r, 'images_per_sec': rate, 'cadence_images_per_sec': cadence,
+                 'images_per_cpu_second': cpu_rate, 'baseline_images_per_sec': base,
+                 'ratio_to_baseline': cadence / base, towers_key: cadence / few,
+                 **w.get('costs', {})}
+                for r, (rate, cadence, cpu_rate, base, few, w) in enumerate(zip(
+                    measured, rates(impl, num_gpus, 'cadence_seconds'),
+                    rates(impl, num_gpus, 'cpu_seconds'), rates(BASELINE, num_gpus),
+                    rates(impl, min(config.num_gpus), 'cadence_seconds'),
+                    windows[impl, num_gpus][config.warmup_rounds:]))]
+      row = {key: statistics.median(r[key] for r in rounds) for key in list(rounds[0])[1:]}
       result = inputs.get((impl, num_gpus))  # None: Keras has no input pipeline
       input_rate = result and statistics.median(result['window_images_per_sec'])
       rows.append(dict(
           row, impl=impl, num_gpus=num_gpus, batch_size=config.batch_size, rounds=rounds,
           jit=config.jit and impl != BASELINE, window_min=min(measured), window_max=max(measured),
-          ratio_to_matmul_estimate=row['images_per_sec'] / estimate,
+          ratio_to_matmul_estimate=row['cadence_images_per_sec'] / estimate,
           peak_rss_bytes=finals[impl, num_gpus]['peak_rss_bytes'],
           input_images_per_sec=input_rate,
           input_window_images_per_sec=result and result['window_images_per_sec'],
@@ -515,16 +568,22 @@ def format_table(report):
   settings, machine = report['settings'], report['machine']
   fewest = min(settings['num_gpus'])
   fewest_key = f'ratio_to_{fewest}_tower'
-  table = [(f'impl|towers|batch|img/s|windows min-max|img/cpu-s|vs keras|vs matmul|vs {fewest} '
-            'tower|input img/s|input/train|peak RSS MiB').split('|')]
+  table = [(f'impl|towers|batch|img/s|windows min-max|summary ms|save ms|cadence img/s|'
+            f'img/cpu-s|vs keras|vs matmul|vs {fewest} tower|input img/s|input/train|'
+            'peak RSS MiB').split('|')]
+
+  def cell(value, template='{:.0f}'):  # '-': Keras writes no summaries and reads no input
+    return '-' if value is None else template.format(value)
+
   for row in report['rows']:
-    input_cells = ('-|-' if row['input_images_per_sec'] is None  # Keras reads no input
-                   else f'{row["input_images_per_sec"]:.0f}|{row["input_to_training"]:.1f}x')
     table.append((
         f'{row["impl"]}{" (XLA)" * row["jit"]}|{row["num_gpus"]}|{row["batch_size"]}|'
         f'{row["images_per_sec"]:.0f}|{row["window_min"]:.0f}-{row["window_max"]:.0f}|'
+        f'{cell(row.get("summary_ms"))}|{cell(row.get("save_ms"))}|'
+        f'{cell(row.get("cadence_images_per_sec"))}|'
         f'{row["images_per_cpu_second"]:.0f}|{row["ratio_to_baseline"]:.2f}x|'
-        f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|{input_cells}|'
+        f'{row["ratio_to_matmul_estimate"]:.2f}|{row[fewest_key]:.2f}x|'
+        f'{cell(row["input_images_per_sec"])}|{cell(row["input_to_training"], "{:.1f}x")}|'
         f'{row["peak_rss_bytes"] / 2 ** 20:.0f}').split('|'))
   widths = [max(map(len, column)) for column in zip(*table)]
   size = machine['matmul_size']
@@ -537,7 +596,13 @@ def format_table(report):
       f'training: median of {settings["rounds"]} rounds, one window of '
       f'{settings["window_steps"]} steps per contender each (the order rotating; '
       f'{settings["warmup_rounds"]} warm-up rounds first); ratios: median of the per-round '
-      f'ratios; data: {settings["data"]}', ''] + [
+      f'ratios; data: {settings["data"]}',
+      'img/s: of plain steps; summary ms, save ms: the cost of a summary step and of a checkpoint '
+      'save beyond a plain step; cadence img/s, which the ratios use: with a summary step every '
+      '100 and a save every 1000 steps (the defaults) at those costs'
+      if 'cadence_images_per_sec' in report['rows'][0] else
+      'summary ms, save ms, cadence img/s: not measured (the report predates them): img/s and '
+      'ratios are of whole windows, about one in ten holding a summary step', ''] + [
           '  '.join(c.ljust(w) if i == 0 else c.rjust(w)
                     for i, (c, w) in enumerate(zip(r, widths))) for r in table])
 
@@ -573,7 +638,7 @@ def read_json(path):
       estimate = machine['matmul_estimate_images_per_sec'] = machine['matmul_flops_per_sec'] / flops
       for row in report['rows']:
         row.pop('ratio_to_ceiling', None)
-        row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate
+        row['ratio_to_matmul_estimate'] = row['images_per_sec'] / estimate  # no costs then
     machine.setdefault('cpu_model', 'CPU model not recorded')  # in reports before --plot
     report.setdefault('measured_at', 'date not recorded')
     format_table(report)  # reads every other figure that the table and the plot show

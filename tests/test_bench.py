@@ -43,6 +43,15 @@ class FakeContender:
   RATES = {'keras': [100.0, 200.0, 400.0], 'legacy': [300.0, 200.0, 400.0],
            'modern': [130.0, 300.0, 600.0]}
   CPU_CORES = 1.6  # CPU seconds per wall second of every window
+  # A trainer's (summary step, save) costs in ms, the same in every window:
+  # legacy's none, so that its cadence img/s are its img/s.
+  COSTS = {'legacy': (0.0, 0.0), 'modern': (450.0, 300.0)}
+
+  @classmethod
+  def extra_seconds(cls, impl, window_steps):
+    """What a window's costs add at the default cadence (a summary / 100 steps, a save / 1000)."""
+    summary_ms, save_ms = cls.COSTS.get(impl, (0.0, 0.0))
+    return window_steps * (summary_ms / 100 + save_ms / 1000) / 1000
 
   def __init__(self, spec, log):
     assert spec['timeout_secs'] > 0
@@ -71,7 +80,13 @@ class FakeContender:
     rate = self.RATES[self.spec['impl']][max(r, 0)] * (
         1.5 if self.spec['num_gpus'] == 2 else 1.0)
     images = self.spec['window_steps'] * self.spec['batch_size'] * self.spec['num_gpus']
-    return {'seconds': images / rate, 'cpu_seconds': images / rate * self.CPU_CORES}
+    window = {'seconds': images / rate, 'cpu_seconds': images / rate * self.CPU_CORES}
+    if self.spec['impl'] in self.COSTS:  # as bench._window_figures reports them
+      summary_ms, save_ms = self.COSTS[self.spec['impl']]
+      window.update(costs={'summary_ms': summary_ms, 'save_ms': save_ms},
+                    cadence_seconds=images / rate + self.extra_seconds(
+                        self.spec['impl'], self.spec['window_steps']))
+    return window
 
   def kill(self):
     self.killed = True
@@ -135,6 +150,14 @@ def test_contenders_take_turns_window_by_window(fake_report):
                            for n in (1, 2) for impl in ('legacy', 'modern')]
 
 
+def cadence_rates(impl, num_gpus):
+  """FakeContender's per-round img/s of `impl` at the default cadence (fake_report's settings)."""
+  images = 10 * 8 * num_gpus
+  scale = 1.5 if num_gpus == 2 else 1.0
+  return [images / (images / (rate * scale) + FakeContender.extra_seconds(impl, 10))
+          for rate in FakeContender.RATES[impl]]
+
+
 def test_ratios_are_medians_of_per_round_ratios(fake_report):
   report, _, _, _ = fake_report
   rates = FakeContender.RATES
@@ -144,31 +167,45 @@ def test_ratios_are_medians_of_per_round_ratios(fake_report):
   rows = {(row['impl'], row['num_gpus']): row for row in report['rows']}
   assert list(rows) == [(i, n) for n in (1, 2) for i in ('keras', 'legacy', 'modern')]
   for impl in ('keras', 'legacy', 'modern'):
-    per_round = [rates[impl][r] / rates['keras'][r] for r in range(3)]
     for n, scale in ((1, 1.0), (2, 1.5)):
+      # The ratios are of img/s at the default cadence (Keras': its img/s).
+      cadence = cadence_rates(impl, n)
+      per_round = [a / b for a, b in zip(cadence, cadence_rates('keras', n))]
       row = rows[(impl, n)]
       rate = statistics.median(rates[impl]) * scale
       assert row['images_per_sec'] == pytest.approx(rate)
+      assert row['cadence_images_per_sec'] == pytest.approx(statistics.median(cadence))
+      assert [r['cadence_images_per_sec'] for r in row['rounds']] == pytest.approx(cadence)
       assert row['images_per_cpu_second'] == pytest.approx(rate / FakeContender.CPU_CORES)
       assert row['ratio_to_baseline'] == pytest.approx(statistics.median(per_round))
       assert [r['ratio_to_baseline'] for r in row['rounds']] == pytest.approx(per_round)
-      assert row['ratio_to_matmul_estimate'] == pytest.approx(rate / estimate)
-      assert row['ratio_to_1_tower'] == pytest.approx(scale)
+      assert row['ratio_to_matmul_estimate'] == pytest.approx(
+          statistics.median(cadence) / estimate)
+      assert row['ratio_to_1_tower'] == pytest.approx(statistics.median(
+          [a / b for a, b in zip(cadence, cadence_rates(impl, 1))]))
       assert row['window_min'] == pytest.approx(min(rates[impl]) * scale)
       assert row['window_max'] == pytest.approx(max(rates[impl]) * scale)
       assert row['peak_rss_bytes'] == (3 if impl == 'modern' else 2) * 2 ** 28
       if impl == 'keras':
         assert row['input_images_per_sec'] is None
+        assert 'summary_ms' not in row and 'save_ms' not in row  # it writes neither
       else:
         expected_input = 5000.0 if impl == 'legacy' else 9000.0
         assert row['input_images_per_sec'] == expected_input
         assert row['input_to_training'] == pytest.approx(expected_input / rate)
+        summary_ms, save_ms = FakeContender.COSTS[impl]
+        assert (row['summary_ms'], row['save_ms']) == (summary_ms, save_ms)
+        assert [(r['summary_ms'], r['save_ms']) for r in row['rounds']] == [
+            (summary_ms, save_ms)] * 3
   # The median of the per-round ratios, not the ratio of the medians: legacy's
   # rounds are 3.0, 1.0 and 1.0 times the baseline's, its median rate 1.5x.
   assert rows[('legacy', 1)]['ratio_to_baseline'] == pytest.approx(1.0)
   assert (rows[('legacy', 1)]['images_per_sec'] / rows[('keras', 1)]['images_per_sec']
           == pytest.approx(1.5))
-  assert rows[('modern', 1)]['ratio_to_baseline'] == pytest.approx(1.5)
+  # Modern: 1.5x Keras in plain img/s, less once its summary steps and saves count.
+  assert statistics.median(a / b for a, b in zip(rates['modern'], rates['keras'])) == 1.5
+  assert rows[('modern', 1)]['ratio_to_baseline'] == pytest.approx(
+      80 / (80 / 130 + 0.048) / 100)  # round 1: 130 img/s plain; 0.048 s per 10 steps
 
 
 def test_table_shows_every_row_with_its_ratios(fake_report):
@@ -179,13 +216,109 @@ def test_table_shows_every_row_with_its_ratios(fake_report):
                              'matmuls = 220.0 GFLOP/s / 105.3 MFLOP')
   assert lines[0].endswith('(a sample under the same load, not a bound)')
   header = [l for l in lines if l.startswith('impl')][0]
-  for column in ('img/s', 'img/cpu-s', 'vs keras', 'vs matmul', 'vs 1 tower',
-                 'input/train', 'peak RSS MiB'):
+  for column in ('img/s', 'summary ms', 'save ms', 'cadence img/s', 'img/cpu-s', 'vs keras',
+                 'vs matmul', 'vs 1 tower', 'input/train', 'peak RSS MiB'):
     assert column in header
   modern_2 = [l.split() for l in lines if l.startswith('modern') and l.split()[1] == '2']
-  assert modern_2 == [['modern', '2', '8', '450', '195-900', '281', '1.50x',
-                       '%.2f' % (450 / report['machine']['matmul_estimate_images_per_sec']),
-                       '1.50x', '9000', '20.0x', '768']]
+  row = [r for r in report['rows'] if (r['impl'], r['num_gpus']) == ('modern', 2)][0]
+  assert modern_2 == [['modern', '2', '8', '450', '195-900', '450', '300',
+                       '%.0f' % row['cadence_images_per_sec'], '281',
+                       '%.2fx' % row['ratio_to_baseline'],
+                       '%.2f' % (row['cadence_images_per_sec'] /
+                                 report['machine']['matmul_estimate_images_per_sec']),
+                       '%.2fx' % row['ratio_to_1_tower'], '9000', '20.0x', '768']]
+  assert '%.0f' % row['cadence_images_per_sec'] == '396'  # 160 / (160 / 450 + 0.048)
+  keras_1 = [l.split() for l in lines if l.startswith('keras') and l.split()[1] == '1'][0]
+  assert keras_1[3] == '200' and keras_1[5:8] == ['-', '-', '200']  # its cadence img/s: its img/s
+  assert ('cadence img/s, which the ratios use: with a summary step every 100 and a save '
+          'every 1000 steps') in table
+
+
+class FakeClocks:
+  """Stands in for bench's `time`: wall and CPU clocks that only `spend` moves."""
+
+  def __init__(self):
+    self.wall = self.cpu = 0.0
+
+  def perf_counter(self):
+    return self.wall
+
+  def process_time(self):
+    return self.cpu
+
+  def spend(self, seconds):
+    self.wall += seconds
+    self.cpu += 1.5 * seconds  # 1.5 cores busy
+
+
+@pytest.mark.parametrize('window_steps, windows, boundaries', [
+    (10, 3, [16, 30, 44, 58]), (1, 2, [8, 14, 20])])
+@pytest.mark.parametrize('on_step_first', [True, False])
+def test_a_trainers_windows_hold_plain_steps_a_summary_and_saves_timed_apart(
+    monkeypatch, tmp_path, on_step_first, window_steps, windows, boundaries):
+  """contend_training through a fake trainer's loop, with fake clocks.
+
+  Each step takes 0.1 s; a summary step 0.4 s more in the step and 0.05 s to
+  write after it, a save 0.3 s after the step. The loop calls `on_step`
+  before the writing and the save (runtime.training.train_loop's order), or
+  after them: the figures are the same.
+  """
+  from cifar10_towers.modern import train as modern_train  # pylint: disable=import-outside-toplevel
+  clocks, seen, steps = FakeClocks(), [], []
+  monkeypatch.setattr(bench, 'time', clocks)
+
+  def train(config, plan, on_step):
+    del plan
+    for step in range(1, config.max_steps + 1):
+      summary = step % config.summary_every == 0
+      clocks.spend(0.1 + 0.4 * summary)  # the step, computing its summaries
+      if on_step_first:
+        on_step(step, 0.1, 8)
+      clocks.spend(0.05 * summary + 0.3 * (step % config.save_every == 0))  # write, save
+      if not on_step_first:
+        on_step(step, 0.1, 8)
+      steps.append(step)
+
+  def boundary(**figures):
+    seen.append((steps[-1] + 1, figures))  # (the step of this on_step, ...)
+    clocks.spend(5.0)  # the wait for the parent's go: in no window
+
+  monkeypatch.setattr(modern_train, 'train', train)
+  spec = {'impl': 'modern', 'num_gpus': 1, 'batch_size': 8, 'data_dir': str(tmp_path),
+          'windows': windows, 'window_steps': window_steps, 'jit': False,
+          'scratch': str(tmp_path)}
+  bench.contend_training(spec, boundary)
+  # 10 steps: windows of 14 steps, 10 plain, a save at step 7, a summary step and
+  # a save at step 14; 1 step: windows of 6 steps, 2 plain, saves at steps 3 and 6.
+  # The ready boundary after the first summary step, then one per window.
+  assert [step for step, _ in seen] == boundaries and steps[-1] == boundaries[-1]
+  for _, figures in seen[1:]:
+    assert figures['seconds'] == pytest.approx(window_steps * 0.1, rel=1e-9)  # plain steps
+    assert figures['cpu_seconds'] == pytest.approx(window_steps * 0.15, rel=1e-9)
+    assert figures['costs'] == {'summary_ms': pytest.approx(450, rel=1e-9),
+                                'save_ms': pytest.approx(300, rel=1e-9)}
+    # At the default cadence: window_steps x (0.1 + 0.45 / 100 + 0.3 / 1000) s.
+    assert figures['cadence_seconds'] == pytest.approx(window_steps * 0.1048, rel=1e-9)
+
+
+def test_a_report_from_before_the_costs_reads_back_saying_what_it_lacks(tmp_path):
+  """Reports written before the costs were measured (docs/bench.json among them)."""
+  report = synthetic_report()
+  for row in report['rows']:
+    for record in [row] + row['rounds']:
+      for key in ('cadence_images_per_sec', 'summary_ms', 'save_ms'):
+        record.pop(key, None)
+  path = tmp_path / 'old.json'
+  path.write_text(json.dumps(report))
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', str(path)])
+  assert result.exit_code == 0, result.output
+  assert ('summary ms, save ms, cadence img/s: not measured (the report predates them): img/s '
+          'and ratios are of whole windows') in result.output
+  rows = [l.split() for l in result.output.splitlines() if l.startswith(('legacy', 'modern'))]
+  assert len(rows) == 4 and all(row[5:8] == ['-', '-', '-'] for row in rows)
+  result = CliRunner().invoke(cli.cli, ['bench', '--from_json', os.path.join(
+      fs.ROOT, 'docs', 'bench.json')])
+  assert result.exit_code == 0 and 'not measured (the report predates them)' in result.output
 
 
 def test_a_failing_contender_is_a_bench_error(tmp_path):
@@ -238,18 +371,27 @@ def test_bench_command_measures_and_writes_json(synth_data_dir, tmp_path, monkey
     rounds = row['rounds']
     assert [r['round'] for r in rounds] == [0, 1]
     rates = [r['images_per_sec'] for r in rounds]
+    cadence = [r['cadence_images_per_sec'] for r in rounds]
     assert min(rates) > 0 and min(r['images_per_cpu_second'] for r in rounds) > 0
     assert [r['baseline_images_per_sec'] for r in rounds] == baseline_by_round
-    # Every figure comes from the measured windows.
+    # Every figure comes from the measured windows; the ratios from cadence img/s.
     assert row['images_per_sec'] == pytest.approx(statistics.median(rates))
     assert row['ratio_to_baseline'] == pytest.approx(statistics.median(
-        [a / b for a, b in zip(rates, baseline_by_round)]))
+        [a / b for a, b in zip(cadence, baseline_by_round)]))
     assert row['ratio_to_matmul_estimate'] == pytest.approx(
-        row['images_per_sec'] / machine['matmul_estimate_images_per_sec'])
+        row['cadence_images_per_sec'] / machine['matmul_estimate_images_per_sec'])
     assert row['peak_rss_bytes'] > 100 * 2 ** 20
     line = [l for l in result.output.splitlines() if l.startswith(impl + ' ')][0]
     assert line.split()[3] == '%.0f' % row['images_per_sec']
-    assert line.split()[6] == '%.2fx' % row['ratio_to_baseline']
+    assert line.split()[9] == '%.2fx' % row['ratio_to_baseline']
+    if impl == 'keras':
+      assert cadence == rates and line.split()[5:7] == ['-', '-']
+    else:
+      # Each round's cadence img/s: 2 steps of 8 images at its plain rate,
+      # plus 2 steps' share of a summary step per 100 and a save per 1000.
+      assert cadence == pytest.approx([16 / (16 / r['images_per_sec'] + 2 * (
+          r['summary_ms'] / 100 + r['save_ms'] / 1000) / 1000) for r in rounds])
+      assert line.split()[5:7] == ['%.0f' % row['summary_ms'], '%.0f' % row['save_ms']]
     if impl != 'keras':
       assert len(row['input_window_images_per_sec']) == bench.INPUT_WINDOWS
       assert row['input_images_per_sec'] == pytest.approx(
@@ -298,7 +440,9 @@ def test_plot_draws_a_png_from_a_json_file_without_measuring(results_json, tmp_p
   assert 'Starting' not in result.output and 'measuring' not in result.output
   modern_2 = [l.split() for l in result.output.splitlines()
               if l.startswith('modern') and l.split()[1] == '2'][0]
-  assert modern_2[3] == '250' and modern_2[6] == '1.12x'  # the file's table
+  assert modern_2[3] == '250' and modern_2[9] == '%.2fx' % [
+      r['ratio_to_baseline'] for r in synthetic_report()['rows']
+      if (r['impl'], r['num_gpus']) == ('modern', 2)][0]  # the file's table
   assert result.output.rstrip().endswith('Wrote %s.' % png)
   data = png.read_bytes()
   assert data.startswith(PNG_SIGNATURE) and len(data) > 10000
