@@ -51,13 +51,17 @@ import tensorflow as tf
 
 from cifar10_towers.common import errors
 from cifar10_towers.common import files
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import prog
 from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
 LEGACY = 'legacy'  # tf.compat.v1 Saver: keys are variable names, e.g. 'conv1/weights'
 MODERN = 'modern'  # tf.train.Checkpoint: keys like 'model/conv1/weights/.ATTRIBUTES/...'
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'  # only object-based checkpoints have it
+_FORMATS = {LEGACY: 'tf.compat.v1 Saver', MODERN: 'tf.train.Checkpoint'}
 
 
 class CheckpointError(errors.Failure):
@@ -361,29 +365,81 @@ def for_conversion(directory):
   return found.contents
 
 
-def check_fits(path, expected_shapes):
-  """Checks that a checkpoint holds every expected variable with its shape.
+def resume(directory, kind, optimizer, shapes, key=str):
+  """What a run of trainer `kind` resumes from: the newest intact checkpoint, checked.
+
+  Both trainers' one resume path: `resume_point`, read whole (`read`), then
+  refused if the other trainer (or upstream's script) wrote it
+  (`other_trainers`), if another optimizer did, or if it is another model's.
+  The trainer loads what it gets back its own way.
 
   Args:
-    path: a checkpoint prefix.
-    expected_shapes: dict checkpoint key -> shape (tuple of ints).
+    directory: str, the train_dir.
+    kind: LEGACY or MODERN, the resuming trainer.
+    optimizer: str, the run's optimizer ('sgd', 'momentum', 'adam').
+    shapes: dict legacy name -> shape (tuple of ints) of everything it restores.
+    key: callable legacy name -> the checkpoint's key for it
+      (modern.checkpoints.checkpoint_key for modern).
+
+  Returns:
+    Contents, or None for a fresh start.
 
   Raises:
-    CheckpointError: a key is missing or has another shape; the message
-      names the first such variable, e.g. a checkpoint of another model.
+    CheckpointError: see `resume_point`; or a variable is missing or has
+      another shape: the message names the first such, e.g. a checkpoint of
+      another model.
+    runtime.training.TrainingError: it is the other trainer's, or another
+      optimizer's.
   """
-  # The caller has just read it whole (`read`), holding train_dir's lock.
-  saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-  differ = [k for k, shape in expected_shapes.items() if list(saved.get(k, [-1])) != list(shape)]
-  if not differ:
-    return
-  key = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
-  name = key.removesuffix(_VALUE_SUFFIX)
-  what = (f'it holds {name} with shape {saved[key]}, this model has {list(expected_shapes[key])}'
-          if key in saved else f'it lacks {name}')
-  raise CheckpointError(f'{path} is a checkpoint of another model: {what} ({len(differ)} of the '
-                        f'{len(expected_shapes)} variables differ). Use another --train_dir, or '
-                        'move its checkpoints away.')
+  path = resume_point(directory)
+  contents = path and read(path)
+  if not contents:
+    return None
+  if contents.kind != kind:
+    raise other_trainers(contents, directory)
+  # Before the shapes: an SGD checkpoint lacks Adam's slots, which is not
+  # another model but another optimizer; an Adam checkpoint resumed with SGD
+  # would lose its slots silently.
+  refusal = optimizer_lib.mismatch(path, optimizer_lib.of_names(contents.tensors, key),
+                                   optimizer)
+  if refusal:
+    raise training.TrainingError(refusal)
+  saved = {k: list(getattr(v, 'shape', ())) for k, v in contents.tensors.items()}  # bytes: ()
+  expected = {key(name): list(shape) for name, shape in shapes.items()}
+  differ = [k for k, shape in expected.items() if saved.get(k, [-1]) != shape]
+  if differ:
+    k = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
+    name = k.removesuffix(_VALUE_SUFFIX)
+    what = (f'it holds {name} with shape {saved[k]}, this model has {expected[k]}'
+            if k in saved else f'it lacks {name}')
+    raise CheckpointError(f'{path} is a checkpoint of another model: {what} ({len(differ)} of '
+                          f'the {len(expected)} variables differ). Use another --train_dir, or '
+                          'move its checkpoints away.')
+  return contents
+
+
+def other_trainers(contents, directory):
+  """The refusal of a checkpoint the other trainer (or upstream's script) wrote: convert it.
+
+  Args:
+    contents: Contents, read from `directory`.
+    directory: str, the train_dir as the user named it.
+
+  Returns:
+    runtime.training.TrainingError naming the `convert` command that makes
+    it the resuming trainer's (the other kind than `contents.kind`).
+  """
+  trainer = LEGACY if contents.kind == MODERN else MODERN
+  step = contents.tensors.get('global_step')
+  what = ('a checkpoint of the upstream script (float32 global_step)'
+          if step is not None and step.dtype.kind == 'f' else
+          f'a {contents.kind} ({_FORMATS[contents.kind]}) checkpoint')
+  own = " and upstream's" if trainer == LEGACY else ''
+  return training.TrainingError(
+      f'{contents.path} is {what}; the {trainer} trainer resumes only its own checkpoints{own}. '
+      f'Convert it (`{prog.convert_command(directory, trainer)}`) and train with --train_dir '
+      f'{prog.converted_dir(directory, trainer)}, or use another --train_dir, or train this '
+      f'one with the {contents.kind} trainer.')
 
 
 def write_failed(directory, what, error, flag='--train_dir'):
