@@ -6,7 +6,6 @@ skips TensorFlow's slow interpreter teardown) passes `exit_now`, the only
 caller of os._exit.
 """
 
-import errno
 import os
 import re
 import sys
@@ -39,9 +38,8 @@ class RunFailed(errors.Failure):
 
 
 def stream_closed(error):
-  """True for a failed write to a stream whose reader is gone (a pipe, a terminal)."""
-  return (isinstance(error, OSError) and not error.filename
-          and error.errno in (errno.EPIPE, errno.EIO, errno.EBADF))
+  """True for a failed write to stdout (progress.StreamClosed: its reader gone, its disk full)."""
+  return isinstance(error, progress.StreamClosed) and error.stream == 'stdout'
 
 
 def silence_stdout():
@@ -57,16 +55,12 @@ def silence_stdout():
 def cause(error):
   """What went wrong, in a user's words: one line, no op names, node blocks or traceback.
 
-  Our own errors (errors.Failure) carry their line already. A failed write to a stream (stdout
-  closed by `| head`, a terminal gone) is said as such, not as a path
-  problem; an OSError with a file names it; a TensorFlow error loses its
+  Our own errors (errors.Failure) carry their line already, a closed stream
+  (progress.StreamClosed) too; an OSError with a file names it; a TensorFlow error loses its
   decorations ([[{{node ...}}]], [Op:...]) and is named by its kind.
   """
   if isinstance(error, errors.Failure):
     return error.line()
-  if stream_closed(error):
-    return (f'the output stream closed under the run ({os.strerror(error.errno)}: a pipe\'s '
-            'reader ended or the terminal is gone)')
   if isinstance(error, OSError) and error.filename:
     return f'{error.filename}: {error.strerror or error}'
   if type(error).__module__.startswith('tensorflow'):
