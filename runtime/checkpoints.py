@@ -404,18 +404,35 @@ def resume(directory, kind, optimizer, shapes, key=str):
                                    optimizer)
   if refusal:
     raise training.TrainingError(refusal)
-  saved = {k: list(getattr(v, 'shape', ())) for k, v in contents.tensors.items()}  # bytes: ()
-  expected = {key(name): list(shape) for name, shape in shapes.items()}
-  differ = [k for k, shape in expected.items() if saved.get(k, [-1]) != shape]
-  if differ:
-    k = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
-    name = k.removesuffix(_VALUE_SUFFIX)
-    what = (f'it holds {name} with shape {saved[k]}, this model has {expected[k]}'
-            if k in saved else f'it lacks {name}')
-    raise CheckpointError(f'{path} is a checkpoint of another model: {what} ({len(differ)} of '
-                          f'the {len(expected)} variables differ). Use another --train_dir, or '
+  if problem := misfit(contents, shapes, key):
+    raise CheckpointError(f'{path} is a checkpoint of another model: {problem[0]} ({problem[1]} of '
+                          f'the {len(shapes)} variables differ). Use another --train_dir, or '
                           'move its checkpoints away.')
   return contents
+
+
+def misfit(contents, shapes, key=str):
+  """How a checkpoint differs from the variables a model needs, or None when it holds them all.
+
+  Args:
+    contents: Contents.
+    shapes: dict name -> shape (a sequence of ints) of each variable needed.
+    key: callable name -> the checkpoint's key for it.
+
+  Returns:
+    (what, count): what is 'it holds <name> with shape [..], this model has
+    [..]' for the first variable of another shape, else 'it lacks <name>' for
+    the first one missing; count how many of `shapes` differ. Or None.
+  """
+  held = {name: contents.tensors.get(key(name)) for name in shapes}
+  differ = [name for name in shapes
+            if list(getattr(held[name], 'shape', [-1])) != list(shapes[name])]
+  name = min(differ, key=lambda n: held[n] is None, default=None)  # a wrong shape first
+  if name is None:
+    return None
+  what = (f'it lacks {name}' if held[name] is None else f'it holds {name} with shape '
+          f'{list(held[name].shape)}, this model has {list(shapes[name])}')
+  return what, len(differ)
 
 
 def other_trainers(contents, directory):
