@@ -262,7 +262,6 @@ def _train(impl, run_crosscheck, **options):
   # Not a step's line (the loop's ending.failed said what it kept): before the first step or
   # after the last (the run's final line).
   except progress.StreamClosed as e:
-    ending.silence_stdout()
     raise ending.RunFailed(
         f'{e} before the first step; nothing was saved.' if done[0] is None else
         f"{e} after the last step; saved global step {done[0]} in {options['train_dir']}.") from e
@@ -281,9 +280,9 @@ class _Group(click.Group):
   """The one place where a command of this CLI ends: a failure, a stop signal.
 
   A common.errors.Failure (what a user did wrong or the world did to a
-  run) is said in its one line, with its exit code; an OSError as the path
-  problem or the closed stream it is. Anything else is a bug: its traceback
-  shows.
+  run) is said in its one line, with its exit code (a closed stream,
+  runtime.progress.StreamClosed, with what the command left); an OSError as
+  the path problem it is. Anything else is a bug: its traceback shows.
 
   A StopRequest is held around every command (runtime.training.STOP_SIGNALS).
   A stop before a loop's first step, or in a command without a loop, raises
@@ -301,11 +300,9 @@ class _Group(click.Group):
       # before the one line; otherwise no TensorFlow op, node block or traceback.
       if os.environ.get('CIFAR10_TOWERS_DEBUG') == '1':
         traceback.print_exception(e)
-      # A user's or the world's error: its line, its exit code; an OSError: the
-      # closed stream (stdout's reader gone: `| head`) or the path it names.
+      # A user's or the world's error: its line, its exit code; an OSError: the path it names.
       line = ending.cause(e)
       if isinstance(e, progress.StreamClosed):  # not training's: _train says what it kept
-        ending.silence_stdout()
         line += (f'; `{ctx.meta.get(_COMMAND)}` did not finish, and left nothing '
                  'half-written.')
       elif isinstance(e, OSError):

@@ -8,7 +8,6 @@ caller of os._exit.
 
 import os
 import re
-import sys
 
 from cifar10_towers.common import errors
 from cifar10_towers.runtime import progress
@@ -35,21 +34,6 @@ def exit_now(status, line=None):
 class RunFailed(errors.Failure):
   """A training run ended by a failure after its first step; the message is its
   one ending line: the cause, what was saved or stays, and what to do."""
-
-
-def stream_closed(error):
-  """True for a failed write to stdout (progress.StreamClosed: its reader gone, its disk full)."""
-  return isinstance(error, progress.StreamClosed) and error.stream == 'stdout'
-
-
-def silence_stdout():
-  """Points stdout at /dev/null: a stdout whose reader is gone fails every later write."""
-  try:
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-  except (OSError, ValueError, AttributeError):
-    pass
 
 
 def cause(error):
@@ -98,8 +82,6 @@ def failed(error, first_step, step, run, train_dir):
     what to do; `error` itself (or RunFailed with its cause) if the run had
     completed no step.
   """
-  if stream_closed(error):
-    silence_stdout()  # the lines to come (a flush at exit) would fail again
   if step == first_step:
     return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
   line = f"{cause(error).rstrip('.')}."

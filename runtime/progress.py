@@ -15,7 +15,6 @@ diagnostics go to stderr.
 
 import errno
 import logging
-import os
 import sys
 import time
 
@@ -116,7 +115,7 @@ class StreamClosed(errors.Failure):
     self.stream = stream  # 'stdout' or 'stderr'
     gone = ": a pipe's reader ended or the terminal is gone" if error.errno in (
         errno.EPIPE, errno.EIO, errno.EBADF) else ''
-    super().__init__(f'{stream} closed ({os.strerror(error.errno or errno.EIO)}{gone})')
+    super().__init__(f'{stream} closed ({error.strerror or error}{gone})')
 
 
 def echo(text, stream=None, nl=True):
@@ -130,6 +129,7 @@ def echo(text, stream=None, nl=True):
     click.echo(text, file=stream, nl=nl)
   except OSError as e:
     raise StreamClosed('stderr' if stream is sys.stderr else 'stdout', e) from e
+
 
 IN_PLACE = {'in_place': True}  # `extra` of a training log line: rewritten in place on a terminal
 _open_line = None  # the stream whose line a log line left open, or None
