@@ -34,6 +34,11 @@ and says so.
 Every way a checkpoint's files can be damaged (empty, truncated, bit-flipped,
 missing) is one fault here: TensorFlow's reader fails, and its reason is said.
 
+Both trainers resume through `resume`: that checkpoint, refused if the
+other trainer wrote it (`other_trainers`, naming the convert command), if
+another optimizer did, or if another model's variables are in it (`misfit`,
+which eval and convert check with too); each trainer loads what it hands back.
+
 Eval and convert read (`newest_intact`) without changing anything: eval
 evaluates the newest intact checkpoint and says which it skipped; convert
 refuses a train_dir whose latest checkpoint or state file is damaged
