@@ -405,9 +405,8 @@ def resume(directory, kind, optimizer, shapes, key=str):
   # Before the shapes: an SGD checkpoint lacks Adam's slots, which is not
   # another model but another optimizer; an Adam checkpoint resumed with SGD
   # would lose its slots silently.
-  refusal = optimizer_lib.mismatch(path, optimizer_lib.of_names(contents.tensors, key),
-                                   optimizer)
-  if refusal:
+  if refusal := optimizer_lib.mismatch(path, optimizer_lib.of_names(contents.tensors, key),
+                                       optimizer):
     raise training.TrainingError(refusal)
   if problem := misfit(contents, shapes, key):
     raise CheckpointError(f'{path} is a checkpoint of another model: {problem[0]} ({problem[1]} of '
@@ -432,12 +431,11 @@ def misfit(contents, shapes, key=str):
   held = {name: contents.tensors.get(key(name)) for name in shapes}
   differ = [name for name in shapes
             if list(getattr(held[name], 'shape', [-1])) != list(shapes[name])]
-  name = min(differ, key=lambda n: held[n] is None, default=None)  # a wrong shape first
-  if name is None:
-    return None
-  what = (f'it lacks {name}' if held[name] is None else f'it holds {name} with shape '
-          f'{list(held[name].shape)}, this model has {list(shapes[name])}')
-  return what, len(differ)
+  if differ:
+    name = min(differ, key=lambda n: held[n] is None)  # a wrong shape first
+    return (f'it lacks {name}' if held[name] is None else f'it holds {name} with shape '
+            f'{list(held[name].shape)}, this model has {list(shapes[name])}'), len(differ)
+  return None
 
 
 def other_trainers(contents, directory):
