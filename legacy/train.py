@@ -401,7 +401,8 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   """
   variables = tf.global_variables()
   contents = checkpoints.resume(train_dir, checkpoints.LEGACY, optimizer.name,
-                                {v.op.name: tuple(v.shape) for v in variables})
+                                {v.op.name: tuple(v.shape) for v in variables},
+                                training.TrainingError)
   sess.run(graph_parts.init_op)
   if contents is None:
     return 0

@@ -114,7 +114,8 @@ def restore_latest(train_dir, checkpoint, optimizer):
       `checkpoints.resume`; or it does not fit the model.
   """
   contents = checkpoints.resume(train_dir, checkpoints.MODERN, optimizer.name,
-                                legacy_shapes(optimizer.name), checkpoint_key)
+                                legacy_shapes(optimizer.name), training.TrainingError,
+                                checkpoint_key)
   resume_from = contents and contents.path
   if resume_from:
     try:

@@ -59,7 +59,6 @@ from cifar10_towers.common import files
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
 from cifar10_towers.runtime import config as config_lib
-from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +369,7 @@ def for_conversion(directory):
   return found.contents
 
 
-def resume(directory, kind, optimizer, shapes, key=str):
+def resume(directory, kind, optimizer, shapes, error, key=str):
   """What a run of trainer `kind` resumes from: the newest intact checkpoint, checked.
 
   Both trainers' one resume path: `resume_point`, read whole (`read`), then
@@ -383,6 +382,9 @@ def resume(directory, kind, optimizer, shapes, key=str):
     kind: LEGACY or MODERN, the resuming trainer.
     optimizer: str, the run's optimizer ('sgd', 'momentum', 'adam').
     shapes: dict legacy name -> shape (tuple of ints) of everything it restores.
+    error: the errors.Failure class of a refusal of the other trainer's or
+      another optimizer's checkpoint (runtime.training.TrainingError, which
+      this module cannot import: runtime.training imports it).
     key: callable legacy name -> the checkpoint's key for it
       (modern.checkpoints.checkpoint_key for modern).
 
@@ -393,21 +395,20 @@ def resume(directory, kind, optimizer, shapes, key=str):
     CheckpointError: see `resume_point`; or a variable is missing or has
       another shape: the message names the first such, e.g. a checkpoint of
       another model.
-    runtime.training.TrainingError: it is the other trainer's, or another
-      optimizer's.
+    error: it is the other trainer's, or another optimizer's.
   """
   path = resume_point(directory)
   contents = path and read(path)
   if not contents:
     return None
   if contents.kind != kind:
-    raise other_trainers(contents, directory)
+    raise error(other_trainers(contents, directory))
   # Before the shapes: an SGD checkpoint lacks Adam's slots, which is not
   # another model but another optimizer; an Adam checkpoint resumed with SGD
   # would lose its slots silently.
   if refusal := optimizer_lib.mismatch(path, optimizer_lib.of_names(contents.tensors, key),
                                        optimizer):
-    raise training.TrainingError(refusal)
+    raise error(refusal)
   if problem := misfit(contents, shapes, key):
     raise CheckpointError(f'{path} is a checkpoint of another model: {problem[0]} ({problem[1]} of '
                           f'the {len(shapes)} variables differ). Use another --train_dir, or '
@@ -439,15 +440,15 @@ def misfit(contents, shapes, key=str):
 
 
 def other_trainers(contents, directory):
-  """The refusal of a checkpoint the other trainer (or upstream's script) wrote: convert it.
+  """The one refusal of a checkpoint the other trainer (or upstream's script) wrote: convert it.
 
   Args:
     contents: Contents, read from `directory`.
     directory: str, the train_dir as the user named it.
 
   Returns:
-    runtime.training.TrainingError naming the `convert` command that makes
-    it the resuming trainer's (the other kind than `contents.kind`).
+    str, one line naming the `convert` command that makes it the resuming
+    trainer's (the other kind than `contents.kind`).
   """
   trainer = LEGACY if contents.kind == MODERN else MODERN
   step = contents.tensors.get('global_step')
@@ -455,11 +456,10 @@ def other_trainers(contents, directory):
           if step is not None and step.dtype.kind == 'f' else
           f'a {contents.kind} ({_FORMATS[contents.kind]}) checkpoint')
   own = " and upstream's" if trainer == LEGACY else ''
-  return training.TrainingError(
-      f'{contents.path} is {what}; the {trainer} trainer resumes only its own checkpoints{own}. '
-      f'Convert it (`{prog.convert_command(directory, trainer)}`) and train with --train_dir '
-      f'{prog.converted_dir(directory, trainer)}, or use another --train_dir, or train this '
-      f'one with the {contents.kind} trainer.')
+  return (f'{contents.path} is {what}; the {trainer} trainer resumes only its own checkpoints'
+          f'{own}. Convert it (`{prog.convert_command(directory, trainer)}`) and train with '
+          f'--train_dir {prog.converted_dir(directory, trainer)}, or use another --train_dir, or '
+          f'train this one with the {contents.kind} trainer.')
 
 
 def write_failed(directory, what, error, flag='--train_dir'):
