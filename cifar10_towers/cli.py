@@ -238,26 +238,33 @@ def _optimizer_from(options):
 def _train(impl, run_crosscheck, **options):
   """`legacy` and `modern`: checks what it can before TensorFlow, then trains."""
   optimizer = _optimizer_from(options)
-  # Until the first step nothing is written, so there a stop ends the run at
-  # once (training.Stopped, which _Group.invoke reports).
-  with click.get_current_context().obj.raising():
-    if impl == 'modern':
-      _check_distribution(run_crosscheck=run_crosscheck, **options)
-    config = config_lib.TrainConfig(optimizer=optimizer, **options)
-    _ensure_train_data(config.data_dir)
-    _say_if_generated(config.data_dir, 'Training')
-    plan = devices.plan_devices(config.num_gpus)
-    from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
-    memory.check_training(impl, plan, config.batch_size, config.data_dir)
-    if run_crosscheck:
-      # At crosscheck's own batch (16), not --batch_size: cheaper, and on an
-      # H100 cuDNN's conv2 filter gradient at batch 128 is 1e-2 from float64's
-      # (docs/equivalence.md §3), which the N-tower identity cannot survive.
-      _crosscheck(plan, optimizer, config.strategy, seed=config.seed or 0,
-                  data_dir=config.data_dir)
-    trainer = importlib.import_module(f'cifar10_towers.{impl}.train')
+  done = [None]  # the last global step this run completed
   try:
-    trainer.train(config, plan)
+    # Until the first step nothing is written, so there a stop ends the run at
+    # once (training.Stopped, which _Group.invoke reports).
+    with click.get_current_context().obj.raising():
+      if impl == 'modern':
+        _check_distribution(run_crosscheck=run_crosscheck, **options)
+      config = config_lib.TrainConfig(optimizer=optimizer, **options)
+      _ensure_train_data(config.data_dir)
+      _say_if_generated(config.data_dir, 'Training')
+      plan = devices.plan_devices(config.num_gpus)
+      from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
+      memory.check_training(impl, plan, config.batch_size, config.data_dir)
+      if run_crosscheck:
+        # At crosscheck's own batch (16), not --batch_size: cheaper, and on an
+        # H100 cuDNN's conv2 filter gradient at batch 128 is 1e-2 from float64's
+        # (docs/equivalence.md §3), which the N-tower identity cannot survive.
+        _crosscheck(plan, optimizer, config.strategy, seed=config.seed or 0,
+                    data_dir=config.data_dir)
+      trainer = importlib.import_module(f'cifar10_towers.{impl}.train')
+    trainer.train(config, plan, on_step=lambda step, *_: done.__setitem__(0, step))
+  # Not a step's line (the loop's ending.failed said what it kept): before the first step or
+  # after the last (the run's final line).
+  except progress.StreamClosed as e:
+    raise ending.RunFailed(
+        f'{e} before the first step; nothing was saved.' if done[0] is None else
+        f"{e} after the last step; saved global step {done[0]} in {options['train_dir']}.") from e
   finally:
     progress.end_line()
 
@@ -273,9 +280,9 @@ class _Group(click.Group):
   """The one place where a command of this CLI ends: a failure, a stop signal.
 
   A common.errors.Failure (what a user did wrong or the world did to a
-  run) is said in its one line, with its exit code; an OSError as the path
-  problem or the closed stream it is. Anything else is a bug: its traceback
-  shows.
+  run) is said in its one line, with its exit code (a closed stream,
+  runtime.progress.StreamClosed, with what the command left); an OSError as
+  the path problem it is. Anything else is a bug: its traceback shows.
 
   A StopRequest is held around every command (runtime.training.STOP_SIGNALS).
   A stop before a loop's first step, or in a command without a loop, raises
@@ -293,12 +300,11 @@ class _Group(click.Group):
       # before the one line; otherwise no TensorFlow op, node block or traceback.
       if os.environ.get('CIFAR10_TOWERS_DEBUG') == '1':
         traceback.print_exception(e)
-      # A user's or the world's error: its line, its exit code; an OSError: the
-      # closed stream (stdout's reader gone: `| head`) or the path it names.
+      # A user's or the world's error: its line, its exit code; an OSError: the path it names.
       line = ending.cause(e)
-      if ending.stream_closed(e):
-        ending.silence_stdout()
-        line += '.'
+      if isinstance(e, progress.StreamClosed):  # not training's: _train says what it kept
+        line += (f'; `{ctx.meta.get(_COMMAND)}` did not finish, and left nothing '
+                 'half-written.')
       elif isinstance(e, OSError):
         line += '. Check the path and its permissions.'
       raise (click.UsageError if getattr(e, 'exit_code', 1) == 2 else click.ClickException)(
@@ -491,10 +497,10 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
   reports, images, labels, init = crosscheck_lib.run(
       plan, engines=engines, optimizer=optimizer, **run_args)
   for engine, report in reports.items():
-    click.echo(f'legacy vs modern ({engine}):\n{crosscheck_lib.format_report(report)}')
+    progress.echo(f'legacy vs modern ({engine}):\n{crosscheck_lib.format_report(report)}')
   if dump:
     path = crosscheck_lib.write_evidence(dump, images, labels, init, reports[engines[0]])
-    click.echo(f'Evidence written to {path}.')
+    progress.echo(f'Evidence written to {path}.')
   failed = [engine for engine, report in reports.items() if not report.passed]
   if not failed:
     return
@@ -587,14 +593,14 @@ def profile(impl, num_gpus, batch_size, steps, data_dir, out_dir, misplace_tower
   from cifar10_towers.runtime import memory  # refuse what cannot fit, before building
   memory.check_training(impl, plan, batch_size, data_dir)
   from cifar10_towers.towerprofile import run as profile_lib
-  click.echo(f'Profiling {steps} step(s) of {impl} on {num_gpus} tower(s) under TensorFlow\'s '
-             'tracing...')
+  progress.echo(f'Profiling {steps} step(s) of {impl} on {num_gpus} tower(s) under TensorFlow\'s '
+                'tracing...')
   report, written = profile_lib.profile(
       impl, plan, batch_size, steps, data_dir=data_dir, out_dir=out_dir,
       misplace_tower=misplace_tower)
-  click.echo('\n'.join(profile_lib.format_report(report)))
+  progress.echo('\n'.join(profile_lib.format_report(report)))
   for name, path in sorted(written.items()):
-    click.echo(f'Wrote {path} ({name}).')
+    progress.echo(f'Wrote {path} ({name}).')
 
 
 @cli.command()
@@ -609,7 +615,7 @@ def convert(from_dir, to_dir):
   (momentum, Adam) move bit for bit; training continues from the converted
   checkpoint and eval gives the same precision.
   """
-  click.echo(f'Converting the newest checkpoint of {from_dir} into {to_dir}...')
+  progress.echo(f'Converting the newest checkpoint of {from_dir} into {to_dir}...')
   from cifar10_towers import convert as convert_lib
   convert_lib.convert(from_dir, to_dir)
 
@@ -668,13 +674,13 @@ def bench(ctx, json_path, plot_path, from_json, **options):
       bench_lib.check_plotting()  # before minutes of measuring, not after
     _ensure_train_data(options['data_dir'])
     report = bench_lib.run(bench_lib.BenchConfig(**options))
-  click.echo(bench_lib.format_table(report))
+  progress.echo(bench_lib.format_table(report))
   if json_path:  # never with --from_json
     bench_lib.write_json(report, json_path)
-    click.echo(f'Wrote {json_path}.')
+    progress.echo(f'Wrote {json_path}.')
   if plot_path:
     bench_lib.plot(report, plot_path)
-    click.echo(f'Wrote {plot_path}.')
+    progress.echo(f'Wrote {plot_path}.')
 
 
 @cli.group()
@@ -712,9 +718,9 @@ def _generate(data_dir, generator, force, write):
     replacing = f', replacing the {marker["what"]} there{forced}'
   counts = write()
   test = counts.pop('test_batch.bin', 0)  # the others: training files
-  click.echo(f'Wrote {sum(counts.values())} training and {test} test records of generated data '
-             f'({generator}) to {data_dir}{replacing}. It is not CIFAR-10 '
-             f'({generated.CIFAR10_RESULT}).')
+  progress.echo(f'Wrote {sum(counts.values())} training and {test} test records of generated data '
+                f'({generator}) to {data_dir}{replacing}. It is not CIFAR-10 '
+                f'({generated.CIFAR10_RESULT}).')
 
 
 def _say_if_generated(data_dir, doing):
@@ -755,7 +761,7 @@ def synth(data_dir, train_per_file, num_test, seed, force):
 def download(data_dir):
   """Download and unpack CIFAR-10 (sha256-verified); skipped when present."""
   result = _download(data_dir)
-  click.echo(f'CIFAR-10 in {data_dir}: {result.replace("_", " ")}.')
+  progress.echo(f'CIFAR-10 in {data_dir}: {result.replace("_", " ")}.')
 
 
 @data.command()
@@ -767,7 +773,7 @@ def check(data_dir):
   problems, counts = fmt.check_data_dir(data_dir)
   marker = generated.read(data_dir)
   for name, count in counts.items():
-    click.echo(f'{name}: {count} records, ok')
+    progress.echo(f'{name}: {count} records, ok')
   for problem in problems:
     logger.warning(problem)
   if problems:
@@ -777,7 +783,7 @@ def check(data_dir):
            f'(`{prog.command("data synth --force")}`)')
     raise click.ClickException(f'{len(problems)} problem(s) in {data_dir}{kind}. {fix}.')
   kind = f' {marker["what"]}, not CIFAR-10' if marker else ''
-  click.echo(f'{data_dir}: all {len(counts)} files are valid{kind}.')
+  progress.echo(f'{data_dir}: all {len(counts)} files are valid{kind}.')
 
 
 @data.command()
@@ -788,7 +794,7 @@ def digits(data_dir, seed, force):
   """Convert scikit-learn's bundled handwritten digits (a real image set) to CIFAR format."""
 
   def write():
-    click.echo(f'Converting scikit-learn\'s digits to CIFAR format in {data_dir}...')
+    progress.echo(f'Converting scikit-learn\'s digits to CIFAR format in {data_dir}...')
 
     from cifar10_towers.datasets import digits as digits_lib
     return digits_lib.convert_digits(data_dir, seed=seed)

@@ -69,15 +69,12 @@ def state_of(contents):
   path, kind, tensors = contents
   key_of = modern_checkpoints.checkpoint_key if kind == checkpoints.MODERN else str
   optimizer = optimizer_lib.of_names(tensors, key_of)
-  values = {}
-  for name, shape in modern_checkpoints.legacy_shapes(optimizer).items():
-    tensor = values[name] = tensors.get(key_of(name))
-    if tensor is None:
-      raise ConvertError(f'{path} is a checkpoint of another model, or an incomplete one: it '
-                         f'lacks {name}; {_PASS_A_TRAIN_DIR}')
-    if tensor.shape != tuple(shape):
-      raise ConvertError(f'{path} is a checkpoint of another model: it holds {name} with shape '
-                         f'{list(tensor.shape)}, this model has {list(shape)}; {_PASS_A_TRAIN_DIR}')
+  shapes = modern_checkpoints.legacy_shapes(optimizer)
+  if problem := checkpoints.misfit(contents, shapes, key_of):
+    incomplete = ', or an incomplete one' if problem[0].startswith('it lacks') else ''
+    raise ConvertError(f'{path} is a checkpoint of another model{incomplete}: {problem[0]}; '
+                       f'{_PASS_A_TRAIN_DIR}')
+  values = {name: tensors[key_of(name)] for name in shapes}
   values['global_step'] = checkpoints.global_step(contents)
   return kind, optimizer, values
 

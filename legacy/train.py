@@ -21,7 +21,6 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn as lrn_lib
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
-from cifar10_towers.common import prog
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
 from cifar10_towers.runtime import checkpoints
@@ -389,50 +388,34 @@ def build_train_graph(config, plan, decay_steps, num_threads):
 def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
-  The values restored are the ones read (and checked against their
-  checksums) by `runtime.checkpoints.read`, fed variable by variable into
+  The values restored are the ones `runtime.checkpoints.resume` read (and
+  checked against their checksums and this graph), fed variable by variable into
   each variable's initializer: no new op in the finalized graph, and a
   train_dir of the upstream script resumes too (its `global_step` is
   float32, ours int64: each value is cast to its variable's dtype, which
   the Saver cannot do).
 
   Raises:
-    runtime.checkpoints.CheckpointError: the latest checkpoint is damaged, or
-      is one of another model (names or shapes differ).
-    runtime.training.TrainingError: it is a modern checkpoint, or one of
-      another optimizer than `optimizer` (common.optimizer.Optimizer).
+    runtime.checkpoints.CheckpointError, runtime.training.TrainingError: see
+      `runtime.checkpoints.resume`.
   """
-  # The newest checkpoint that passes its checksums (see runtime.checkpoints).
-  checkpoint = checkpoints.resume_point(train_dir)
+  variables = tf.global_variables()
+  contents = checkpoints.resume(train_dir, checkpoints.LEGACY, optimizer.name,
+                                {v.op.name: tuple(v.shape) for v in variables},
+                                training.TrainingError)
   sess.run(graph_parts.init_op)
-  if checkpoint is None:
+  if contents is None:
     return 0
-  contents = checkpoints.read(checkpoint)
-  if contents.kind == checkpoints.MODERN:
-    raise training.TrainingError(
-        f"{checkpoint} is a modern (tf.train.Checkpoint) checkpoint; the legacy trainer cannot "
-        f"resume from it. Convert it (`{prog.convert_command(train_dir, 'legacy')}`) and train "
-        f"with --train_dir {prog.converted_dir(train_dir, 'legacy')}, or use another "
-        "--train_dir.")
-  # Before check_fits: an SGD checkpoint lacks Adam's slots, which is not
-  # "another model" but another optimizer; an Adam checkpoint resumed with
-  # SGD would lose its slots silently.
-  refusal = optimizer_lib.mismatch(
-      checkpoint, optimizer_lib.of_names(contents.tensors), optimizer.name)
-  if refusal:
-    raise training.TrainingError(refusal)
-  checkpoints.check_fits(checkpoint, {
-      v.op.name: tuple(v.shape) for v in tf.global_variables()})
   # Deviation from upstream: train_dir is never deleted; training resumes.
-  for variable in tf.global_variables():
+  for variable in variables:
     variable.load(contents.tensors[variable.op.name].astype(
         variable.dtype.base_dtype.as_numpy_dtype), sess)
   step = int(sess.run(graph_parts.towers.global_step))
   if contents.tensors['global_step'].dtype.kind == 'f':
-    logger.info(f'Resuming an upstream train_dir from {checkpoint} at global step {step} '
+    logger.info(f'Resuming an upstream train_dir from {contents.path} at global step {step} '
                 '(float32 global_step); new checkpoints are named by the global step.')
   else:
-    logger.info(f'Resuming from {checkpoint} at global step {step}.')
+    logger.info(f'Resuming from {contents.path} at global step {step}.')
   return step
 
 

@@ -33,7 +33,6 @@ import tensorflow as tf
 
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
-from cifar10_towers.common import prog
 from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import lock
@@ -93,10 +92,7 @@ def checkpoint_object(state):
 
 
 def restore_latest(train_dir, checkpoint, optimizer):
-  """Restores `checkpoint` from train_dir's newest intact checkpoint, if any.
-
-  The newest checkpoint that passes its checksums (`runtime.checkpoints`),
-  usually the manager's latest.
+  """Restores `checkpoint` from what `runtime.checkpoints.resume` hands back, if anything.
 
   Args:
     train_dir: str.
@@ -114,42 +110,20 @@ def restore_latest(train_dir, checkpoint, optimizer):
     The restored checkpoint's path, or None when train_dir has none.
 
   Raises:
-    runtime.training.TrainingError: it is a legacy checkpoint, of another
-      model, or of another optimizer.
-    runtime.checkpoints.CheckpointError: see `checkpoints.resume_point`.
+    runtime.training.TrainingError, runtime.checkpoints.CheckpointError: see
+      `checkpoints.resume`; or it does not fit the model.
   """
-  resume_from = checkpoints.resume_point(train_dir)
+  contents = checkpoints.resume(train_dir, checkpoints.MODERN, optimizer.name,
+                                legacy_shapes(optimizer.name), training.TrainingError,
+                                checkpoint_key)
+  resume_from = contents and contents.path
   if resume_from:
-    contents = checkpoints.read(resume_from)
-    if contents.kind != checkpoints.MODERN:
-      step = contents.tensors.get('global_step')
-      what = ('a checkpoint of the upstream script (float32 global_step)'
-              if step is not None and step.dtype.kind == 'f'
-              else 'a legacy (tf.compat.v1 Saver) checkpoint')
-      raise training.TrainingError(
-          f'{resume_from} is {what}; the modern trainer resumes only its own checkpoints. '
-          f"Convert it (`{prog.convert_command(train_dir, 'modern')}`) and train with "
-          f"--train_dir {prog.converted_dir(train_dir, 'modern')}, or use another "
-          '--train_dir, or train this one with the legacy trainer.')
-    # Before check_fits and restore: an SGD checkpoint lacks Adam's slots
-    # (another optimizer, not another model), and an Adam checkpoint restored
-    # into an SGD run would lose its slots silently.
-    refusal = optimizer_lib.mismatch(
-        resume_from, optimizer_lib.of_names(contents.tensors, checkpoint_key),
-        optimizer.name)
-    if refusal:
-      raise training.TrainingError(refusal)
-    checkpoints.check_fits(resume_from, {checkpoint_key(name): shape for name, shape in
-                                        legacy_shapes(optimizer.name).items()})
     try:
       checkpoint.restore(resume_from).assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
       raise training.TrainingError(
           f'{resume_from} does not fit this model ({checkpoints.reason(e)}). Use another '
           '--train_dir, or move its checkpoints away.') from e
-  # The CheckpointManager cannot read an empty or non-text state file;
-  # resume_point said it skipped it, and the next save replaces it anyway
-  # (removed when there is no checkpoint to name).
   checkpoints.replace_unreadable_state(train_dir, resume_from)
   return resume_from
 

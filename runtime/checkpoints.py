@@ -34,6 +34,11 @@ and says so.
 Every way a checkpoint's files can be damaged (empty, truncated, bit-flipped,
 missing) is one fault here: TensorFlow's reader fails, and its reason is said.
 
+Both trainers resume through `resume`: that checkpoint, refused if the
+other trainer wrote it (`other_trainers`, naming the convert command), if
+another optimizer did, or if another model's variables are in it (`misfit`,
+which eval and convert check with too); each trainer loads what it hands back.
+
 Eval and convert read (`newest_intact`) without changing anything: eval
 evaluates the newest intact checkpoint and says which it skipped; convert
 refuses a train_dir whose latest checkpoint or state file is damaged
@@ -51,6 +56,8 @@ import tensorflow as tf
 
 from cifar10_towers.common import errors
 from cifar10_towers.common import files
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import prog
 from cifar10_towers.runtime import config as config_lib
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ logger = logging.getLogger(__name__)
 LEGACY = 'legacy'  # tf.compat.v1 Saver: keys are variable names, e.g. 'conv1/weights'
 MODERN = 'modern'  # tf.train.Checkpoint: keys like 'model/conv1/weights/.ATTRIBUTES/...'
 OBJECT_GRAPH_KEY = '_CHECKPOINTABLE_OBJECT_GRAPH'  # only object-based checkpoints have it
+_FORMATS = {LEGACY: 'tf.compat.v1 Saver', MODERN: 'tf.train.Checkpoint'}
 
 
 class CheckpointError(errors.Failure):
@@ -361,29 +369,97 @@ def for_conversion(directory):
   return found.contents
 
 
-def check_fits(path, expected_shapes):
-  """Checks that a checkpoint holds every expected variable with its shape.
+def resume(directory, kind, optimizer, shapes, error, key=str):
+  """What a run of trainer `kind` resumes from: the newest intact checkpoint, checked.
+
+  Both trainers' one resume path: `resume_point`, read whole (`read`), then
+  refused if the other trainer (or upstream's script) wrote it
+  (`other_trainers`), if another optimizer did, or if it is another model's.
+  The trainer loads what it gets back its own way.
 
   Args:
-    path: a checkpoint prefix.
-    expected_shapes: dict checkpoint key -> shape (tuple of ints).
+    directory: str, the train_dir.
+    kind: LEGACY or MODERN, the resuming trainer.
+    optimizer: str, the run's optimizer ('sgd', 'momentum', 'adam').
+    shapes: dict legacy name -> shape (tuple of ints) of everything it restores.
+    error: the errors.Failure class of a refusal of the other trainer's or
+      another optimizer's checkpoint (runtime.training.TrainingError, which
+      this module cannot import: runtime.training imports it).
+    key: callable legacy name -> the checkpoint's key for it
+      (modern.checkpoints.checkpoint_key for modern).
+
+  Returns:
+    Contents, or None for a fresh start.
 
   Raises:
-    CheckpointError: a key is missing or has another shape; the message
-      names the first such variable, e.g. a checkpoint of another model.
+    CheckpointError: see `resume_point`; or a variable is missing or has
+      another shape: the message names the first such, e.g. a checkpoint of
+      another model.
+    error: it is the other trainer's, or another optimizer's.
   """
-  # The caller has just read it whole (`read`), holding train_dir's lock.
-  saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-  differ = [k for k, shape in expected_shapes.items() if list(saved.get(k, [-1])) != list(shape)]
-  if not differ:
-    return
-  key = ([k for k in differ if k in saved] or differ)[0]  # a wrong shape first
-  name = key.removesuffix(_VALUE_SUFFIX)
-  what = (f'it holds {name} with shape {saved[key]}, this model has {list(expected_shapes[key])}'
-          if key in saved else f'it lacks {name}')
-  raise CheckpointError(f'{path} is a checkpoint of another model: {what} ({len(differ)} of the '
-                        f'{len(expected_shapes)} variables differ). Use another --train_dir, or '
-                        'move its checkpoints away.')
+  path = resume_point(directory)
+  contents = path and read(path)
+  if not contents:
+    return None
+  if contents.kind != kind:
+    raise error(other_trainers(contents, directory))
+  # Before the shapes: an SGD checkpoint lacks Adam's slots, which is not
+  # another model but another optimizer; an Adam checkpoint resumed with SGD
+  # would lose its slots silently.
+  if refusal := optimizer_lib.mismatch(path, optimizer_lib.of_names(contents.tensors, key),
+                                       optimizer):
+    raise error(refusal)
+  if problem := misfit(contents, shapes, key):
+    raise CheckpointError(f'{path} is a checkpoint of another model: {problem[0]} ({problem[1]} of '
+                          f'the {len(shapes)} variables differ). Use another --train_dir, or '
+                          'move its checkpoints away.')
+  return contents
+
+
+def misfit(contents, shapes, key=str):
+  """How a checkpoint differs from the variables a model needs, or None when it holds them all.
+
+  Args:
+    contents: Contents.
+    shapes: dict name -> shape (a sequence of ints) of each variable needed.
+    key: callable name -> the checkpoint's key for it.
+
+  Returns:
+    (what, count): what is 'it holds <name> with shape [..], this model has
+    [..]' for the first variable of another shape, else 'it lacks <name>' for
+    the first one missing; count how many of `shapes` differ. Or None.
+  """
+  held = {name: contents.tensors.get(key(name)) for name in shapes}
+  differ = [name for name in shapes
+            if list(getattr(held[name], 'shape', [-1])) != list(shapes[name])]
+  if differ:
+    name = min(differ, key=lambda n: held[n] is None)  # a wrong shape first
+    return (f'it lacks {name}' if held[name] is None else f'it holds {name} with shape '
+            f'{list(held[name].shape)}, this model has {list(shapes[name])}'), len(differ)
+  return None
+
+
+def other_trainers(contents, directory):
+  """The one refusal of a checkpoint the other trainer (or upstream's script) wrote: convert it.
+
+  Args:
+    contents: Contents, read from `directory`.
+    directory: str, the train_dir as the user named it.
+
+  Returns:
+    str, one line naming the `convert` command that makes it the resuming
+    trainer's (the other kind than `contents.kind`).
+  """
+  trainer = LEGACY if contents.kind == MODERN else MODERN
+  step = contents.tensors.get('global_step')
+  what = ('a checkpoint of the upstream script (float32 global_step)'
+          if step is not None and step.dtype.kind == 'f' else
+          f'a {contents.kind} ({_FORMATS[contents.kind]}) checkpoint')
+  own = " and upstream's" if trainer == LEGACY else ''
+  return (f'{contents.path} is {what}; the {trainer} trainer resumes only its own checkpoints'
+          f'{own}. Convert it (`{prog.convert_command(directory, trainer)}`) and train with '
+          f'--train_dir {prog.converted_dir(directory, trainer)}, or use another --train_dir, or '
+          f'train this one with the {contents.kind} trainer.')
 
 
 def write_failed(directory, what, error, flag='--train_dir'):

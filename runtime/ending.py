@@ -6,10 +6,8 @@ skips TensorFlow's slow interpreter teardown) passes `exit_now`, the only
 caller of os._exit.
 """
 
-import errno
 import os
 import re
-import sys
 
 from cifar10_towers.common import errors
 from cifar10_towers.runtime import progress
@@ -38,35 +36,15 @@ class RunFailed(errors.Failure):
   one ending line: the cause, what was saved or stays, and what to do."""
 
 
-def stream_closed(error):
-  """True for a failed write to a stream whose reader is gone (a pipe, a terminal)."""
-  return (isinstance(error, OSError) and not error.filename
-          and error.errno in (errno.EPIPE, errno.EIO, errno.EBADF))
-
-
-def silence_stdout():
-  """Points stdout at /dev/null: a stdout whose reader is gone fails every later write."""
-  try:
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-  except (OSError, ValueError, AttributeError):
-    pass
-
-
 def cause(error):
   """What went wrong, in a user's words: one line, no op names, node blocks or traceback.
 
-  Our own errors (errors.Failure) carry their line already. A failed write to a stream (stdout
-  closed by `| head`, a terminal gone) is said as such, not as a path
-  problem; an OSError with a file names it; a TensorFlow error loses its
+  Our own errors (errors.Failure) carry their line already, a closed stream
+  (progress.StreamClosed) too; an OSError with a file names it; a TensorFlow error loses its
   decorations ([[{{node ...}}]], [Op:...]) and is named by its kind.
   """
   if isinstance(error, errors.Failure):
     return error.line()
-  if stream_closed(error):
-    return (f'the output stream closed under the run ({os.strerror(error.errno)}: a pipe\'s '
-            'reader ended or the terminal is gone)')
   if isinstance(error, OSError) and error.filename:
     return f'{error.filename}: {error.strerror or error}'
   if type(error).__module__.startswith('tensorflow'):
@@ -104,8 +82,6 @@ def failed(error, first_step, step, run, train_dir):
     what to do; `error` itself (or RunFailed with its cause) if the run had
     completed no step.
   """
-  if stream_closed(error):
-    silence_stdout()  # the lines to come (a flush at exit) would fail again
   if step == first_step:
     return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
   line = f"{cause(error).rstrip('.')}."

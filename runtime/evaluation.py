@@ -149,13 +149,9 @@ def moving_averages(contents, kind, shapes):
   if contents.kind != kind:
     raise EvalError(f'{contents.path} is a {contents.kind} checkpoint; evaluate it with the '
                     f'{contents.kind} evaluator.')
-  for key, shape in sorted(shapes.items()):
-    value = contents.tensors.get(key)
-    if value is None or list(value.shape) != list(shape):
-      problem = (f'no {key}' if value is None else
-                 f'{key} has shape {list(value.shape)}, this model {list(shape)}')
-      raise EvalError(f'{contents.path} does not hold the moving averages of this model '
-                      f'({problem}). Point --checkpoint_dir at a train_dir written by `{kind}`.')
+  if problem := checkpoints.misfit(contents, shapes):
+    raise EvalError(f'{contents.path} does not hold the moving averages of this model '
+                    f'({problem[0]}). Point --checkpoint_dir at a train_dir written by `{kind}`.')
   return {key: contents.tensors[key] for key in shapes}
 
 

@@ -13,11 +13,14 @@ logged through LogHandler), it goes to stdout, with the results;
 diagnostics go to stderr.
 """
 
+import errno
 import logging
 import sys
 import time
 
 import click
+
+from cifar10_towers.common import errors
 
 EVERY_SECS = 10.0  # without a terminal, no line within a stage sooner after the last
 
@@ -80,7 +83,7 @@ class Progress:
                 f'({100 * done // self.total}%)...')
 
   def _say(self, line):
-    click.echo(line, file=self.file)
+    echo(line, self.file)
     self._said_at = self._clock()
 
   def _move(self, done, item=None):
@@ -100,6 +103,33 @@ def _isatty(stream):
 
 
 # --- what the library says: the CLI's one log handler ---------------------
+
+class StreamClosed(errors.Failure):
+  """A write to stdout or stderr failed: its reader is gone (a pipe, a terminal) or its disk full.
+
+  Every such failure alike (EPIPE, EBADF, ENOSPC, EIO, ...) is a closed
+  stream, named by `echo`, the one place where the CLI writes to either.
+  """
+
+  def __init__(self, stream, error):
+    self.stream = stream  # 'stdout' or 'stderr'
+    gone = ": a pipe's reader ended or the terminal is gone" if error.errno in (
+        errno.EPIPE, errno.EIO, errno.EBADF) else ''
+    super().__init__(f'{stream} closed ({error.strerror or error}{gone})')
+
+
+def echo(text, stream=None, nl=True):
+  """click.echo to `stream` (default sys.stdout, looked up now); a failed write is StreamClosed.
+
+  Each later write fails again (the unwritten text stays buffered), so a
+  thread that swallows the error (a heartbeat) cannot hide it from the run.
+  """
+  stream = stream or sys.stdout
+  try:
+    click.echo(text, file=stream, nl=nl)
+  except OSError as e:
+    raise StreamClosed('stderr' if stream is sys.stderr else 'stdout', e) from e
+
 
 IN_PLACE = {'in_place': True}  # `extra` of a training log line: rewritten in place on a terminal
 _open_line = None  # the stream whose line a log line left open, or None
@@ -127,8 +157,8 @@ class LogHandler(logging.Handler):
   heartbeat, a warning, the last line) ends it first, and so does the
   ending line (runtime.ending). Elsewhere (a log, a pipe) every line is
   printed as it is, so the log keeps upstream's lines for the scripts that
-  parse them. A failed write raises (no handleError): a closed stdout ends
-  a run as the closed stream it is (runtime.ending.stream_closed).
+  parse them. A failed write raises StreamClosed (no handleError): a closed
+  stdout ends a run, saying what it kept (runtime.ending).
   """
 
   def emit(self, record):
@@ -136,8 +166,8 @@ class LogHandler(logging.Handler):
     stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
     line = self.format(record)
     if getattr(record, 'in_place', False) and _isatty(stream):
-      click.echo(f'\r{line}\x1b[K', file=stream, nl=False)  # \x1b[K: clear the rest
+      echo(f'\r{line}\x1b[K', stream, nl=False)  # \x1b[K: clear the rest
       _open_line = stream
       return
     end_line()
-    click.echo(line, file=stream)
+    echo(line, stream)

@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -229,7 +230,7 @@ BOUNDARIES = {
                     r'TensorFlow failed \(not found\): \S+data_batch_\d\.bin; No such '
                     r'file or directory\.', 'saved'),
     'stdout closed': (_inject_stdout, None,
-                      r'the output stream closed under the run \(Broken pipe: a '
+                      r'stdout closed \(Broken pipe: a '
                       r'pipe\'s reader ended or the terminal is gone\)\.', 'next'),
     'summary writer': (_inject_summaries, None,
                        r'could not write TensorBoard summaries in \S+ \(\[Errno 28\] No '
@@ -321,7 +322,7 @@ def test_stdout_closed_by_head_under_a_modern_run(synth_data_dir, tmp_path):
   assert run.returncode == 1, stderr[-2000:]
   assert len(kept) == lines
   match = re.fullmatch(
-      r'Error: the output stream closed under the run \(Broken pipe: a pipe\'s reader '
+      r'Error: stdout closed \(Broken pipe: a pipe\'s reader '
       r'ended or the terminal is gone\)\. Saved global step (\d+) to %s/model\.ckpt-(\d+); '
       r'the same command resumes from it\.' % re.escape(train_dir), fs.ours(stderr)[-1])
   assert match and match.group(1) == match.group(2), stderr[-2000:]
@@ -333,6 +334,64 @@ def test_stdout_closed_by_head_under_a_modern_run(synth_data_dir, tmp_path):
   assert (code, exception) == (0, None), err
   assert 'Resuming from %s/model.ckpt-%d at global step %d.' % (
       train_dir, saved, saved) in out.splitlines()
+
+
+@pytest.mark.parametrize('impl', fs.TRAINERS)
+def test_stdout_on_a_full_disk_ends_a_run_saying_what_it_kept(impl, synth_data_dir, tmp_path):
+  """`legacy ... > /dev/full`: legacy's first line comes before its first step, modern's
+  after it; either way one line names stdout and what was kept, and the same command resumes."""
+  train_dir = str(tmp_path / 'train')
+  args = [impl, '--data_dir', synth_data_dir, '--train_dir', train_dir,
+          '--max_steps', 2] + list(fs.FAST_FLAGS)
+  with open('/dev/full', 'w', encoding='utf-8') as full:
+    run = fs.spawn_cli(args, stdout=full.fileno())
+  _, stderr = run.communicate(timeout=180)
+  assert run.returncode == 1, stderr[-2000:]
+  assert 'Traceback' not in stderr and 'Exception ignored' not in stderr, stderr[-2000:]
+  ending = fs.ours(stderr)[-1]
+  said = r'Error: stdout closed \(No space left on device\)'
+  saved = re.fullmatch(said + r'\. Saved global step (\d+) to %s/model\.ckpt-(\d+); the same '
+                       r'command resumes from it\.' % re.escape(train_dir), ending)
+  if saved:
+    assert saved.group(1) == saved.group(2), ending
+    step = int(saved.group(1))
+    assert checkpoints.resume_point(train_dir) == os.path.join(train_dir, 'model.ckpt-%d' % step)
+  else:
+    assert re.fullmatch(said + r' before the first step; nothing was saved\.', ending), ending
+    assert not os.path.isdir(train_dir) or checkpoints.resume_point(train_dir) is None
+    step = 0
+  code, out, err, exception = fs.invoke_cli(args)
+  assert (code, exception) == (0, None), err
+  assert bool(step) == ('Resuming from %s/model.ckpt-%d at global step %d.' % (
+      train_dir, step, step) in out.splitlines()), out
+  assert checkpoints.resume_point(train_dir) == os.path.join(train_dir, 'model.ckpt-2')
+
+
+def test_both_streams_on_a_full_disk_end_a_run_with_status_1(synth_data_dir, tmp_path):
+  """Nowhere to say it: still a failure's status, and no run left behind."""
+  train_dir = str(tmp_path / 'train')
+  with open('/dev/full', 'w', encoding='utf-8') as full:
+    result = subprocess.run(
+        [sys.executable, fs.CLI, 'legacy', '--data_dir', synth_data_dir, '--train_dir',
+         train_dir, '--max_steps', '2', *fs.FAST_FLAGS], cwd=fs.ROOT, env=fs.cli_env(),
+        stdout=full, stderr=full, timeout=180, check=False)
+  assert result.returncode == 1
+  assert not os.path.isdir(train_dir) or checkpoints.resume_point(train_dir) is None
+
+
+def test_stdout_full_under_another_command_is_one_line(synth_data_dir, monkeypatch):
+  import click  # pylint: disable=import-outside-toplevel
+  echo = click.echo
+
+  def full(message=None, *args, **kwargs):
+    if kwargs.get('err'):
+      return echo(message, *args, **kwargs)
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(click, 'echo', full)
+  code, _, err, exception = fs.invoke_cli(['data', 'check', '--data_dir', synth_data_dir])
+  assert (code, exception) == (1, None), err
+  assert fs.ours(err)[-1] == ('Error: stdout closed (No space left on device); `data check` '
+                              'did not finish, and left nothing half-written.'), err
 
 
 @pytest.mark.parametrize('debug', ['1', None], ids=['CIFAR10_TOWERS_DEBUG=1', 'plain'])
