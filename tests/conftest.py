@@ -182,15 +182,16 @@ def costly_reason(marked, costly, fixtures):
   return None
 
 
-_COUNTS = {}  # 'all' and 'quick': the tests of the whole suite and of the quick tier
+COUNTS = {}  # 'all' and 'quick': the tests of the whole suite and of the quick tier,
+# when this run collected the whole suite
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
   """Counts the whole suite's tests before -m or -k deselect any (the README states both)."""
   if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
-    _COUNTS['all'] = len(items)
-    _COUNTS['quick'] = sum(item.get_closest_marker('slow') is None for item in items)
+    COUNTS['all'] = len(items)
+    COUNTS['quick'] = sum(item.get_closest_marker('slow') is None for item in items)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -199,6 +200,13 @@ def pytest_fixture_setup(fixturedef):
   yield
   if len(_COSTLY) > start:
     _COSTLY_FIXTURES.setdefault(fixturedef, _COSTLY[start])
+
+
+def _costly_fixtures(item):
+  """{name: what its setup did} of the costly fixtures the test used, requested
+  by name or with request.getfixturevalue."""
+  used = item._request._fixture_defs  # pylint: disable=protected-access
+  return {name: _COSTLY_FIXTURES[d] for name, d in used.items() if d in _COSTLY_FIXTURES}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -214,10 +222,7 @@ def pytest_runtest_makereport(item, call):  # pylint: disable=unused-argument
     item.stash[_CALL_PASSED] = report.passed
   if report.when != 'teardown' or not report.passed or not item.stash.get(_CALL_PASSED, False):
     return
-  fixtures = {}
-  for name, defs in item._fixtureinfo.name2fixturedefs.items():  # pylint: disable=protected-access
-    if defs and defs[-1] in _COSTLY_FIXTURES:
-      fixtures[name] = _COSTLY_FIXTURES[defs[-1]]
+  fixtures = _costly_fixtures(item)
   reason = costly_reason(item.get_closest_marker('slow') is not None,
                          _COSTLY[item.stash[_START]:], fixtures)
   if reason is not None:

@@ -188,6 +188,7 @@ def test_table_shows_every_row_with_its_ratios(fake_report):
                        '1.50x', '9000', '20.0x', '768']]
 
 
+@pytest.mark.slow
 def test_a_failing_contender_is_a_bench_error(tmp_path):
   spec = {'kind': 'no-such-measurement', 'impl': 'modern', 'num_gpus': 1,
           'batch_size': 8, 'scratch': str(tmp_path), 'timeout_secs': 120}
