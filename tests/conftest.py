@@ -76,12 +76,13 @@ def synth_data_dir(tmp_path_factory):
 
 # --- The quick tier: `python -m pytest -m 'not slow'` -------------------------
 # It runs every test except those that call a trainer's train() or
-# crosscheck.run, or start a process (a fork, an exec, a child of
-# tests/fork_server.py): those, and only those, are marked `slow`. Every run of
-# a test checks its marker against what it did, itself or through a fixture it
-# uses: an unmarked test that did one of these, or a marked one that did none,
-# fails with the reason. So neither the quick tier nor the marker drifts as
-# tests change, and CI, which runs everything, catches a wrong marker.
+# crosscheck.run (or profile's training run), or start a process (a fork, an
+# exec, a child of tests/fork_server.py): those, and only those, are marked
+# `slow`. Every run of a test checks its marker against what it did, itself or
+# through a fixture it uses: an unmarked test that did one of these, or a
+# marked one that did none, fails with the reason. So neither the quick tier
+# nor the marker drifts as tests change, and CI, which runs everything,
+# catches a wrong marker.
 
 _COSTLY = []  # what this process did that the quick tier leaves out, in order
 _COSTLY_FIXTURES = {}  # fixturedef -> the first such thing its setup did
@@ -129,8 +130,10 @@ faults_support.trained_dir = _noting(
     faults_support.trained_dir,
     lambda impl, *_: 'calls %s train() (faults_support.trained_dir)' % impl)
 
+# The trainers' train(), crosscheck.run, and profile's run, which trains
+# traced steps through the trainers' own graphs without their train().
 _TRAINING = {'cifar10_towers.legacy.train': 'train', 'cifar10_towers.modern.train': 'train',
-             'cifar10_towers.crosscheck': 'run'}
+             'cifar10_towers.crosscheck': 'run', 'cifar10_towers.towerprofile.run': 'profile'}
 
 
 class _TrainingFinder(importlib.abc.MetaPathFinder):
@@ -172,8 +175,8 @@ def costly_reason(marked, costly, fixtures):
       whose setup, during this test or an earlier one, did such a thing.
   """
   if marked and not costly and not fixtures:
-    return ('marked slow, but it neither calls a trainer\'s train() or crosscheck.run '
-            'nor starts a process: drop the marker, so that the quick tier runs it')
+    return ('marked slow, but it neither trains (a trainer\'s train(), crosscheck.run, '
+            'profile) nor starts a process: drop the marker, so that the quick tier runs it')
   if not marked and (costly or fixtures):
     why = costly[0] if costly else '%s, through its fixture %r' % (
         next(iter(fixtures.values())), next(iter(fixtures)))

@@ -22,8 +22,8 @@ def test_a_marker_must_say_what_its_test_did():
   assert reason(False, [], {'trained': 'calls m.train()'}).startswith(
       "not marked slow, but it calls m.train(), through its fixture 'trained': mark it")
   assert reason(True, [], {}).startswith(
-      "marked slow, but it neither calls a trainer's train() or crosscheck.run nor "
-      'starts a process: drop the marker')
+      "marked slow, but it neither trains (a trainer's train(), crosscheck.run, profile) "
+      'nor starts a process: drop the marker')
 
 
 @pytest.mark.slow
@@ -56,7 +56,8 @@ def test_every_way_to_start_a_process_is_noted():
 @pytest.mark.slow
 @pytest.mark.parametrize('module,name', [('cifar10_towers.legacy.train', 'train'),
                                          ('cifar10_towers.modern.train', 'train'),
-                                         ('cifar10_towers.crosscheck', 'run')])
+                                         ('cifar10_towers.crosscheck', 'run'),
+                                         ('cifar10_towers.towerprofile.run', 'profile')])
 def test_a_call_of_a_trainers_train_or_crosscheck_run_is_noted(module, name):
   func = getattr(importlib.import_module(module), name)
   start = len(conftest._COSTLY)  # pylint: disable=protected-access
