@@ -184,6 +184,7 @@ def test_bench_owns_its_contenders_scratch(temp_dir):
   assert not os.path.exists(stale)
 
 
+@pytest.mark.slow
 def test_profile_scratch_goes_with_it(temp_dir, synth_data_dir, device_plan, monkeypatch):
   stale = _left_by_a_killed_run(str(temp_dir), 'towerprofile_')
   used = []
