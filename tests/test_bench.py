@@ -321,6 +321,7 @@ def test_a_report_from_before_the_costs_reads_back_saying_what_it_lacks(tmp_path
   assert result.exit_code == 0 and 'not measured (the report predates them)' in result.output
 
 
+@pytest.mark.slow
 def test_a_failing_contender_is_a_bench_error(tmp_path):
   spec = {'kind': 'no-such-measurement', 'impl': 'modern', 'num_gpus': 1,
           'batch_size': 8, 'scratch': str(tmp_path), 'timeout_secs': 120}

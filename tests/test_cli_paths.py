@@ -85,6 +85,7 @@ def test_a_suggested_command_quotes_each_path_as_a_shell_needs():
       "python cli.py eval --run_once --checkpoint_dir 'my run' --data_dir /d")
 
 
+@pytest.mark.slow
 def test_the_done_line_can_be_pasted(synth_data_dir, tmp_path):
   """Paths with a space: the `eval` command of the finished run's last line, as a shell
   splits it, names the run's directories."""

@@ -74,6 +74,7 @@ def _modern_logits(path, images):
   return model.inference(tf.constant(images)).numpy()
 
 
+@pytest.mark.slow
 def test_round_trip_is_bit_for_bit(legacy_dir, tmp_path):
   modern_dir, back_dir = str(tmp_path / 'modern'), str(tmp_path / 'back')
   kind, to_kind, step, modern_path = convert.convert(legacy_dir, modern_dir)
@@ -96,6 +97,7 @@ def test_round_trip_is_bit_for_bit(legacy_dir, tmp_path):
                             original['local3/weights/ExponentialMovingAverage'])
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_evaluates_the_same(legacy_dir, synth_data_dir, tmp_path):
   from cifar10_towers.legacy import eval as legacy_eval
   from cifar10_towers.modern import eval as modern_eval
@@ -113,6 +115,7 @@ def test_converted_checkpoint_evaluates_the_same(legacy_dir, synth_data_dir, tmp
   assert modern.precision == legacy.precision
 
 
+@pytest.mark.slow
 def test_training_continues_from_converted(legacy_dir, synth_data_dir, tmp_path,
                                            device_plan):
   from cifar10_towers.modern import train as modern_train
@@ -130,6 +133,7 @@ def test_training_continues_from_converted(legacy_dir, synth_data_dir, tmp_path,
   assert os.path.basename(tf.train.latest_checkpoint(modern_dir)) == 'model.ckpt-8'
 
 
+@pytest.mark.slow
 def test_refuses_non_empty_target_and_leaves_it(legacy_dir, tmp_path):
   target = tmp_path / 'busy'
   target.mkdir()
@@ -152,6 +156,7 @@ def test_cli_convert_errors_are_one_line(tmp_path):
   assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.slow
 def test_cli_convert(legacy_dir, tmp_path):
   result = CliRunner().invoke(cli.cli, ['convert', '--from_dir', legacy_dir,
                                         '--to_dir', str(tmp_path / 'm')])
@@ -184,6 +189,7 @@ def trained(legacy_dir, tmp_path):
   return train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('spelling', [
     'as given', 'with a trailing slash', 'through a symlink', 'relative'])
 def test_cli_convert_refuses_the_same_directory(trained, tmp_path, monkeypatch,
@@ -206,6 +212,7 @@ def test_cli_convert_refuses_the_same_directory(trained, tmp_path, monkeypatch,
       '--to_dir, e.g. %s_converted; nothing was converted.' % (to_dir, real, from_dir, real)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('inside', ['modern', 'a/b'])
 def test_cli_convert_refuses_a_to_dir_inside_from_dir(trained, tmp_path, inside):
   to_dir = os.path.join(str(trained), inside)

@@ -19,6 +19,8 @@ from cifar10_towers.common import model_spec
 
 import faults_support as fs
 
+pytestmark = pytest.mark.slow  # every test: passing_runs (autouse) starts crosscheck's process
+
 
 def _plan(device_plan, n):
   return devices.DevicePlan(device_plan.tower_devices[:n], device_plan.kind,

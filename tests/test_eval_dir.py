@@ -18,6 +18,8 @@ import pytest
 import faults_support as fs
 from cifar10_towers.runtime import evaluation
 
+pytestmark = pytest.mark.slow  # every test evaluates a trained dir (faults_support.trained_dir)
+
 NUM_EXAMPLES = 40  # precision k/40 prints exactly with 3 decimals
 PRINTED = re.compile(r'^.*: precision @ 1 = (\d\.\d{3}) \(global step (\d+), '
                      r'model\.ckpt-\d+\)$')

@@ -384,11 +384,18 @@ def _check(case, ws, impl, monkeypatch):
   return errors[0]
 
 
+def _params(cases, trained=()):
+  """The cases, marked slow where they start a process ('sub') or use a trained dir."""
+  return [pytest.param(c, id=c.name, marks=[pytest.mark.slow] * (
+      c.mode == 'sub' or c.name in trained)) for c in cases]
+
+
 @pytest.fixture
 def ws(tmp_path, synth_data_dir):
   return Workspace(tmp_path, synth_data_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 @pytest.mark.parametrize('case', TRAIN_CASES, ids=lambda c: c.name)
 def test_training_bad_input(case, impl, ws, monkeypatch):
@@ -396,18 +403,19 @@ def test_training_bad_input(case, impl, ws, monkeypatch):
 
 
 @pytest.mark.parametrize('impl', fs.TRAINERS)
-@pytest.mark.parametrize('case', EVAL_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize('case', _params(EVAL_CASES, trained=['eval_missing_test_file']))
 def test_eval_bad_input(case, impl, ws, monkeypatch):
   _check(case, ws, impl, monkeypatch)
 
 
-@pytest.mark.parametrize('case', DOWNLOAD_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize('case', _params(DOWNLOAD_CASES))
 def test_download_bad_archive(case, ws, monkeypatch):
   _check(case, ws, None, monkeypatch)
   assert not os.path.exists(os.path.join(ws.root, 'escaped.bin'))
   assert os.listdir(os.path.join(ws.root, 'target')) in ([], ['notes.txt'])
 
 
+@pytest.mark.slow
 def test_data_check_reports_every_problem_at_once(ws):
   missing_data_file(ws, None)
   extra_data_file(ws, None)

@@ -42,6 +42,7 @@ def _checkpoint_files(snapshot, train_dir, steps):
           if any(os.path.basename(p).startswith('model.ckpt-%d.' % s) for s in steps)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_a_checkpoint_is_named_latest_only_once_complete(impl, synth_data_dir,
                                                          tmp_path, monkeypatch):
@@ -122,6 +123,7 @@ RESUME_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 @pytest.mark.parametrize('name, damage, warning', RESUME_CASES,
                          ids=[c[0] for c in RESUME_CASES])
@@ -208,6 +210,7 @@ def test_full_disk_on_a_real_tiny_filesystem(tiny_disk, synth_data_dir):
     assert 'Resuming from %s at global step 2.' % _ckpt(train_dir, 2) in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_full_disk_simulated_in_process(impl, synth_data_dir, tmp_path,
                                         monkeypatch):

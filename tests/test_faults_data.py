@@ -360,6 +360,7 @@ def test_data_command_fault(case, ws, monkeypatch):
   assert sorted(set(after) - set(before)) == []
 
 
+@pytest.mark.slow
 def test_training_warns_on_data_that_cannot_be_real_and_goes_on(ws):
   """All-zero training files: one warning per file naming it; training runs."""
   for name in fmt.TRAIN_FILES:
@@ -384,6 +385,7 @@ def test_training_warns_on_data_that_cannot_be_real_and_goes_on(ws):
   assert fs.changed(before, fs.snapshot(ws.data)) == []
 
 
+@pytest.mark.slow
 def test_eval_warns_on_a_test_file_that_cannot_be_real(ws, synth_data_dir):
   """An all-zero test file: one warning naming it; the evaluation still runs."""
   path = ws.batch('test_batch.bin')
@@ -451,6 +453,7 @@ def _interrupt_midway(ws, data_dir, sig, extra=()):
   return proc.returncode, out, err
 
 
+@pytest.mark.slow
 def test_synth_force_killed_midway_leaves_the_old_data(ws):
   """SIGKILL while replacing data: the old set stays whole and valid; the next
   writer removes what the killed one left."""
@@ -471,6 +474,7 @@ def test_synth_force_killed_midway_leaves_the_old_data(ws):
   assert 'Wrote 100 training and 1000 test records' in out
 
 
+@pytest.mark.slow
 def test_synth_interrupted_midway_leaves_nothing(ws):
   """Ctrl-C while writing new data: exit 130, one line, no cifar-10-batches-bin, no leftovers."""
   target = os.path.join(ws.root, 'new')

@@ -124,6 +124,7 @@ def diverged_runs(synth_data_dir, tmp_path_factory):
   return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('how', BLOW_UPS)
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_divergence_exits_1_naming_step_and_tower_and_keeps_the_last_checkpoint(

@@ -140,6 +140,7 @@ def _run(train_dir, evaluate, looks, warnings):
   return [(r.global_step, os.path.basename(r.path)) for r in results], logged.out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_a_checkpoint_deleted_during_its_evaluation(impl, synth_data_dir, tmp_path):
   """The trainer saves model.ckpt-2 and deletes model.ckpt-1 while it is evaluated."""
@@ -165,6 +166,7 @@ def test_a_checkpoint_deleted_during_its_evaluation(impl, synth_data_dir, tmp_pa
   assert not os.path.exists(os.path.join(train_dir, 'model.ckpt-1.index'))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_a_damaged_latest_is_said_once_and_a_save_in_progress_not_at_all(
     impl, synth_data_dir, tmp_path):
@@ -207,6 +209,7 @@ def test_a_damaged_latest_is_said_once_and_a_save_in_progress_not_at_all(
   assert warnings == []
 
 
+@pytest.mark.slow
 def test_a_checkpoint_gone_between_listing_and_reading(synth_data_dir, tmp_path,
                                                        monkeypatch):
   """A newer checkpoint listed, then deleted before it is read: passed over, unsaid."""
@@ -220,6 +223,7 @@ def test_a_checkpoint_gone_between_listing_and_reading(synth_data_dir, tmp_path,
   assert checkpoints.skip_notes(found, train_dir, 'evaluating') == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM],
                          ids=lambda s: s.name)
 @pytest.mark.parametrize('impl', fs.TRAINERS)

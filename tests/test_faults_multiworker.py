@@ -723,7 +723,6 @@ def test_cli_rejects_bad_startup_flags(args, match, tmp_path):
   assert not (tmp_path / 't').exists()  # nothing started
 
 
-@pytest.mark.slow
 def test_cli_refuses_two_replicas_per_worker_on_a_cpu_only_machine(tmp_path):
   """The stock strategy runs one replica per CPU-only worker: --num_gpus 2 is a usage error."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel

@@ -368,6 +368,7 @@ class _TrickleServer:
     self._socket.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_during_the_download_stops_at_once_and_leaves_no_part_file(
     tmp_path, sig):
@@ -524,6 +525,7 @@ def test_a_full_disk_at_the_first_save(tiny_full_disk, synth_data_dir):
     assert lock.LOCK_FILE not in names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_max_steps_below_the_resumed_step_trains_nothing_and_says_why(
     impl, synth_data_dir, tmp_path):
@@ -541,6 +543,7 @@ def test_max_steps_below_the_resumed_step_trains_nothing_and_says_why(
   assert fs.snapshot(train_dir) == before  # nothing added, nothing changed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_huge_log_save_and_summary_intervals_still_save_the_last_step(
     impl, synth_data_dir, tmp_path):

@@ -113,6 +113,7 @@ def _checkpoint_files(snapshot):
 
 # --- train -------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize('damaged', _cases(), indirect=True)
 def test_train(damaged, synth_data_dir):
   damage, impl, train_dir, before = damaged
@@ -156,6 +157,7 @@ def test_train(damaged, synth_data_dir):
   assert fs.changed(_checkpoint_files(before), after) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('damage', [d for d in DAMAGES if d.where == 'state'],
                          ids=lambda d: d.name)
 def test_train_mirrored_resumes_past_an_unreadable_state_file(damage, synth_data_dir,
@@ -192,6 +194,7 @@ def _evaluated(out, step, ckpt, records=NUM_EXAMPLES):
           and re.match(RESULT % (step, ckpt), lines[1]) is not None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('damaged', _cases(), indirect=True)
 def test_eval(damaged, synth_data_dir):
   damage, impl, train_dir, before = damaged
@@ -216,6 +219,7 @@ def test_eval(damaged, synth_data_dir):
   assert sorted(set(after) - set(before)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_eval_with_no_intact_checkpoint_left(impl, synth_data_dir, tmp_path):
   train_dir = fs.copy_trained(impl, synth_data_dir, str(tmp_path / 'train'))
@@ -235,6 +239,7 @@ def test_eval_with_no_intact_checkpoint_left(impl, synth_data_dir, tmp_path):
   assert fs.changed(before, fs.snapshot(train_dir)) == []
 
 
+@pytest.mark.slow
 def test_eval_says_when_num_examples_exceeds_the_test_set(synth_data_dir, tmp_path):
   train_dir = fs.copy_trained('legacy', synth_data_dir, str(tmp_path / 'train'))
   code, out, err, exception = fs.invoke_cli(
@@ -264,6 +269,7 @@ def _convert_message(damage, train_dir):
              re.escape(train_dir)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('damaged', _cases(), indirect=True)
 def test_convert_refuses(damaged, tmp_path):
   damage, impl, train_dir, before = damaged
@@ -296,6 +302,7 @@ def _tensors(prefix):
   return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()}
 
 
+@pytest.mark.slow
 def test_legacy_resumes_an_upstream_train_dir(upstream_dir, synth_data_dir):
   train_dir, prefix = upstream_dir
   upstream = _tensors(prefix)
@@ -331,6 +338,7 @@ def test_legacy_resumes_an_upstream_train_dir(upstream_dir, synth_data_dir):
   assert tf.train.latest_checkpoint(train_dir) == _ckpt(train_dir, step)
 
 
+@pytest.mark.slow
 def test_eval_and_convert_read_an_upstream_train_dir(upstream_dir, synth_data_dir,
                                                      tmp_path):
   train_dir, prefix = upstream_dir

@@ -214,6 +214,7 @@ def test_check_names_generated_data(tmp_path):
   assert out.splitlines()[-1] == '%s: all 6 files are valid.' % data_dir
 
 
+@pytest.mark.slow
 def test_training_and_eval_say_once_they_run_on_generated_data(tmp_path,
                                                                 synth_data_dir):
   data_dir = str(tmp_path / 'data')

@@ -251,6 +251,7 @@ def test_step_applies_mean_gradient_then_moving_average():
                                rtol=1e-6, atol=1e-7, err_msg=n)
 
 
+@pytest.mark.slow
 def test_importing_the_package_imports_no_tensorflow():
   code = ('import sys, legacy; '
           'assert "tensorflow" not in sys.modules, "TF imported"')

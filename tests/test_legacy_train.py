@@ -136,6 +136,7 @@ def test_learns_synthetic_data(synth_data_dir, tmp_path):
   assert precision > 0.4
 
 
+@pytest.mark.slow
 def test_missing_data_fails_before_training(tmp_path):
   config = config_lib.TrainConfig(data_dir=str(tmp_path / 'none'),
                                   train_dir=str(tmp_path / 'train'))
@@ -143,6 +144,7 @@ def test_missing_data_fails_before_training(tmp_path):
     train.train(config, _plan(1))
 
 
+@pytest.mark.slow
 def test_modern_checkpoint_in_train_dir_is_a_training_error(synth_data_dir,
                                                            tmp_path):
   train_dir = tmp_path / 'train'

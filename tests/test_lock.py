@@ -26,6 +26,7 @@ def test_a_second_holder_is_refused_with_the_first_ones_pid(tmp_path):
     pass
 
 
+@pytest.mark.slow
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
   script = textwrap.dedent('''
       import sys, time

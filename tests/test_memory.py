@@ -89,6 +89,7 @@ def _peak_rss(proc, deadline):
   return proc.returncode, int(out.split()[-1]) * 1024
 
 
+@pytest.mark.slow
 def test_estimate_against_the_measured_peak_of_real_runs(tmp_path, synth_data_dir):
   """Legacy and modern, batch 64 x 2 towers, 3 steps, at once, each in its own process."""
   runs = {}
@@ -240,6 +241,7 @@ def test_refusal_in_process(impl, tmp_path, synth_data_dir, monkeypatch):
   assert elapsed < 10, elapsed  # refused before any graph or dataset is built
 
 
+@pytest.mark.slow
 def test_refusal_as_a_user_sees_it(tmp_path, synth_data_dir):
   """A real process (forked), the real /proc/meminfo: batch 10^7 fits no machine."""
   train_dir = str(tmp_path / 'train')

@@ -130,6 +130,7 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data
   assert signal.getsignal(signal.SIGINT) is handler_before  # restored
 
 
+@pytest.mark.slow
 def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir, tmp_path):
   trainer = modern_step.Trainer(_plan(1), decay_steps=100)
   trainer.state.variables()['softmax_linear/biases'].assign(np.full(10, np.nan, np.float32))

@@ -8,6 +8,7 @@ from cifar10_towers.common import devices
 from cifar10_towers.runtime import config as config_lib
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', ['legacy', 'modern'])
 def test_on_step_sees_every_step_with_all_towers_images(impl, synth_data_dir,
                                                          tmp_path):

@@ -13,6 +13,7 @@ TensorBoard section names (summary_tags(n, activations=False)), all a graph.
 
 import os
 
+import pytest
 import tensorflow as tf
 
 import faults_support as fs
@@ -63,6 +64,7 @@ def _settings(synth_data_dir, train_dir):
               max_steps=4, log_every=2, summary_every=2, save_every=100, seed=3)
 
 
+@pytest.mark.slow
 def test_towers_and_mirrored_run_through_the_one_loop(synth_data_dir, tmp_path,
                                                       monkeypatch):
   seen = _spied(monkeypatch)
@@ -82,6 +84,7 @@ def test_towers_and_mirrored_run_through_the_one_loop(synth_data_dir, tmp_path,
                              'multiworker': engines.MultiWorker}
 
 
+@pytest.mark.slow
 def test_multiworker_runs_through_the_one_loop(synth_data_dir, tmp_path):
   train_dir = tmp_path / 'multiworker'
   port = fs.free_ports(1)[0]

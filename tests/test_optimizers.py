@@ -40,6 +40,8 @@ from cifar10_towers.runtime import training
 
 import faults_support as fs
 
+pytestmark = pytest.mark.slow  # every test: adam_sweep (autouse) starts crosscheck's process
+
 CLIP = 1.0  # well below the initial gradients' global norm: clipping is active
 
 

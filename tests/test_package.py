@@ -22,6 +22,8 @@ import faults_support as fs
 
 from cifar10_towers.common import version
 
+pytestmark = pytest.mark.slow  # every test runs pip, python -m build or the installed script
+
 # Top-level names the project's modules had before they moved into one
 # namespace; none may reach site-packages.
 GENERIC_NAMES = ('common', 'runtime', 'datasets', 'cli', 'bench', 'convert', 'crosscheck', 'legacy',

@@ -13,6 +13,8 @@ import pytest
 
 import faults_support as fs
 
+pytestmark = pytest.mark.slow  # every test runs `python cli.py` as a process
+
 
 @pytest.mark.parametrize('good', [True, False], ids=['valid data', 'no data'])
 def test_a_closed_stderr_runs_the_command_as_usual(good, synth_data_dir, tmp_path):

@@ -6,6 +6,8 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 import faults_support as fs
 from cifar10_towers.common import prog
 from cifar10_towers.common import version
@@ -53,6 +55,7 @@ def test_convert_command_is_exact_and_runs_as_the_cli_parses_it():
   assert {w for w in words if w.startswith('--')} <= flags
 
 
+@pytest.mark.slow
 def test_version_is_setup_pys():
   result = _run([sys.executable, 'setup.py', '--version'], fs.ROOT)
   assert result.returncode == 0, result.stderr
@@ -60,6 +63,7 @@ def test_version_is_setup_pys():
   assert re.fullmatch(r'\d+\.\d+\.\d+', version.__version__)
 
 
+@pytest.mark.slow
 def test_version_and_hint_as_python_cli_py(tmp_path):
   result = _run([sys.executable, fs.CLI, '--version'], fs.ROOT)
   assert (result.returncode, result.stdout, result.stderr) == (
@@ -73,6 +77,7 @@ def test_version_and_hint_as_python_cli_py(tmp_path):
       'or regenerate (`python cli.py data synth --force`).' % tmp_path)
 
 
+@pytest.mark.slow
 def test_version_and_hint_as_the_console_script(tmp_path):
   script = _console_script(tmp_path)
   result = _run([script, '--version'], str(tmp_path))

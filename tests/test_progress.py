@@ -101,6 +101,7 @@ def test_data_synth_says_each_file_and_then_what_it_wrote(tmp_path):
       '@ 1 after 100K steps).' % data_dir]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_each_evaluator_reports_the_records_done_after_each_batch(
     impl, synth_data_dir):
@@ -118,6 +119,7 @@ def test_each_evaluator_reports_the_records_done_after_each_batch(
   assert done == [8, 16, 24, 32, 36]
 
 
+@pytest.mark.slow
 def test_eval_says_which_checkpoint_and_how_many_records(synth_data_dir,
                                                          tmp_path, monkeypatch):
   train_dir = fs.trained_dir('legacy', synth_data_dir)  # only read

@@ -41,6 +41,7 @@ import time
 import pytest
 
 import bench_contender
+import conftest
 import faults_support as fs
 import readme_commands as rc
 
@@ -182,12 +183,14 @@ def commands_run(tmp_path_factory):
           'checkout': checkout, 'status_before': status_before}
 
 
+@pytest.mark.slow
 def test_commands_section_runs_in_order(commands_run):
   assert commands_run['failure'] is None, commands_run['failure']
   # All but `data download`.
   assert len(commands_run['ran']) == len(commands_run['commands']) - 1, commands_run['ran']
 
 
+@pytest.mark.slow
 def test_the_commands_leave_a_clone_clean(commands_run):
   """What they write goes where the README says, or where .gitignore covers it."""
   if not commands_run['checkout']:
@@ -214,3 +217,15 @@ def test_every_output_path_in_the_readme_is_outside_the_checkout():
           checked.append(value)
           assert os.path.isabs(value) or PLACEHOLDER.match(value), (option, value, line)
   assert '/tmp/bench.json' in checked and '/tmp/performance.png' in checked
+
+
+def test_the_readme_says_how_many_tests_each_test_command_runs():
+  """Its test command runs the whole suite; the quick tier's, the tests not marked slow."""
+  if not conftest.COUNTS:
+    pytest.skip('this run did not collect the whole suite (tests/): no counts to compare')
+  text = open(README, encoding='utf-8').read()
+  block = re.search(r'<!-- quick-test-command -->\n```\n(.*)\n```', text)
+  assert block and block[1].endswith(" python -m pytest -q -m 'not slow'"), block
+  stated = {'all': re.findall(r'all (\d+) tests', text),
+            'quick': re.findall(r'the (\d+) tests that neither', text)}
+  assert stated == {name: [str(count)] for name, count in conftest.COUNTS.items()}

@@ -19,6 +19,7 @@ def _known(lines):
   return [l for l in lines if stderr_filter.KNOWN.fullmatch(l)]
 
 
+@pytest.mark.slow
 def test_known_lines_dropped_the_rest_passed_in_order_and_the_ending_last():
   """No TensorFlow here: fd 2 written as its C++ would, a partial line, then the ending line."""
   code = textwrap.dedent('''
@@ -43,6 +44,7 @@ def test_known_lines_dropped_the_rest_passed_in_order_and_the_ending_last():
   assert _known(tf_noise.noise().splitlines()) and not _known(lines), lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('noisy', [True, False], ids=['noise switched on', 'as it comes'])
 def test_a_command_that_runs_tensorflow_shows_the_unknown_line_not_the_known(
     noisy, synth_data_dir, tmp_path):

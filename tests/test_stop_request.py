@@ -87,6 +87,7 @@ def test_callbacks_do_not_outlive_their_block():
   assert calls == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_second_signal_ends_the_process_at_once(sig):
   # The main thread never reaches a step boundary (it sleeps in C).
@@ -138,6 +139,7 @@ def test_raising_ends_the_block_at_once_and_only_there():
     assert stop.wait(PROMPT_SECS) and stop.signal_name == 'SIGINT'
 
 
+@pytest.mark.slow
 def test_a_second_signal_ends_the_process_even_while_a_callback_blocks():
   script = textwrap.dedent('''
       import sys, threading, time
@@ -185,6 +187,7 @@ def test_leaving_a_block_waits_for_its_running_callback():
   assert events == ['callback starts', 'callback ends', 'block left']
 
 
+@pytest.mark.slow
 def test_without_the_cli_a_warning_of_the_library_still_reaches_stderr():
   """The library configures no logging: logging's last resort shows its warnings."""
   script = ('from cifar10_towers.runtime import training\n'

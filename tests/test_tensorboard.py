@@ -78,6 +78,7 @@ def runs(synth_data_dir, tmp_path_factory):
   return results
 
 
+@pytest.mark.slow
 def test_both_trainers_write_the_same_tags(runs):
   legacy_tags, legacy_graph, _, _ = runs['legacy']
   modern_tags, modern_graph, _, _ = runs['modern']
@@ -86,6 +87,7 @@ def test_both_trainers_write_the_same_tags(runs):
   assert legacy_graph and modern_graph
 
 
+@pytest.mark.slow
 def test_the_tags_are_the_documented_names(runs):
   tags, _, _, _ = runs['modern']
   scalars, histograms = set(tags['scalars']), set(tags['histograms'])
@@ -145,6 +147,7 @@ def _tensorboard_auxiliary(graph):
   return {name for name, degree in degrees.items() if degree > max(4, 2 * q3 - q1)}
 
 
+@pytest.mark.slow
 def test_the_legacy_graph_shows_the_towers_and_where_they_meet(runs):
   graph = runs['legacy'][2].Graph()  # the GraphDef of the event file, as TensorBoard reads it
   assert {node.name.split('/')[0] for node in graph.node} == LEGACY_TOP_LEVEL
@@ -157,6 +160,7 @@ def test_the_legacy_graph_shows_the_towers_and_where_they_meet(runs):
                                           'update', 'moving_average'} == set()
 
 
+@pytest.mark.slow
 def test_summaries_hold_the_steps_values(runs):
   for impl in ('legacy', 'modern'):
     _, _, acc, _ = runs[impl]
@@ -171,6 +175,7 @@ def test_summaries_hold_the_steps_values(runs):
     assert all(0.0 <= v <= 1.0 for v in sparsity), (impl, sparsity)
 
 
+@pytest.mark.slow
 def test_log_speed_excludes_slow_summary_writes(runs):
   for impl in ('legacy', 'modern'):
     lines = runs[impl][3]
@@ -187,6 +192,7 @@ def test_log_speed_excludes_slow_summary_writes(runs):
     assert examples_per_sec == pytest.approx(8 / sec_per_batch, rel=0.05, abs=0.2)
 
 
+@pytest.mark.slow
 def test_first_step_says_what_it_waits_for(runs):
   legacy_lines, modern_lines = runs['legacy'][3], runs['modern'][3]
   assert any(re.match(r'(Filling the queue: \d+ of \d+ examples|Running the first '
@@ -226,6 +232,7 @@ def test_heartbeat_is_silent_when_fast_and_beats_when_slow(monkeypatch):
   assert all(l.startswith('waiting ') for l in lines)
 
 
+@pytest.mark.slow
 def test_heartbeat_during_a_slow_first_step(tmp_path, synth_data_dir, monkeypatch):
   """`modern` whose first step is slowed by 2 s prints a line at 1 s (the heartbeat's
   5 s, shortened here)."""
