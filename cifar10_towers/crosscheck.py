@@ -361,8 +361,8 @@ def _places(plan, optimizer):
   """The names of `_Legacy.detail`'s and `_Modern.detail`'s arrays, in _parting's order."""
   names = [*reversed(model_spec.VARIABLE_NAMES)]  # backward order
   towers = range(plan.num_towers)
-  return ([(f"{layer}'s output on tower {i}", LOSS_RTOL) for i in towers for layer in
-           _LAYER_OUTPUTS + ('loss',)]
+  return ([(f"{layer}'s output on tower {i}" if layer else f"tower {i}'s loss", LOSS_RTOL)
+           for i in towers for layer in _LAYER_OUTPUTS + (None,)]
           + [(f"tower {i}'s gradient of {n}", GRAD_RTOL) for i in towers for n in names]
           + [(f'per-tower clipping of {n} on tower {i}', GRAD_RTOL) for i in towers
              for n in names])
@@ -503,6 +503,15 @@ def _numpy(tensors):
   return {name: np.asarray(value) for name, value in tensors.items()}
 
 
+def _place(row):
+  """Where a row of a step is computed, in words."""
+  if row.check.startswith('1 '):
+    return f'the {row.check[2:]} of {row.name}'
+  if 'moving average' in row.check:
+    return f'the moving average of {row.name.rsplit("/", 1)[0]}'
+  return f'the update of {row.name}'
+
+
 def _parting(engine, k, rows, legacy, modern, start, images, labels, plan, optimizer):
   """The line naming where legacy and a modern engine first part at step k, in the order
   of docs/equivalence.md §2: each tower's layer outputs and loss, its gradients
@@ -511,8 +520,7 @@ def _parting(engine, k, rows, legacy, modern, start, images, labels, plan, optim
   places = [(place, rel_diff(a, b), tol) for (place, tol), a, b in zip(
       _places(plan, optimizer), legacy.detail(start, images, labels),
       modern.detail(start, images, labels))]
-  places += [(f'the {row.check[2:].replace("step update: ", "update of the ")} {row.name}',
-              row.measured, row.tolerance) for row in rows if row.check[0] in '13']
+  places += [(_place(row), row.measured, row.tolerance) for row in rows if row.check[0] in '13']
   place, measured, _ = next((p for p in places if not p[1] <= p[2]),
                             ('no place checked (see the table)', 0.0, 0.0))
   return f'modern ({engine}) parts from legacy at step {k}: {place}, {measured:.1e} apart'
