@@ -1,8 +1,9 @@
 """The cross-check of docs/equivalence.md §2: it passes for N in {1, 2, 4} and fails when broken.
 
 Tolerances are the contract's, stated in crosscheck.py: averaged gradients and
-the N-vs-1 identity 1e-5 (max|a-b| / max|b|), tower losses 1e-6, variables and
-moving averages after K steps 1e-4.
+the N-vs-1 identity 1e-5 (max|a-b| / max|b|), tower losses 1e-6, and each step's
+update of every variable, moving average and slot, from the same state, 1e-5 of
+its largest element (Adam's variables 1e-3 of the step's lr per element).
 """
 
 import os
@@ -203,8 +204,8 @@ def test_a_failure_says_whether_legacy_and_modern_disagree(monkeypatch, failing,
   """Only identity rows failing (cuDNN's arithmetic by batch, docs/equivalence.md §3) is not
   a legacy/modern difference, and the line says so; rows failing by under 10x the tolerance
   may be float32 rounding (1.4e-5 was measured at batch 3072), and the line says how to tell."""
-  rows = [('1 averaged gradient', 'conv1/biases', 0.0, 1e-5),
-          (failing, 'conv1/weights', measured, 1e-5)]
+  rows = [crosscheck.Row('1 averaged gradient', 'conv1/biases', 0.0, 1e-5),
+          crosscheck.Row(failing, 'conv1/weights', measured, 1e-5)]
   monkeypatch.setattr(crosscheck, 'run', lambda *args, **kwargs: (
       {'towers': crosscheck.Report(rows, None, None, None)}, None, None, None))
   monkeypatch.setattr(crosscheck, 'format_report', lambda report: 'the table')
@@ -231,7 +232,7 @@ def passing_runs(tmp_path_factory):
   code, output, what crosscheck.run returned): the DUMPED runs, then 3 towers).
   """
   base = tmp_path_factory.mktemp('passing')
-  runs = [['--num_gpus', n, '--batch_size', 8, '--steps', 3, '--seed', n,
+  runs = [['--num_gpus', n, '--batch_size', 8, '--steps', 2, '--seed', n,
            '--dump', base / str(n), '--strategy', STRATEGIES[n]] for n in DUMPED]
   wait = fs.crosscheck_in_background(runs + [['--num_gpus', 3]], str(base))
   yield base, wait
@@ -259,8 +260,10 @@ def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, p
     assert np.max(np.abs(report.legacy.grads[name])) > 0, name
   assert not np.allclose(report.legacy.final['local3/weights'],
                          crosscheck.initial_values(num_towers)['local3/weights'])
-  # 10 gradients, N losses, 10 variables, 10 averages, 2 x 10 identities.
-  assert len(report.rows) == 10 + num_towers + 10 + 10 + 20
+  # 10 gradients, N losses, the updates of 10 variables, 10 averages and the global step,
+  # 2 x 10 identities.
+  assert len(report.rows) == 10 + num_towers + 10 + 10 + 1 + 20
+  assert {row.step for row in report.rows if row.check[0] in '123'} <= {1, 2}
   failures = report.failures()
   assert not failures, crosscheck.format_report(report)
   assert report.passed
@@ -279,10 +282,20 @@ def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, p
     # Our own re-check of the file, independent of crosscheck.rel_diff.
     a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
     assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
-    np.testing.assert_allclose(evidence['legacy/final/' + name],
-                               evidence['modern/final/' + name],
-                               rtol=0, atol=1e-4 * np.max(np.abs(
-                                   evidence['modern/final/' + name])))
+  # Each step from the state both started from: every engine's update of every entry
+  # within 1e-5 of its largest element, beyond one float32 spacing.
+  for k in (1, 2):
+    for impl in ['towers'] + (['mirrored'] if STRATEGIES[num_towers] == 'mirrored' else []):
+      prefix = f'step/{k}/'
+      for key in [key for key in evidence.files if key.startswith(prefix + 'start/')]:
+        entry = key[len(prefix + 'start/'):]
+        start = evidence[key].astype(np.float64)
+        a, b = (evidence[f'{prefix}{who}/state/{entry}'].astype(np.float64)
+                for who in ('legacy', impl))
+        excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
+        assert np.max(excess) <= 1e-5 * np.max(np.abs(b - start)), (k, impl, entry)
+      np.testing.assert_allclose(evidence[f'{prefix}legacy/tower_loss'],
+                                 evidence[f'{prefix}{impl}/tower_loss'], rtol=1e-6)
   np.testing.assert_allclose(evidence['legacy/tower_loss'],
                              evidence['modern/tower_loss'], rtol=1e-6)
 
