@@ -170,10 +170,10 @@ class Report:
 
 
 def state_names(optimizer):
-  """Legacy names of a full state: variables, moving averages, slots, global step."""
+  """Legacy names of a full state: variables, slots, global step, moving averages."""
   names = model_spec.VARIABLE_NAMES
-  return (names + tuple(map(model_spec.average_name, names)) + optimizer.slot_names()
-          + ('global_step',))
+  return (names + optimizer.slot_names() + ('global_step',)
+          + tuple(map(model_spec.average_name, names)))
 
 
 def initial_state(init, optimizer):
@@ -185,29 +185,26 @@ def initial_state(init, optimizer):
 
 
 def _update_rows(before, legacy, modern, optimizer, decay_steps):
-  """Contract 3's rows of one step: each state entry's update, legacy's against modern's."""
-  lr = optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (
-      int(before['global_step']) // decay_steps)
-  new_step = int(before['global_step']) + 1
-  ema = 1.0 - min(hparams.MOVING_AVERAGE_DECAY, (1.0 + new_step) / (10.0 + new_step))
-  adam = optimizer.name == optimizer_lib.ADAM
+  """Contract 3's rows of one step, in _parting's order (variables, slots, the global
+  step, moving averages): each state entry's update, legacy's against modern's."""
+  step = int(before['global_step'])
+  lr = optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (step // decay_steps)
+  ema = 1.0 - min(hparams.MOVING_AVERAGE_DECAY, (2.0 + step) / (11.0 + step))  # the new step's
   rows = []
   for name in state_names(optimizer):
     a, b, start = (np.asarray(x[name], np.float64) for x in (legacy, modern, before))
     # Float32 stores each result rounded: one spacing of the value apart is no difference.
     excess = np.max(np.maximum(np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32)), 0.0))
-    var, average = name in model_spec.VARIABLE_NAMES, name.endswith('/ExponentialMovingAverage')
-    if adam and (var or average):  # a rounding-sized gradient steers part of an lr step
-      scale, tol, unit = lr * (ema if average else 1.0), ADAM_LR_RTOL, ' [of lr]'
+    what = ('variable' if name in model_spec.VARIABLE_NAMES else 'global step'
+            if name == 'global_step' else 'moving average' if name.endswith('Average') else 'slot')
+    if optimizer.name == optimizer_lib.ADAM and what in ('variable', 'moving average'):
+      # A rounding-sized gradient steers part of an lr step; 1 - decay carries it on.
+      scale, tol, what = lr * (ema if what[0] == 'm' else 1.0), ADAM_LR_RTOL, what + ' [of lr]'
     else:
-      scale, tol, unit = np.max(np.abs(b - start)), UPDATE_RTOL, ''
-    what = ('variable' if var else 'moving average' if average else
-            'global step' if name == 'global_step' else 'slot')
-    rows.append(Row(f'3 step update: {what}{unit}', name,
+      scale, tol = np.max(np.abs(b - start)), UPDATE_RTOL
+    rows.append(Row(f'3 step update: {what}', name,
                     float(excess / scale) if scale else (0.0 if excess == 0 else np.inf), tol))
-  # Variables, then slots, then the global step, then moving averages (_parting's order).
-  order = ('3 step update: v', '3 step update: s', '3 step update: g', '3 step update: m')
-  return sorted(rows, key=lambda row: [row.check.startswith(o) for o in order].index(True))
+  return rows
 
 
 def _step_rows(legacy, modern, before, optimizer, decay_steps, grad_rtol):
