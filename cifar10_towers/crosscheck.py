@@ -523,60 +523,6 @@ def _parting(engine, k, rows, legacy, modern, start, images, labels, plan, optim
   return f'modern ({engine}) parts from legacy at step {k}: {place}, {measured:.1e} apart'
 
 
-@contextlib.contextmanager
-def building(plan, batch_size=16, decay_steps=2, engines=('towers',), grad_rtol=GRAD_RTOL,
-             optimizer=optimizer_lib.Optimizer()):
-  """Builds legacy and each modern engine once, for N towers and 1 (the identity).
-
-  Yields:
-    callable(seed=0, steps=5, data_dir=None) -> `run`'s result, for that seed's
-    batches and initial variables (assigned: nothing is rebuilt).
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  # On GPUs (docs/equivalence.md §3): no TF32 (10-bit) matmuls and
-  # convolutions, and cuDNN's default algorithms, not autotuned ones, which
-  # differed between the two trainers' runs on an H100. Read at the
-  # process's first convolution: a --crosscheck run trains with it too.
-  tf.config.experimental.enable_tensor_float_32_execution(False)
-  os.environ['TF_CUDNN_USE_AUTOTUNE'] = '0'
-  single = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
-  n = plan.num_towers
-  with contextlib.ExitStack() as stack:
-    logger.info(f'Building legacy and modern ({", ".join(engines)}) for {n} tower(s) x '
-                f'{batch_size} images, and for 1 tower x {n * batch_size}...')
-    legacy = [_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
-              ((plan, batch_size), (single, n * batch_size))]
-    modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
-
-    def check(seed=0, steps=5, data_dir=None):
-      images, labels = draw_batches(n, batch_size, seed, data_dir)
-      init = initial_values(seed)
-      concat = images.reshape((1, -1) + images.shape[2:]), labels.reshape(1, -1)
-      logger.info(f'legacy: {n} tower(s) x {batch_size} images, {steps} steps...')
-      # Legacy's steps, each from the state the one before reached: its free run too.
-      starts, steps_of = [initial_state(init, optimizer)], []
-      for _ in range(max(steps, 1)):
-        steps_of.append(legacy[0].step(starts[-1], images, labels, update=steps > 0))
-        starts.append(steps_of[-1].state)
-      result = Result(steps_of, starts[-1] if steps else starts[0],
-                      legacy[1].step(starts[0], *concat, update=False).applied)
-      reports = {}
-      for engine, (towers, one) in modern.items():
-        logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
-        modern_result = Result(
-            [towers.step(start, images, labels, steps > 0) for start in starts[:len(steps_of)]],
-            towers.free_run(starts[0], images, labels, steps),
-            one.step(starts[0], *concat, update=False).applied)
-
-        def where(k, rows, engine=engine, towers=towers):
-          return _parting(engine, k, rows, legacy[0], towers, starts[k - 1], images, labels,
-                          plan, optimizer)
-        reports[engine] = compare(result, modern_result, optimizer, starts, decay_steps,
-                                  grad_rtol, where)
-      return reports, images, labels, init
-    yield check
-
-
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
         engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.Optimizer(),
         seeds=1):
@@ -605,16 +551,50 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     (dict engine -> Report, images [N,B,24,24,3], labels [N,B], initial
      variables dict), the batches and variables of the last seed.
   """
-  with building(plan, batch_size, decay_steps, engines, grad_rtol, optimizer) as check:
-    if seeds == 1:
-      return check(seed, steps, data_dir)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  # On GPUs (docs/equivalence.md §3): no TF32 (10-bit) matmuls and
+  # convolutions, and cuDNN's default algorithms, not autotuned ones, which
+  # differed between the two trainers' runs on an H100. Read at the
+  # process's first convolution: a --crosscheck run trains with it too.
+  tf.config.experimental.enable_tensor_float_32_execution(False)
+  os.environ['TF_CUDNN_USE_AUTOTUNE'] = '0'
+  single = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
+  n = plan.num_towers
+  with contextlib.ExitStack() as stack:
+    # Built once, for N towers and for 1 (the identity); each seed's state is assigned.
+    legacy = [_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
+              ((plan, batch_size), (single, n * batch_size))]
+    modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
     merged = {}
-    for s in range(seed, seed + seeds):
-      reports, *drawn = check(s, steps, data_dir)
-      for engine, report in reports.items():
-        logger.info(f'seed {s}, modern ({engine}): '
-                    + (report.parting or ('PASS' if report.passed else 'FAIL (the identity)')))
-        before = merged[engine].rows if engine in merged else []
-        merged[engine] = dataclasses.replace(report, parting=None, drift=(), rows=worst(
-            before + [row._replace(seed=s) for row in report.rows]))
-    return (merged, *drawn)
+    for seed in range(seed, seed + seeds):
+      images, labels = draw_batches(n, batch_size, seed, data_dir)
+      init = initial_values(seed)
+      concat = images.reshape((1, -1) + images.shape[2:]), labels.reshape(1, -1)
+      logger.info(f'legacy: {n} tower(s) x {batch_size} images, {steps} steps...')
+      # Legacy's steps, each from the state the one before reached: its free run too.
+      starts, steps_of = [initial_state(init, optimizer)], []
+      for _ in range(max(steps, 1)):
+        steps_of.append(legacy[0].step(starts[-1], images, labels, update=steps > 0))
+        starts.append(steps_of[-1].state)
+      result = Result(steps_of, starts[-1] if steps else starts[0],
+                      legacy[1].step(starts[0], *concat, update=False).applied)
+      reports = {}
+      for engine, (towers, one) in modern.items():
+        logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
+        modern_result = Result(
+            [towers.step(start, images, labels, steps > 0) for start in starts[:len(steps_of)]],
+            towers.free_run(starts[0], images, labels, steps),
+            one.step(starts[0], *concat, update=False).applied)
+
+        def where(k, rows, engine=engine, towers=towers, starts=starts, batches=(images, labels)):
+          return _parting(engine, k, rows, legacy[0], towers, starts[k - 1], *batches, plan,
+                          optimizer)
+        reports[engine] = report = compare(result, modern_result, optimizer, starts,
+                                           decay_steps, grad_rtol, where)
+        if seeds > 1:  # a sweep: a line per seed, the worst of each figure kept
+          logger.info(f'seed {seed}, modern ({engine}): ' + (
+              report.parting or ('PASS' if report.passed else 'FAIL (the identity)')))
+          reports[engine] = dataclasses.replace(report, parting=None, drift=(), rows=worst(
+              (merged[engine].rows if merged else []) + [r._replace(seed=seed) for r in report.rows]))
+      merged = reports
+  return merged, images, labels, init
