@@ -7,8 +7,9 @@ element; Adam's variables 1e-3 of the step's lr per element. The cross-check mat
 tiny batches (2 images per tower, 2 steps) to keep the suite's time: what it
 compares is the arithmetic, not learning. Its towers: 1 (nothing to average)
 and 3 (the 1/N of a mean not exact in floating point); two of its 3-tower
-cells check the mirrored engine too. 2 towers: the Adam sweep's first cell
-(mirrored too), the injected faults' below and tests/test_crosscheck.py's.
+cells check the mirrored engine too. The sweep's four cells (batch 16, 5 steps,
+both engines) run at a random seed each (SWEEP_CELLS below); the injected
+differences are tests/test_crosscheck.py's.
 
 The matrix runs through the command line (`crosscheck --optimizer ...`), so
 its flags and tables are checked on the way. Its cells are the code paths,
