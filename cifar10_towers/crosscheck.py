@@ -13,8 +13,9 @@ every step:
    moving average, slot and the global step, element by element, against its
    largest element: <= UPDATE_RTOL beyond the float32 spacing of the value it
    lands on. With Adam the variables are held per element to ADAM_LR_RTOL of
-   the step's learning rate (their moving averages to that times 1 - decay):
-   a rounding-sized gradient steers part of an lr-sized step;
+   the step's learning rate beyond lr x their gradients' difference / epsilon
+   (their moving averages to that times 1 - decay): a rounding-sized gradient
+   steers part of an lr-sized step;
 4. the identity, at the first step's state: N towers on b1..bN give the
    averaged gradient of 1 tower on their concatenation, <= GRAD_RTOL, in each
    implementation (with --clip_where per_tower reported, not held: clipping
@@ -184,9 +185,10 @@ def initial_state(init, optimizer):
              for name in optimizer.slot_names()}, 'global_step': np.int64(0)}
 
 
-def _update_rows(before, legacy, modern, optimizer, decay_steps):
+def _update_rows(before, legacy_step, modern_step, optimizer, decay_steps):
   """Contract 3's rows of one step, in _parting's order (variables, slots, the global
-  step, moving averages): each state entry's update, legacy's against modern's."""
+  step, moving averages): each state entry's update, legacy's Step against modern's."""
+  legacy, modern = legacy_step.state, modern_step.state
   step = int(before['global_step'])
   lr = optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (step // decay_steps)
   ema = 1.0 - min(hparams.MOVING_AVERAGE_DECAY, (2.0 + step) / (11.0 + step))  # the new step's
@@ -194,16 +196,23 @@ def _update_rows(before, legacy, modern, optimizer, decay_steps):
   for name in state_names(optimizer):
     a, b, start = (np.asarray(x[name], np.float64) for x in (legacy, modern, before))
     # Float32 stores each result rounded: one spacing of the value apart is no difference.
-    excess = np.max(np.maximum(np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32)), 0.0))
+    excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
     what = ('variable' if name in model_spec.VARIABLE_NAMES else 'global step'
             if name == 'global_step' else 'moving average' if name.endswith('Average') else 'slot')
     if optimizer.name == optimizer_lib.ADAM and what in ('variable', 'moving average'):
-      # A rounding-sized gradient steers part of an lr step; 1 - decay carries it on.
-      scale, tol, what = lr * (ema if what[0] == 'm' else 1.0), ADAM_LR_RTOL, what + ' [of lr]'
+      # A rounding-sized gradient steers part of an lr step: an Adam step moves at most
+      # lr / epsilon per unit of gradient, so the gradients' own difference may move it
+      # that much more. 1 - decay carries a variable's difference into its average.
+      factor = ema if what[0] == 'm' else 1.0
+      var = name.split('/Exp')[0]
+      excess -= factor * lr * np.abs(np.asarray(legacy_step.applied[var], np.float64)
+                                     - modern_step.applied[var]) / optimizer.adam_epsilon
+      scale, tol, what = lr * factor, ADAM_LR_RTOL, what + ' [of lr]'
     else:
       scale, tol = np.max(np.abs(b - start)), UPDATE_RTOL
+    excess = max(float(np.max(excess)), 0.0)
     rows.append(Row(f'3 step update: {what}', name,
-                    float(excess / scale) if scale else (0.0 if excess == 0 else np.inf), tol))
+                    excess / scale if scale else (0.0 if excess == 0 else np.inf), tol))
   return rows
 
 
@@ -217,7 +226,7 @@ def _step_rows(legacy, modern, before, optimizer, decay_steps, grad_rtol):
   rows += [Row('2 tower loss', f'tower_{i}', rel_diff(a, b), LOSS_RTOL)
            for i, (a, b) in enumerate(zip(legacy.tower_losses, modern.tower_losses))]
   if legacy.state is not None:
-    rows += _update_rows(before, legacy.state, modern.state, optimizer, decay_steps)
+    rows += _update_rows(before, legacy, modern, optimizer, decay_steps)
   return rows
 
 

@@ -123,12 +123,26 @@ def test_adam_variables_are_held_to_the_steps_lr_per_element():
     other = dict(after)
     other[key] = after[key].copy()
     other[key].flat[0] += offset
+    grads = dict.fromkeys(model_spec.VARIABLE_NAMES, 0.0)  # equal in both: no allowance
     return {row.name: row for row in crosscheck._update_rows(  # pylint: disable=protected-access
-        before, other, after, spec, decay_steps=2)}
+        before, crosscheck.Step(grads, grads, None, other),
+        crosscheck.Step(grads, grads, None, after), spec, decay_steps=2)}
 
   lr = 0.1 * 0.1  # global step 2, decay_steps 2: the staircase's second stair
   assert rows('adam', 'conv2/weights', 0.5e-3 * lr)['conv2/weights'].measured <= 1e-3
   assert rows('adam', 'conv2/weights', 2e-3 * lr)['conv2/weights'].measured > 1e-3
+  # The same difference where the gradients differ by 2e-3 epsilon there: it may move
+  # the step 2e-3 lr (an Adam step moves at most lr / epsilon per unit of gradient).
+  spec = optimizer_lib.Optimizer(name='adam')
+  before = dict(crosscheck.initial_state(init, spec), global_step=np.int64(2))
+  after = dict(before, **{'conv2/weights': before['conv2/weights'] + 0.01})
+  other = dict(after, **{'conv2/weights': after['conv2/weights'] + 2e-3 * lr})
+  grads = dict.fromkeys(model_spec.VARIABLE_NAMES, 0.0)
+  moved = dict(grads, **{'conv2/weights': 2.1e-3 * spec.adam_epsilon})
+  row = {r.name: r for r in crosscheck._update_rows(  # pylint: disable=protected-access
+      before, crosscheck.Step(moved, moved, None, other), crosscheck.Step(grads, grads, None, after),
+      spec, decay_steps=2)}['conv2/weights']
+  assert row.measured <= 1e-3
   # An update of 0.01 everywhere: 1e-5 of it is 1e-7, beyond float32's spacing of ~0.1.
   for name, key in (('adam', 'conv2/weights/Adam_1'), ('sgd', 'conv2/weights'),
                     ('momentum', 'conv2/weights/Momentum')):
