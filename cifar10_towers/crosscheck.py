@@ -601,8 +601,11 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
         reports[engine] = report = compare(result, modern_result, optimizer, starts,
                                            decay_steps, grad_rtol, where)
         if seeds > 1:  # a sweep: a line per seed, the worst of each figure kept
-          logger.info(f'seed {seed}, modern ({engine}): ' + (
-              report.parting or ('PASS' if report.passed else 'FAIL (the identity)')))
+          top = max((r for r in report.rows if r.tolerance != NOT_HELD),
+                    key=lambda r: r.measured / r.tolerance)
+          logger.info(f'seed {seed}, modern ({engine}): ' + (report.parting or (
+              'PASS' if report.passed else 'FAIL (the identity)')) + f'; worst: {top.check} '
+                      f'{top.name} {top.measured:.2e} (tolerance {top.tolerance:.0e})')
           reports[engine] = dataclasses.replace(report, parting=None, drift=(), rows=worst(
               (merged[engine].rows if merged else []) + [r._replace(seed=seed) for r in report.rows]))
       merged = reports
