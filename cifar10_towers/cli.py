@@ -499,17 +499,17 @@ def _crosscheck(plan, optimizer, strategy, dump=None, rtol=None, **run_args):
   for engine, report in reports.items():
     progress.echo(f'legacy vs modern ({engine}):\n{crosscheck_lib.format_report(report)}')
   if dump:
-    path = crosscheck_lib.write_evidence(dump, images, labels, init, reports[engines[0]])
+    path = crosscheck_lib.write_evidence(dump, images, labels, init, reports)
     progress.echo(f'Evidence written to {path}.')
   failed = [engine for engine, report in reports.items() if not report.passed]
   if not failed:
     return
   failures = [row for report in reports.values() for row in report.failures()]
-  if all(' identity ' in check for check, *_ in failures):
+  if all(' identity ' in row.check for row in failures):
     why = ('legacy and modern agree, but in both N towers differ from 1 tower on their images; '
            'on a GPU, cuDNN\'s arithmetic changes with the batch (docs/equivalence.md §3): '
            'try another --batch_size.')
-  elif max(measured / tolerance for *_, measured, tolerance in failures) < 10:
+  elif max(row.measured / row.tolerance for row in failures) < 10:
     # A bias gradient sums batch x 24 x 24 float32 terms, in an order each
     # graph picks: at --batch_size 3072 its rounding alone passed 1e-5.
     why = ('legacy and modern differ by less than 10x the tolerance, which float32 rounding '
@@ -529,8 +529,10 @@ _NUM_TOWERS_N = _option('--num_gpus', _TOWERS, 2, 'Number of towers N.')
 @_NUM_TOWERS_N
 @_batch_size('Images per tower.', default=16)
 @_option('--steps', _NON_NEGATIVE, 5,
-         'Training steps K before comparing variables and moving averages.')
+         'Training steps K, each compared from the same state in both trainers.')
 @_option('--seed', int, 0, 'Seeds the batches and the initial variables.')
+@_option('--seeds', _POSITIVE, 1, 'Check seeds --seed, --seed + 1, ... (a sweep: both trainers '
+         'built once), a line each, then each figure at its worst seed.')
 @_data_dir('Draw the batches from this data dir; default: generated data.', None, None)
 @_option('--decay_steps', _POSITIVE, 2,
          'Learning-rate decay interval, small so K steps cross the staircase.')
@@ -544,12 +546,12 @@ _NUM_TOWERS_N = _option('--num_gpus', _TOWERS, 2, 'Number of towers N.')
 def crosscheck(num_gpus, strategy, **options):
   """Prove legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
 
-  Builds both trainers from the same initial variables, feeds both the same N
-  tower batches, and compares the averaged gradients, the tower losses, the
-  variables and moving averages after K steps, and the N-towers-vs-1 identity.
-  Exits 0 when every figure is within the contract, 1 otherwise. With
-  --optimizer momentum or adam it also compares every slot after K steps,
-  with --clip_norm the clipped averaged gradient.
+  Builds both trainers, feeds both the same N tower batches, starts each of K
+  steps in both from the same state, and compares at every step the averaged
+  gradients, the tower losses and the step's update of every variable, moving
+  average and optimizer slot; then the N-towers-vs-1 identity. Exits 0 when
+  every figure is within the contract, 1 otherwise; a failed step's line says
+  where the trainers part. The K steps' free-run drift is printed, not judged.
   """
   optimizer = _optimizer_from(options)
   _ensure_train_data(options['data_dir'])
@@ -560,6 +562,8 @@ def crosscheck(num_gpus, strategy, **options):
   # step's. On 1 CPU tower it was 1.27x, 1.08x, 1.05x the measured peak RSS at
   # batch 256, 1024, 3072: close above it, as training's (1.2-1.7x).
   memory.check_training('legacy', plan, options['batch_size'], None, 'the cross-check')
+  if options['dump'] and options['seeds'] > 1:
+    raise click.UsageError('--dump writes one seed\'s evidence; pass it without --seeds.')
   _crosscheck(plan, optimizer, strategy, **options)
 
 

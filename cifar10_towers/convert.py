@@ -142,10 +142,15 @@ def legacy_session(images, labels, plan, decay_steps, optimizer, values):
     variables = {v.op.name: v for v in tf1.global_variables()}
     with tf1.Session(config=legacy_train.session_config(plan)) as sess:
       sess.run(tf1.global_variables_initializer())
-      # All in one run, as Variable.load does each (a run per variable cost 0.4 s).
-      sess.run([variables[name].initializer for name in values],
-               {variables[name].initializer.inputs[1]: value for name, value in values.items()})
+      set_values(sess, variables, values)
       yield sess, towers, variables
+
+
+def set_values(sess, variables, values):
+  """Sets each tf.Variable of `variables` that `values` names (legacy names) to its array."""
+  # All in one run, as Variable.load does each (a run per variable cost 0.4 s).
+  sess.run([variables[name].initializer for name in values],
+           {variables[name].initializer.inputs[1]: value for name, value in values.items()})
 
 
 def convert(from_dir, to_dir):

@@ -1,36 +1,42 @@
-"""The cross-check: legacy and modern compute the same averaged gradients (docs/equivalence.md §2).
+"""The cross-check: legacy and modern compute the same thing (docs/equivalence.md §2).
 
-Both trainers are built from the same initial variables and fed the same N
-per-tower batches, already preprocessed. Compared:
+Both trainers are built once and fed the same N per-tower batches, already
+preprocessed. Each of K training steps starts, in both, from the same full
+state: the variables, their moving averages, every optimizer slot (Adam's beta
+powers too) and the global step, legacy's state after the step before. At
+every step:
 
-1. the averaged gradients at the initial variables, per variable:
-   max|a - b| / max|b| <= GRAD_RTOL;
+1. the averaged gradients (and, with --clip_where averaged, the clipped ones
+   the optimizer applies), per variable: max|a - b| / max|b| <= GRAD_RTOL;
 2. the per-tower total losses, relative, <= LOSS_RTOL;
-3. the variables and their moving averages after K training steps on those
-   batches (learning-rate schedule and EMA included), relative, <= FINAL_RTOL
-   (with Adam: median|a - b| / the K steps' summed learning rate <= ADAM_LR_TOL);
-4. the identity: N towers on b1..bN give the averaged gradient of 1 tower on
-   their concatenation, <= GRAD_RTOL, in each implementation. This is what
-   proves the averaging is a true mean and weight decay is counted once.
+3. the step's update (state after minus state before) of every variable,
+   moving average, slot and the global step, element by element, against its
+   largest element: <= UPDATE_RTOL beyond the float32 spacing of the value it
+   lands on. With Adam the variables are held per element to ADAM_LR_RTOL of
+   the step's learning rate beyond lr x their gradients' difference / epsilon
+   (their moving averages to that times 1 - decay): a rounding-sized gradient
+   steers part of an lr-sized step;
+4. the identity, at the first step's state: N towers on b1..bN give the
+   averaged gradient of 1 tower on their concatenation, <= GRAD_RTOL, in each
+   implementation (with --clip_where per_tower reported, not held: clipping
+   each tower by its own norm is not clipping the mean).
 
-With an optimizer other than SGD (common.optimizer), 3 also compares every
-slot (momentum accumulators, Adam's m, v and beta powers) after K steps,
-relative, <= FINAL_RTOL (Adam's: median|a - b| / max|b| <= ADAM_SLOT_RTOL);
-with --clip_norm, 1 also compares the clipped averaged gradient (what the
-optimizer applies), and 4 compares the clipped gradients. With --clip_where
-per_tower, 4 does not hold (clipping each tower by its own norm is not
-clipping the mean): its rows are reported, with the measured difference, and
-not held to a tolerance.
+The K steps also run free, each trainer on its own from the first state; their
+drift is reported with no verdict (two free trajectories part by chance: a
+max-pool tie an ulp flips). When a step fails, `Report.parting` says where the
+trainers first part at that step (`_parting`).
 
-`run()` returns a `Report`; `write_evidence()` writes the file of docs/equivalence.md §2 that
-anyone can re-check with their own code.
+`run()` returns a `Report` per modern engine; `write_evidence()` writes the file of
+docs/equivalence.md §2 that anyone can re-check with their own code.
 """
 
+import collections
+import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import os
+import re
 
 import numpy as np
 
@@ -45,11 +51,9 @@ from cifar10_towers.runtime import config as config_lib
 logger = logging.getLogger(__name__)
 
 GRAD_RTOL = 1e-5  # contract 1 and 4: averaged gradients, relative to max|g|
-LOSS_RTOL = 1e-6  # contract 2: per-tower total losses
-FINAL_RTOL = 1e-4  # contract 3: variables, moving averages and slots after K steps
-# Contract 3 with Adam, whose steps rounding can steer (docs/equivalence.md §2, "After K steps"):
-ADAM_LR_TOL = 1e-2  # variables and moving averages: median element, in the K steps' summed lr
-ADAM_SLOT_RTOL = 1e-2  # m, v and the beta powers: median element, relative to max|slot|
+LOSS_RTOL = 1e-6  # contract 2: per-tower total losses; also each layer's output (_parting)
+UPDATE_RTOL = 1e-5  # contract 3: a step's update, relative to its largest element
+ADAM_LR_RTOL = 1e-3  # contract 3, Adam's variables: per element, in the step's lr
 
 
 def rel_diff(a, b, scale=None, stat=np.max):
@@ -122,25 +126,36 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
           labels.reshape(num_towers, batch_size))
 
 
+
+# One figure of the table: measured against tolerance, at the worst step (and seed) it had.
+Row = collections.namedtuple('Row', 'check name measured tolerance step seed',
+                             defaults=(None, None))
+# One step of one trainer: averaged gradients, as applied (clipped if asked),
+# tower losses [N], and the full state after it (None: gradients only).
+Step = collections.namedtuple('Step', 'grads applied tower_losses state')
+NOT_HELD = math.inf  # the tolerance of a row reported but not held to one
+
+
 @dataclasses.dataclass
 class Result:
   """What one implementation computed on the cross-check's inputs."""
-  grads: dict  # variable name -> averaged gradient at the initial variables
-  applied: dict  # the averaged gradient as applied: clipped if asked
-  tower_losses: list  # [N] total loss of each tower
-  final: dict  # variable name -> value after K steps
-  final_ema: dict  # variable name -> moving average after K steps
-  final_slots: dict  # optimizer slot name -> value after K steps
+  steps: list  # Step of each of the K steps, each from the shared state (K = 0: one, no update)
+  final: dict  # full state after K free-running steps (legacy names, as `initial_state`)
   single_tower_grads: dict = None  # 1 tower on the concatenated batches (clipped if asked)
+  grads = property(lambda self: self.steps[0].grads)  # at the first state
+  applied = property(lambda self: self.steps[0].applied)
+  tower_losses = property(lambda self: self.steps[0].tower_losses)
 
 
 @dataclasses.dataclass
 class Report:
-  """The comparison, with each figure and its tolerance."""
-  rows: list  # (check, variable, measured, tolerance)
+  """The comparison of legacy with one modern engine, with each figure and its tolerance."""
+  rows: list  # Row
   legacy: Result
   modern: Result
   optimizer: optimizer_lib.Optimizer
+  parting: str = None  # where the trainers part at the first failed step (None: none failed)
+  drift: list = ()  # (name, largest, median element of |a - b| / max|b|) of the free run
 
   @property
   def passed(self):
@@ -149,71 +164,120 @@ class Report:
   def per_tower_identity_gap(self):
     """Max over variables and implementations of the identity rows not held
     (--clip_where per_tower), or None when there are none."""
-    return max((row[2] for row in self.rows if row[3] == NOT_HELD), default=None)
+    return max((row.measured for row in self.rows if row.tolerance == NOT_HELD), default=None)
 
   def failures(self):
-    return [row for row in self.rows if not row[2] <= row[3]]
+    return [row for row in self.rows if not row.measured <= row.tolerance]
 
 
-NOT_HELD = math.inf  # the tolerance of a row reported but not held to one
+def state_names(optimizer):
+  """Legacy names of a full state: variables, slots, global step, moving averages."""
+  names = model_spec.VARIABLE_NAMES
+  return (names + optimizer.slot_names() + ('global_step',)
+          + tuple(map(model_spec.average_name, names)))
 
 
-def lr_sum(optimizer, steps, decay_steps):
-  """The learning rates of K steps summed: about the farthest K Adam steps move an element."""
-  return sum(optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (k // decay_steps)
-             for k in range(steps))
+def initial_state(init, optimizer):
+  """The full state of a fresh start from variables `init`, as both trainers create it."""
+  powers = {'beta1_power': optimizer.adam_beta1, 'beta2_power': optimizer.adam_beta2}
+  return {**init, **{model_spec.average_name(n): v for n, v in init.items()},
+          **{name: np.full(optimizer_lib.slot_shape(name), powers.get(name, 0.0), np.float32)
+             for name in optimizer.slot_names()}, 'global_step': np.int64(0)}
 
 
-def compare(legacy, modern, optimizer, lr_total, grad_rtol=GRAD_RTOL):
+def _update_rows(before, legacy_step, modern_step, optimizer, decay_steps):
+  """Contract 3's rows of one step, in _parting's order (variables, slots, the global
+  step, moving averages): each state entry's update, legacy's Step against modern's."""
+  legacy, modern = legacy_step.state, modern_step.state
+  step = int(before['global_step'])
+  lr = optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (step // decay_steps)
+  ema = 1.0 - min(hparams.MOVING_AVERAGE_DECAY, (2.0 + step) / (11.0 + step))  # the new step's
+  rows = []
+  for name in state_names(optimizer):
+    a, b, start = (np.asarray(x[name], np.float64) for x in (legacy, modern, before))
+    # Float32 stores each result rounded: one spacing of the value apart is no difference.
+    excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
+    what = ('variable' if name in model_spec.VARIABLE_NAMES else 'global step'
+            if name == 'global_step' else 'moving average' if name.endswith('Average') else 'slot')
+    if optimizer.name == optimizer_lib.ADAM and what in ('variable', 'moving average'):
+      # A rounding-sized gradient steers part of an lr step: an Adam step moves at most
+      # lr / epsilon per unit of gradient, so the gradients' own difference may move it
+      # that much more. 1 - decay carries a variable's difference into its average.
+      factor = ema if what[0] == 'm' else 1.0
+      var = name.split('/Exp')[0]
+      excess -= factor * lr * np.abs(np.asarray(legacy_step.applied[var], np.float64)
+                                     - modern_step.applied[var]) / optimizer.adam_epsilon
+      scale, tol, what = lr * factor, ADAM_LR_RTOL, what + ' [of lr]'
+    else:
+      scale, tol = np.max(np.abs(b - start)), UPDATE_RTOL
+    excess = max(float(np.max(excess)), 0.0)
+    rows.append(Row(f'3 step update: {what}', name,
+                    excess / scale if scale else (0.0 if excess == 0 else np.inf), tol))
+  return rows
+
+
+def _step_rows(legacy, modern, before, optimizer, decay_steps, grad_rtol):
+  """Contract 1-3's rows of one step (Steps of both trainers from the state `before`)."""
+  rows = [Row('1 averaged gradient', n, rel_diff(legacy.grads[n], modern.grads[n]), grad_rtol)
+          for n in model_spec.VARIABLE_NAMES]
+  if optimizer.clips_averaged:
+    rows += [Row('1 clipped averaged gradient', n, rel_diff(legacy.applied[n], modern.applied[n]),
+                 grad_rtol) for n in model_spec.VARIABLE_NAMES]
+  rows += [Row('2 tower loss', f'tower_{i}', rel_diff(a, b), LOSS_RTOL)
+           for i, (a, b) in enumerate(zip(legacy.tower_losses, modern.tower_losses))]
+  if legacy.state is not None:
+    rows += _update_rows(before, legacy, modern, optimizer, decay_steps)
+  return rows
+
+
+def worst(rows):
+  """One row per figure (check, name) of several steps' or seeds' rows: its worst one."""
+  kept = {}
+  for row in rows:
+    key = (row.check, row.name)
+    if key not in kept or not row.measured <= kept[key].measured:
+      kept[key] = row
+  return list(kept.values())
+
+
+def compare(legacy, modern, optimizer, starts, decay_steps=2, grad_rtol=GRAD_RTOL, where=None):
   """Builds the Report rows of docs/equivalence.md §2 from two Results.
 
-  lr_total: `lr_sum` of the K steps, the unit of Adam's variable rows.
+  starts: the full state each step started from (legacy's before it).
   grad_rtol: the tolerance of the averaged gradients and the identity (--rtol).
+  where: callable(step k) -> the line naming where the trainers part at step
+    k (`_parting`), called only if a step failed.
   """
-  names = model_spec.VARIABLE_NAMES
-  rows = []
-
-  def add(check, field, tol, keys=names, scale=None, stat=np.max):
-    """A row per key of legacy's and modern's `field`: rel_diff(legacy, modern, scale, stat)."""
-    rows.extend((check, key, rel_diff(getattr(legacy, field)[key], getattr(modern, field)[key],
-                                      scale, stat), tol) for key in keys)
-
-  add('1 averaged gradient', 'grads', grad_rtol)
-  if optimizer.clips_averaged:
-    add('1 clipped averaged gradient', 'applied', grad_rtol)
-  rows += [('2 tower loss', f'tower_{i}', rel_diff(a, b), LOSS_RTOL)
-           for i, (a, b) in enumerate(zip(legacy.tower_losses, modern.tower_losses))]
-  slots = optimizer.slot_names()
-  if optimizer.name == optimizer_lib.ADAM:
-    # Rounding can steer an Adam step by up to ~lr per element (a max-pool
-    # tie flipped, a rounding-sized gradient): its median element is held, the
-    # variables in units of the K steps' summed lr (docs/equivalence.md §2).
-    add('3 variable after K steps [median / sum lr]', 'final', ADAM_LR_TOL, scale=lr_total,
-        stat=np.median)
-    add('3 moving average after K steps [median / sum lr]', 'final_ema', ADAM_LR_TOL,
-        scale=lr_total, stat=np.median)
-    add('3 slot after K steps [median]', 'final_slots', ADAM_SLOT_RTOL, slots, stat=np.median)
-  else:
-    add('3 variable after K steps', 'final', FINAL_RTOL)
-    add('3 moving average after K steps', 'final_ema', FINAL_RTOL)
-    add('3 slot after K steps', 'final_slots', FINAL_RTOL, slots)
+  steps = [_step_rows(a, b, start, optimizer, decay_steps, grad_rtol)
+           for a, b, start in zip(legacy.steps, modern.steps, starts)]
+  rows = worst([row._replace(step=k) for k, step in enumerate(steps, 1) for row in step])
   # Per-tower clipping breaks the identity by design: reported, not held.
   mark, tol = (' [per_tower]', NOT_HELD) if optimizer.clips_per_tower else ('', grad_rtol)
-  rows += [(f'4 identity ({impl}): N towers vs 1 on concat{mark}', name,
-            rel_diff(result.applied[name], result.single_tower_grads[name]), tol)
-           for impl, result in (('legacy', legacy), ('modern', modern)) for name in names]
-  return Report(rows, legacy, modern, optimizer)
+  rows += [Row(f'4 identity ({impl}): N towers vs 1 on concat{mark}', name,
+               rel_diff(result.applied[name], result.single_tower_grads[name]), tol)
+           for impl, result in (('legacy', legacy), ('modern', modern))
+           for name in model_spec.VARIABLE_NAMES]
+  failed = [k for k, step in enumerate(steps, 1) if any(not r.measured <= r.tolerance for r in step)]
+  drift = [(name, rel_diff(legacy.final[name], modern.final[name]),
+            rel_diff(legacy.final[name], modern.final[name], stat=np.median))
+           for name in model_spec.VARIABLE_NAMES + optimizer.slot_names()]
+  return Report(rows, legacy, modern, optimizer,
+                where(failed[0], steps[failed[0] - 1]) if failed and where else None, drift)
 
 
 def format_report(report):
-  """The per-variable table, one row per figure, then the verdict."""
-  lines = [f'{"check":56} {"variable / tower":32} {"rel diff":>11} {"tolerance":>9}  ']
-  for check, name, measured, tol in report.rows:
-    if tol == NOT_HELD:
+  """The line naming where the trainers part (if a step failed), the table of every
+  figure at its worst step, the free run's drift, then the verdict."""
+  lines = [report.parting] if report.parting else []
+  lines.append(f'{"check":46} {"variable / tower":48} {"rel diff":>10} {"tolerance":>9}  worst at')
+  for row in report.rows:
+    if row.tolerance == NOT_HELD:
       tol_shown, verdict = '-', 'not held'
     else:
-      tol_shown, verdict = f'{tol:.0e}', 'ok' if measured <= tol else 'FAIL'
-    lines.append(f'{check:56} {name:32} {measured:11.3e} {tol_shown:>9}  {verdict}')
+      tol_shown, verdict = f'{row.tolerance:.0e}', 'ok' if row.measured <= row.tolerance else 'FAIL'
+    at = ' '.join(f'{what} {n}' for what, n in (('step', row.step), ('seed', row.seed))
+                  if n is not None)
+    lines.append(f'{row.check:46} {row.name:48} {row.measured:10.3e} {tol_shown:>9}  {verdict:8} {at}')
   gap = report.per_tower_identity_gap()
   if gap is not None:
     lines.append('Note: with --clip_where per_tower, N towers are NOT 1 tower on the '
@@ -221,6 +285,11 @@ def format_report(report):
                  'not clipping their mean; the applied gradients differ by up to '
                  f'{gap:.3e} (max|a-b|/max|b|) on these batches. --clip_where averaged '
                  'keeps the identity.')
+  if report.drift:
+    lines.append('Drift of the free run, each trainer K steps on its own: reported, not judged '
+                 '(two free runs part by chance, docs/equivalence.md §2). max|a-b|/max|b|, '
+                 'largest and median element:')
+    lines += [f'  {name:48} {largest:10.3e} {median:10.3e}' for name, largest, median in report.drift]
   failed = len(report.failures())
   lines.append(f'FAIL: {failed} of {len(report.rows)} figures outside the contract.' if failed
                else f'PASS: all {len(report.rows)} figures within the contract '
@@ -228,8 +297,10 @@ def format_report(report):
   return '\n'.join(lines)
 
 
-def write_evidence(path_dir, images, labels, init, report):
+def write_evidence(path_dir, images, labels, init, reports):
   """Writes `<dir>/crosscheck.npz` in the format of docs/equivalence.md §2, whole or not at all.
+
+  reports: dict engine -> Report; 'modern/...' keys are the first engine's.
 
   Raises:
     common.files.WriteError: it could not be written (a full disk, say).
@@ -237,90 +308,257 @@ def write_evidence(path_dir, images, labels, init, report):
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images, 'labels': labels}  # float32, int32 (draw_batches)
   arrays.update((f'init/{name}', value) for name, value in init.items())
-  groups = {'grad': 'grads', 'final': 'final', 'slot': 'final_slots'}  # key -> Result field
-  if report.optimizer.clips_averaged:
-    groups['clipped_grad'] = 'applied'
-  for impl, result in (('legacy', report.legacy), ('modern', report.modern)):
+  first = next(iter(reports.values()))
+  optimizer = first.optimizer
+  slots = optimizer.slot_names()
+  for impl, result in (('legacy', first.legacy), ('modern', first.modern)):
     arrays[f'{impl}/tower_loss'] = np.asarray(result.tower_losses, np.float32)
-    for what, field in groups.items():
+    groups = {'grad': result.grads, 'final': {n: result.final[n] for n in init},
+              'slot': {n: result.final[n] for n in slots}}
+    if optimizer.clips_averaged:
+      groups['clipped_grad'] = result.applied
+    for what, values in groups.items():
       arrays.update((f'{impl}/{what}/{key}', np.asarray(value, np.float32))
-                    for key, value in getattr(result, field).items())
+                    for key, value in values.items())
+  # Per step: the state both started from, then what each trainer computed from it.
+  impls = {'legacy': first.legacy, **{engine: r.modern for engine, r in reports.items()}}
+  start = initial_state(init, optimizer)
+  for k, step in enumerate(first.legacy.steps, 1):
+    arrays.update((f'step/{k}/start/{name}', np.asarray(v)) for name, v in start.items())
+    for impl, result in impls.items():
+      got = result.steps[k - 1]
+      groups = {'grad': got.grads, 'state': got.state or {}}
+      if optimizer.clips_averaged:
+        groups['clipped_grad'] = got.applied
+      arrays[f'step/{k}/{impl}/tower_loss'] = np.asarray(got.tower_losses, np.float32)
+      for what, values in groups.items():
+        arrays.update((f'step/{k}/{impl}/{what}/{key}', np.asarray(value))
+                      for key, value in values.items())
+    start = step.state
   path = os.path.join(path_dir, 'crosscheck.npz')
   with files.replacing('--dump', path) as [temp]:
-    np.savez(temp, **arrays)
+    np.savez_compressed(temp, **arrays)
   return path
 
 
-def _legacy_run(plan, images, labels, steps, init, decay_steps, optimizer):
-  """Legacy's averaged (and applied) gradients, tower losses, and state after `steps` steps.
+_LAYER_OUTPUTS = ('conv1', 'pool1', 'norm1', 'conv2', 'norm2', 'pool2', 'local3', 'local4',
+                  'softmax_linear')
 
-  The graph is legacy's own `build_towers`, fed constants instead of the
-  prefetch queue (convert.legacy_session); the variables and their moving
-  averages start at `init`, the optimizer's slots as TF1 creates them.
+
+def _layer_outputs(graph, scope):
+  """Each layer's output of model_spec.forward built under name scope `scope`, in order.
+
+  Found by op name, in legacy's graph and in a modern tf.function's alike: the
+  layers and pools are named ops ('tower_0/conv1', or 'conv1_1' where legacy's
+  variable scope took the name); a norm's output is what the next layer reads.
   """
-  shadows = {model_spec.average_name(name): value for name, value in init.items()}
-  with convert.legacy_session(images, labels, plan, decay_steps, optimizer,
-                              {**init, **shadows}) as (sess, towers, variables):
-    start = sess.run([{v.op.name: g for g, v in gv}
-                      for gv in (towers.averaged_grads, towers.applied_grads)]
-                     + [towers.tower_losses])
-    for _ in range(steps):
-      sess.run(towers.train_op)
+  named = {}
+  for op in graph.get_operations():
+    layer = re.sub(r'_\d+$', '', op.name[len(scope):])
+    if op.name.startswith(scope) and layer in _LAYER_OUTPUTS and op.type != 'NoOp':
+      named.setdefault(layer, op.outputs[0])
+  # conv2 = relu(bias_add(conv2d(norm1, w), b)); pool2 = max_pool(norm2).
+  named['norm1'] = named['conv2'].op.inputs[0].op.inputs[0].op.inputs[0]
+  named['norm2'] = named['pool2'].op.inputs[0]
+  return [named[layer] for layer in _LAYER_OUTPUTS]
+
+
+def _places(plan, optimizer):
+  """The names of `_Legacy.detail`'s and `_Modern.detail`'s arrays, in _parting's order."""
+  names = [*reversed(model_spec.VARIABLE_NAMES)]  # backward order
+  towers = range(plan.num_towers)
+  return ([(f"{layer}'s output on tower {i}" if layer else f"tower {i}'s loss", LOSS_RTOL)
+           for i in towers for layer in _LAYER_OUTPUTS + (None,)]
+          + [(f"tower {i}'s gradient of {n}", GRAD_RTOL) for i in towers for n in names]
+          + [(f'per-tower clipping of {n} on tower {i}', GRAD_RTOL) for i in towers
+             for n in names])
+
+
+class _Legacy:
+  """Legacy's own graph (`legacy.train.build_towers`), built once, fed the batches and state."""
+
+  def __init__(self, stack, plan, batch_size, decay_steps, optimizer):
+    import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
+    from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
+    self.plan, self.names = plan, state_names(optimizer)
+    self.graph = tf1.Graph()
+    size = hparams.IMAGE_SIZE
+    with self.graph.as_default():
+      # In place of the prefetch queue: each tower's batch, fed.
+      self.batches = [(tf1.placeholder(tf1.float32, [batch_size, size, size, 3]),
+                       tf1.placeholder(tf1.int32, [batch_size])) for _ in plan.tower_devices]
+      self.towers = legacy_train.build_towers(self.batches, plan, decay_steps,
+                                              optimizer=optimizer)
+      self.variables = {v.op.name: v for v in tf1.global_variables()}
+    # Not entered: that would make its graph the default, and modern's eager.
+    self.sess = tf1.Session(graph=self.graph, config=legacy_train.session_config(plan))
+    stack.callback(self.sess.close)
+    self._detail = None
+
+  def _feed(self, state, images, labels):
+    convert.set_values(self.sess, self.variables, state)
+    return {x: v for pair, i, l in zip(self.batches, images, labels) for x, v in zip(pair, (i, l))}
+
+  def step(self, state, images, labels, update=True):
+    """A Step from `state` on these batches (images [N, B, 24, 24, 3], labels [N, B])."""
+    feed = self._feed(state, images, labels)
+    towers = self.towers
+    got = self.sess.run([{v.op.name: g for g, v in gv}
+                         for gv in (towers.averaged_grads, towers.applied_grads)]
+                        + [towers.tower_losses] + ([towers.train_op] if update else []), feed)
+    state = self.sess.run({n: self.variables[n] for n in self.names}) if update else None
+    return Step(*got[:2], np.asarray(got[2]), state)
+
+  def _build_detail(self):
+    import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
+    variables = [self.variables[n] for n in reversed(model_spec.VARIABLE_NAMES)]
+    outputs, grads, entering = [], [], []
+    for i, (device, loss) in enumerate(zip(self.plan.tower_devices, self.towers.tower_losses)):
+      outputs += _layer_outputs(self.graph, f'{hparams.TOWER_NAME}_{i}/') + [loss]
+      with tf1.device(device):
+        grads += tf1.gradients(loss, variables)
+    # average_gradients: reduce_mean(concat([expand_dims(tower grad, 0), ...]), 0).
+    for grad, _ in reversed(self.towers.averaged_grads):
+      stacked = grad.op.inputs[0]
+      while stacked.op.type == 'Identity':  # tf.concat of one tower
+        stacked = stacked.op.inputs[0]
+      parts = stacked.op.inputs[:-1] if stacked.op.type == 'ConcatV2' else [stacked]
+      entering.append([part.op.inputs[0] for part in parts])
+    return outputs + grads + [g for tower in zip(*entering) for g in tower]
+
+  def detail(self, state, images, labels):
+    """_places' arrays from `state`: each tower's layer outputs, loss, gradients, and its
+    gradients as they enter the average (clipped with --clip_where per_tower)."""
+    if self._detail is None:  # built at the first failure only
+      with self.graph.as_default():
+        self._detail = self._build_detail()
+    return self.sess.run(self._detail, self._feed(state, images, labels))
+
+
+class _Modern:
+  """A modern engine's step ('towers': modern's own tf.function towers; 'mirrored': the same
+  step under tf.distribute.MirroredStrategy), built once, assigned each state."""
+
+  def __init__(self, engine, plan, decay_steps, optimizer):
+    from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
+    self.plan, self.names = plan, state_names(optimizer)
+    self.trainer = engines.make(config_lib.TrainConfig(
+        num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
+    self._detail = None
+
+  def _set(self, state):
     names = model_spec.VARIABLE_NAMES
-    return Result(*start, *sess.run([{n: variables[n] for n in names},
-                                     {n: towers.ema.average(variables[n]) for n in names},
-                                     {n: variables[n] for n in optimizer.slot_names()}]))
+    target = self.trainer.state
+    target.assign_variables({n: state[n] for n in names},
+                            {n: state[model_spec.average_name(n)] for n in names})
+    target.assign_slots({n: state[n] for n in target.slot_variables()})
+    target.global_step.assign(int(state['global_step']))
 
+  def read(self):
+    target = self.trainer.state
+    return _numpy({**target.variables(), **{model_spec.average_name(n): v for n, v in
+                                            target.shadow_variables().items()},
+                   **target.slot_variables(), 'global_step': target.global_step})
 
-def _modern_run(engine, plan, images, labels, steps, init, decay_steps, optimizer):
-  """The same with a modern engine's step.
+  def step(self, state, images, labels, update=True):
+    self._set(state)
+    grads, losses = self.trainer.compute_gradients((images, labels))
+    # What the step applies: the engine's own clipping of these gradients.
+    applied = _numpy(dict(zip(grads, self.trainer.state.clip_averaged(list(grads.values())))))
+    grads, losses = _numpy(grads), np.asarray(losses)
+    if update:
+      self.trainer.train_step((images, labels))
+    return Step(grads, applied, losses, self.read() if update else None)
 
-  engine: 'towers' (modern's own tf.function towers) or 'mirrored' (the same
-  step under tf.distribute.MirroredStrategy; 'multiworker' needs several
-  processes and has its own test).
-  """
-  from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
-  trainer = engines.make(config_lib.TrainConfig(
-      num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
-  state = trainer.state
-  state.assign_variables(init)
-  grads, losses = trainer.compute_gradients((images, labels))
-  # What the step applies: the engine's own clipping of these gradients.
-  applied = _numpy(dict(zip(grads, state.clip_averaged(list(grads.values())))))
-  grads = _numpy(grads)
-  for _ in range(steps):
-    trainer.train_step((images, labels))
-  return Result(grads, applied, np.asarray(losses), *map(_numpy, (
-      state.variables(), state.shadow_variables(), state.slot_variables())))
+  def free_run(self, state, images, labels, steps):
+    self._set(state)
+    for _ in range(steps):
+      self.trainer.train_step((images, labels))
+    return self.read()
+
+  def detail(self, state, images, labels):
+    """As _Legacy.detail, through modern.step's public tower_loss and the state's clipping."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
+    from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
+    target = self.trainer.state
+
+    def towers(images, labels):
+      with tf.device(devices.VARIABLE_DEVICE):
+        values = [var.read_value() for var in target.model.variable_list()]
+      outputs, grads, entering = [], [], []
+      for i, device in enumerate(self.plan.tower_devices):
+        with tf.device(device), tf.name_scope(f'{hparams.TOWER_NAME}_{i}') as scope:
+          with tf.GradientTape() as tape:
+            tape.watch(values)
+            loss = modern_step.tower_loss(target.model, images[i], labels[i],
+                                          target.model.params(values))
+          tower = tape.gradient(loss, values)
+          clipped = target.clip_tower(tower, 1.0)
+        outputs += _layer_outputs(tf.compat.v1.get_default_graph(), scope) + [loss]
+        grads += reversed(tower)
+        entering += reversed(clipped)
+      return outputs + grads + entering
+
+    self._detail = self._detail or tf.function(towers, autograph=False)
+    self._set(state)
+    return [np.asarray(x) for x in self._detail(tf.constant(images), tf.constant(labels))]
 
 
 def _numpy(tensors):
   return {name: np.asarray(value) for name, value in tensors.items()}
 
 
+def _place(row):
+  """Where a row of a step is computed, in words."""
+  if row.check.startswith('1 '):
+    return f'the {row.check[2:]} of {row.name}'
+  if 'moving average' in row.check:
+    return f'the moving average of {row.name.rsplit("/", 1)[0]}'
+  return f'the update of {row.name}'
+
+
+def _parting(engine, k, rows, legacy, modern, start, images, labels, plan, optimizer):
+  """The line naming where legacy and a modern engine first part at step k, in the order
+  of docs/equivalence.md §2: each tower's layer outputs and loss, its gradients
+  backward, per-tower clipping, then `rows` of the step (averaging, averaged
+  clipping, the update: variables, slots; the moving averages)."""
+  places = [(place, rel_diff(a, b), tol) for (place, tol), a, b in zip(
+      _places(plan, optimizer), legacy.detail(start, images, labels),
+      modern.detail(start, images, labels))]
+  places += [(_place(row), row.measured, row.tolerance) for row in rows if row.check[0] in '13']
+  place, measured, _ = next((p for p in places if not p[1] <= p[2]),
+                            ('no place checked (see the table)', 0.0, 0.0))
+  return f'modern ({engine}) parts from legacy at step {k}: {place}, {measured:.1e} apart'
+
+
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
-        engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.Optimizer()):
+        engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.Optimizer(),
+        seeds=1):
   """Runs the whole cross-check.
 
   Args:
     plan: common.devices.DevicePlan; N = plan.num_towers towers.
     batch_size: images per tower.
-    steps: K, training steps before comparing variables and moving averages.
+    steps: K, training steps, each compared from the same state (0: the
+      gradients, losses and identity at the initial variables only).
     seed: seeds the batches and the initial variables.
     data_dir: draw the batches from this data dir; None = generated data.
     decay_steps: learning-rate decay interval; small by default so that K
       steps cross the staircase.
     engines: the modern engines to compare with legacy ('towers', 'mirrored';
-      `_modern_run`); with several, each is held to the same contract against
+      `_Modern`); with several, each is held to the same contract against
       legacy, which makes the comparison N-way.
     grad_rtol: the tolerance of the averaged gradients and the identity;
       GRAD_RTOL, the contract's, unless asked (--rtol).
     optimizer: common.optimizer.Optimizer both trainers use (default
       upstream's SGD, no clipping).
+    seeds: check seeds seed .. seed + seeds - 1 on one build (a sweep), each
+      said in a line; the Reports then hold each figure's worst seed.
 
   Returns:
     (dict engine -> Report, images [N,B,24,24,3], labels [N,B], initial
-     variables dict).
+     variables dict), the batches and variables of the last seed.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   # On GPUs (docs/equivalence.md §3): no TF32 (10-bit) matmuls and
@@ -329,22 +567,46 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
   # process's first convolution: a --crosscheck run trains with it too.
   tf.config.experimental.enable_tensor_float_32_execution(False)
   os.environ['TF_CUDNN_USE_AUTOTUNE'] = '0'
-  images, labels = draw_batches(plan.num_towers, batch_size, seed, data_dir)
-  init = initial_values(seed)
-  single_tower = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
+  single = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
+  n = plan.num_towers
+  with contextlib.ExitStack() as stack:
+    # Built once, for N towers and for 1 (the identity); each seed's state is assigned.
+    legacy = [_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
+              ((plan, batch_size), (single, n * batch_size))]
+    modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
+    merged = {}
+    for seed in range(seed, seed + seeds):
+      images, labels = draw_batches(n, batch_size, seed, data_dir)
+      init = initial_values(seed)
+      concat = images.reshape((1, -1) + images.shape[2:]), labels.reshape(1, -1)
+      logger.info(f'legacy: {n} tower(s) x {batch_size} images, {steps} steps...')
+      # Legacy's steps, each from the state the one before reached: its free run too.
+      starts, steps_of = [initial_state(init, optimizer)], []
+      for _ in range(max(steps, 1)):
+        steps_of.append(legacy[0].step(starts[-1], images, labels, update=steps > 0))
+        starts.append(steps_of[-1].state)
+      result = Result(steps_of, starts[-1] if steps else starts[0],
+                      legacy[1].step(starts[0], *concat, update=False).applied)
+      reports = {}
+      for engine, (towers, one) in modern.items():
+        logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
+        modern_result = Result(
+            [towers.step(start, images, labels, steps > 0) for start in starts[:len(steps_of)]],
+            towers.free_run(starts[0], images, labels, steps),
+            one.step(starts[0], *concat, update=False).applied)
 
-  def result(name, run_one):
-    """run_one's Result on the N towers, with the identity's 1 tower on their concatenation."""
-    logger.info(f'{name}: {plan.num_towers} tower(s) x {batch_size} images, {steps} steps...')
-    return dataclasses.replace(
-        run_one(plan, images, labels, steps, init, decay_steps, optimizer),
-        single_tower_grads=run_one(single_tower, images.reshape((1, -1) + images.shape[2:]),
-                                   labels.reshape(1, -1), 0, init, decay_steps, optimizer).applied)
-
-  legacy = result('legacy', _legacy_run)
-  lr_total = lr_sum(optimizer, steps, decay_steps)
-  reports = {engine: compare(legacy, result(f'modern ({engine})',
-                                            functools.partial(_modern_run, engine)),
-                             optimizer, lr_total, grad_rtol)
-             for engine in engines}
-  return reports, images, labels, init
+        def where(k, rows, engine=engine, towers=towers, starts=starts, batches=(images, labels)):
+          return _parting(engine, k, rows, legacy[0], towers, starts[k - 1], *batches, plan,
+                          optimizer)
+        reports[engine] = report = compare(result, modern_result, optimizer, starts,
+                                           decay_steps, grad_rtol, where)
+        if seeds > 1:  # a sweep: a line per seed, the worst of each figure kept
+          top = max((r for r in report.rows if r.tolerance != NOT_HELD),
+                    key=lambda r: r.measured / r.tolerance)
+          logger.info(f'seed {seed}, modern ({engine}): ' + (report.parting or (
+              'PASS' if report.passed else 'FAIL (the identity)')) + f'; worst: {top.check} '
+                      f'{top.name} {top.measured:.2e} (tolerance {top.tolerance:.0e})')
+          reports[engine] = dataclasses.replace(report, parting=None, drift=(), rows=worst(
+              (merged[engine].rows if merged else []) + [r._replace(seed=seed) for r in report.rows]))
+      merged = reports
+  return merged, images, labels, init

@@ -1,14 +1,18 @@
 """The cross-check of docs/equivalence.md §2: it passes for N in {1, 2, 4} and fails when broken.
 
 Tolerances are the contract's, stated in crosscheck.py: averaged gradients and
-the N-vs-1 identity 1e-5 (max|a-b| / max|b|), tower losses 1e-6, variables and
-moving averages after K steps 1e-4.
+the N-vs-1 identity 1e-5 (max|a-b| / max|b|), tower losses 1e-6, and each step's
+update of every variable, moving average and slot, from the same state, 1e-5 of
+its largest element (Adam's variables 1e-3 of the step's lr per element).
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
+import tensorflow as tf
+import tensorflow.compat.v1 as tf1
 from click.testing import CliRunner
 
 from cifar10_towers import cli
@@ -16,6 +20,10 @@ from cifar10_towers import crosscheck
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
+from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.legacy import model as legacy_model
+from cifar10_towers.legacy import train as legacy_train
+from cifar10_towers.modern import step as modern_step
 
 import faults_support as fs
 
@@ -34,7 +42,8 @@ def _rows(report, check_prefix):
 def test_tolerances_are_the_contract():
   assert crosscheck.GRAD_RTOL == 1e-5
   assert crosscheck.LOSS_RTOL == 1e-6
-  assert crosscheck.FINAL_RTOL == 1e-4
+  assert crosscheck.UPDATE_RTOL == 1e-5
+  assert crosscheck.ADAM_LR_RTOL == 1e-3
 
 
 def test_rel_diff():
@@ -44,98 +53,114 @@ def test_rel_diff():
   assert crosscheck.rel_diff([1e-9], [0.0]) == np.inf
 
 
+# --- injected differences (docs/equivalence.md §2): each in one trainer, on 2 towers of 2
+# images. The check must fail at the step where it first acts, by >= 10x the tolerance of
+# the place it names, and name that place.
 
-# The injected faults below show at the initial variables (rows 1, 2 and 4), so
-# they run K = 0 steps: no training step is built (test_optimizers.py's faults
-# that need the steps, rows 3, run them).
-@pytest.fixture
-def two_towers(device_plan):
-  return _plan(device_plan, 2)
-
-
-def test_fails_when_weight_decay_counted_twice(monkeypatch, two_towers):
-  from cifar10_towers.modern import step as modern_train
-  original = modern_train.tower_loss
+def _twice_weight_decay(monkeypatch):
+  original = modern_step.tower_loss
 
   def twice(model, images, labels, params=None, activation_hook=None):
     params = params or model.params()
-    extra = tf_add_n([model_spec.weight_decay(params[layer.name][0], layer.wd)
+    extra = tf.add_n([model_spec.weight_decay(params[layer.name][0], layer.wd)
                       for layer in model_spec.LAYERS if layer.wd is not None])
     return original(model, images, labels, params, activation_hook) + extra
-
-  monkeypatch.setattr(modern_train, 'tower_loss', twice)
-  report = crosscheck.run(two_towers, batch_size=8, steps=0, seed=1)[0]['towers']
-  assert not report.passed
-  failed = {(check, name) for check, name, _, _ in report.failures()}
-  assert ('1 averaged gradient', 'local3/weights') in failed
-  assert ('2 tower loss', 'tower_0') in failed
-  # Layers without weight decay get the same gradient from both.
-  assert ('1 averaged gradient', 'conv1/weights') not in failed
+  monkeypatch.setattr(modern_step, 'tower_loss', twice)
 
 
-def tf_add_n(terms):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf.add_n(terms)
-
-
-def test_fails_with_upstream_unfiltered_weight_decay(monkeypatch, two_towers):
+def _unfiltered_losses(monkeypatch):
   """Upstream's trap: summing the 'losses' collection of every tower."""
-  import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.legacy import model as legacy_model
-  from cifar10_towers.legacy import train as legacy_train
-
   def unfiltered(scope, images, labels, lrn=None):
+    del scope
     legacy_model.loss(legacy_model.inference(images, lrn=lrn), labels)
     return tf1.add_n(tf1.get_collection('losses'), name='total_loss')
-
   monkeypatch.setattr(legacy_train, 'tower_loss', unfiltered)
-  report = crosscheck.run(two_towers, batch_size=8, steps=0, seed=2)[0]['towers']
-  failed = {(check, name) for check, name, _, _ in report.failures()}
-  # Tower 1 also counts tower 0's terms; tower 0 is unaffected.
-  assert ('2 tower loss', 'tower_1') in failed
-  assert ('2 tower loss', 'tower_0') not in failed
-  assert ('1 averaged gradient', 'local4/weights') in failed
 
 
-def test_fails_with_sum_instead_of_mean_and_the_cli_exits_1(monkeypatch):
-  """The rows the sum fails, and `crosscheck` on it: exit 1, the table, no traceback."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from cifar10_towers.modern import step as modern_train
-
-  def summed(tower_grads):
-    return [(tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)]
-
-  monkeypatch.setattr(modern_train, 'average_gradients', summed)
-  result, (reports, *_) = fs.crosscheck_cli(monkeypatch, [
-      '--num_gpus', 2, '--batch_size', 8, '--steps', 0, '--seed', 3])
-  assert result.exit_code == 1
-  assert 'FAIL' in result.output
-  assert 'cross-check failed' in result.output
-  assert 'Traceback' not in result.output
-  report = reports['towers']
-  failed = {(check, name) for check, name, _, _ in report.failures()}
-  assert {('1 averaged gradient', n) for n in model_spec.VARIABLE_NAMES} <= failed
-  assert any(check.startswith('4 identity (modern)') for check, _ in failed)
-  assert not any(check.startswith('4 identity (legacy)') for check, _ in failed)
-  # The losses are computed before averaging, so they still agree.
-  assert not any(check == '2 tower loss' for check, _ in failed)
+def _summed(monkeypatch):
+  monkeypatch.setattr(modern_step, 'average_gradients', lambda tower_grads: [
+      (tf.add_n([g for g, _ in gv]), gv[0][1]) for gv in zip(*tower_grads)])
 
 
-def test_fails_with_wrong_lrn_constant(monkeypatch, two_towers):
+def _wrong_lrn_alpha(monkeypatch):
   """alpha = 0.001 instead of 0.001 / 9, in the legacy graph only."""
-  from cifar10_towers.legacy import train as legacy_train
   original = legacy_train.build_towers
 
   def build_with_wrong_alpha(*args, **kwargs):
     with monkeypatch.context() as m:
       m.setattr(hparams, 'LRN_ALPHA', 0.001)
       return original(*args, **kwargs)
-
   monkeypatch.setattr(legacy_train, 'build_towers', build_with_wrong_alpha)
-  report = crosscheck.run(two_towers, batch_size=8, steps=0, seed=4)[0]['towers']
-  failed = {(check, name) for check, name, _, _ in report.failures()}
-  assert ('2 tower loss', 'tower_0') in failed
-  assert ('1 averaged gradient', 'conv1/weights') in failed
+
+
+def _per_tower_clipping(monkeypatch):
+  monkeypatch.setattr(modern_step.TrainState, 'clip_tower', lambda self, grads, scale=1.0:
+                      modern_step.clip(grads, self.optimizer.clip_norm * scale))
+  monkeypatch.setattr(modern_step.TrainState, 'clip_averaged', lambda self, grads: grads)
+
+
+def _uncorrected_adam(monkeypatch):
+  def uncorrected(var, grad, lr, spec, m, v, beta1_power, beta2_power):
+    del beta1_power, beta2_power
+    # Beta powers of 0: lr_t = lr * sqrt(1 - 0) / (1 - 0) = lr, no correction.
+    return tf.raw_ops.ResourceApplyAdam(
+        var=var.handle, m=m.handle, v=v.handle, beta1_power=tf.constant(0.0),
+        beta2_power=tf.constant(0.0), lr=lr, beta1=spec.adam_beta1,
+        beta2=spec.adam_beta2, epsilon=spec.adam_epsilon, grad=grad)
+  monkeypatch.setitem(modern_step.UPDATES, 'adam', uncorrected)
+
+
+def _momentum_095(monkeypatch):
+  monkeypatch.setitem(modern_step.UPDATES, 'momentum', lambda var, grad, lr, spec, accum: (
+      tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=accum.handle, lr=lr, grad=grad,
+                                       momentum=0.95)))
+
+
+def _ema_before_increment(monkeypatch):
+  """Modern's moving average with num_updates = the step before its increment."""
+  original = model_spec.ema_decay
+  monkeypatch.setattr(model_spec, 'ema_decay', lambda num_updates: original(num_updates - 1))
+
+
+def _staircase_late(monkeypatch):
+  """Modern's learning rate of the step before (decay_steps 1: step 2 has lr 0.01, not 0.1)."""
+  original = model_spec.learning_rate
+  monkeypatch.setattr(model_spec, 'learning_rate', lambda step, *args: original(
+      tf.maximum(step - 1, 0), *args))
+
+
+CLIPPED = {'clip_norm': 1.0}
+# fault: (inject, optimizer, step it first acts at, place named, that place's tolerance)
+FAULTS = {
+    'twice_weight_decay': (_twice_weight_decay, {}, 1, "tower 0's loss", 1e-6),
+    'unfiltered_losses': (_unfiltered_losses, {}, 1, "tower 1's loss", 1e-6),
+    'sum_not_mean': (_summed, {}, 1, 'the averaged gradient of conv1/weights', 1e-5),
+    'wrong_lrn_alpha': (_wrong_lrn_alpha, {}, 1, "norm1's output on tower 0", 1e-6),
+    'per_tower_clipping': (_per_tower_clipping, CLIPPED, 1,
+                           'per-tower clipping of softmax_linear/biases on tower 0', 1e-5),
+    'adam_uncorrected': (_uncorrected_adam, {'name': 'adam', **CLIPPED}, 1,
+                         'the update of conv1/weights', 1e-3),
+    'momentum_095': (_momentum_095, {'name': 'momentum'}, 2,
+                     'the update of conv1/weights', 1e-5),
+    'ema_before_increment': (_ema_before_increment, {}, 1,
+                             'the moving average of conv1/weights', 1e-5),
+    'staircase_late': (_staircase_late, {}, 2, 'the update of conv1/weights', 1e-5),
+}
+
+
+@pytest.mark.parametrize('fault', FAULTS)
+def test_an_injected_difference_fails_where_it_acts(monkeypatch, device_plan, fault):
+  inject, spec, step, place, tolerance = FAULTS[fault]
+  inject(monkeypatch)
+  # K = the step it first acts at (decay_steps 1: step 2 crosses the staircase).
+  report = crosscheck.run(_plan(device_plan, 2), batch_size=2, steps=step, seed=5,
+                          decay_steps=1, optimizer=optimizer_lib.Optimizer(**spec))[0]['towers']
+  assert not report.passed
+  parted = re.fullmatch(r'modern \(towers\) parts from legacy at step (\d+): (.*), (\S+) apart',
+                        report.parting)
+  assert parted, report.parting
+  assert (int(parted[1]), parted[2]) == (step, place), report.parting
+  assert float(parted[3]) >= 10 * tolerance, report.parting
 
 
 def test_batches_from_a_data_dir_read_only_the_files_they_need(tmp_path, monkeypatch):
@@ -181,8 +206,8 @@ def test_a_failure_says_whether_legacy_and_modern_disagree(monkeypatch, failing,
   """Only identity rows failing (cuDNN's arithmetic by batch, docs/equivalence.md §3) is not
   a legacy/modern difference, and the line says so; rows failing by under 10x the tolerance
   may be float32 rounding (1.4e-5 was measured at batch 3072), and the line says how to tell."""
-  rows = [('1 averaged gradient', 'conv1/biases', 0.0, 1e-5),
-          (failing, 'conv1/weights', measured, 1e-5)]
+  rows = [crosscheck.Row('1 averaged gradient', 'conv1/biases', 0.0, 1e-5),
+          crosscheck.Row(failing, 'conv1/weights', measured, 1e-5)]
   monkeypatch.setattr(crosscheck, 'run', lambda *args, **kwargs: (
       {'towers': crosscheck.Report(rows, None, None, None)}, None, None, None))
   monkeypatch.setattr(crosscheck, 'format_report', lambda report: 'the table')
@@ -209,7 +234,7 @@ def passing_runs(tmp_path_factory):
   code, output, what crosscheck.run returned): the DUMPED runs, then 3 towers).
   """
   base = tmp_path_factory.mktemp('passing')
-  runs = [['--num_gpus', n, '--batch_size', 8, '--steps', 3, '--seed', n,
+  runs = [['--num_gpus', n, '--batch_size', 8, '--steps', 2, '--seed', n,
            '--dump', base / str(n), '--strategy', STRATEGIES[n]] for n in DUMPED]
   wait = fs.crosscheck_in_background(runs + [['--num_gpus', 3]], str(base))
   yield base, wait
@@ -237,8 +262,10 @@ def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, p
     assert np.max(np.abs(report.legacy.grads[name])) > 0, name
   assert not np.allclose(report.legacy.final['local3/weights'],
                          crosscheck.initial_values(num_towers)['local3/weights'])
-  # 10 gradients, N losses, 10 variables, 10 averages, 2 x 10 identities.
-  assert len(report.rows) == 10 + num_towers + 10 + 10 + 20
+  # 10 gradients, N losses, the updates of 10 variables, 10 averages and the global step,
+  # 2 x 10 identities.
+  assert len(report.rows) == 10 + num_towers + 10 + 10 + 1 + 20
+  assert {row.step for row in report.rows if row.check[0] in '123'} <= {1, 2}
   failures = report.failures()
   assert not failures, crosscheck.format_report(report)
   assert report.passed
@@ -257,10 +284,20 @@ def test_crosscheck_passes_and_its_dump_is_rechecked_independently(num_towers, p
     # Our own re-check of the file, independent of crosscheck.rel_diff.
     a, b = evidence['legacy/grad/' + name], evidence['modern/grad/' + name]
     assert np.max(np.abs(a - b)) <= 1e-5 * np.max(np.abs(b)), name
-    np.testing.assert_allclose(evidence['legacy/final/' + name],
-                               evidence['modern/final/' + name],
-                               rtol=0, atol=1e-4 * np.max(np.abs(
-                                   evidence['modern/final/' + name])))
+  # Each step from the state both started from: every engine's update of every entry
+  # within 1e-5 of its largest element, beyond one float32 spacing.
+  for k in (1, 2):
+    for impl in ['towers'] + (['mirrored'] if STRATEGIES[num_towers] == 'mirrored' else []):
+      prefix = f'step/{k}/'
+      for key in [key for key in evidence.files if key.startswith(prefix + 'start/')]:
+        entry = key[len(prefix + 'start/'):]
+        start = evidence[key].astype(np.float64)
+        a, b = (evidence[f'{prefix}{who}/state/{entry}'].astype(np.float64)
+                for who in ('legacy', impl))
+        excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
+        assert np.max(excess) <= 1e-5 * np.max(np.abs(b - start)), (k, impl, entry)
+      np.testing.assert_allclose(evidence[f'{prefix}legacy/tower_loss'],
+                                 evidence[f'{prefix}{impl}/tower_loss'], rtol=1e-6)
   np.testing.assert_allclose(evidence['legacy/tower_loss'],
                              evidence['modern/tower_loss'], rtol=1e-6)
 

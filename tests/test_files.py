@@ -86,12 +86,12 @@ def _bench_plot(monkeypatch, directory, writer):
 
 
 def _crosscheck_dump(monkeypatch, directory, writer):
-  monkeypatch.setattr(np, 'savez', writer)
+  from cifar10_towers.common import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(np, 'savez_compressed', writer)
   result = types.SimpleNamespace(tower_losses=[1.0], grads={'conv1/weights': [1.0]}, final={},
-                                 final_slots={})
-  report = types.SimpleNamespace(optimizer=types.SimpleNamespace(clips_averaged=False),
-                                 legacy=result, modern=result)
-  crosscheck.write_evidence(directory, np.zeros([1, 2]), np.zeros([1]), {}, report)
+                                 steps=[])
+  report = types.SimpleNamespace(optimizer=optimizer_lib.Optimizer(), legacy=result, modern=result)
+  crosscheck.write_evidence(directory, np.zeros([1, 2]), np.zeros([1]), {}, {'towers': report})
 
 
 def _profile_out(monkeypatch, directory, writer):
