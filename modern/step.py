@@ -467,7 +467,7 @@ class TowerStep:
     with writer.as_default(step=step):
       for tag, value in values.items():  # a histogram of each tensor, a scalar of each scalar
         value = tf.convert_to_tensor(value)
-        (_histogram if value.shape.rank else tf.summary.scalar)(tag, value)
+        (histogram if value.shape.rank else tf.summary.scalar)(tag, value)
       if summary:  # the tags of tags.image_tags()
         for tag, image in zip(tags.image_tags(), tf.unstack(images[0][:tags.NUM_SUMMARY_IMAGES])):
           tf.summary.image(tag, _displayable(image)[tf.newaxis])
@@ -516,7 +516,7 @@ _HISTOGRAM_METADATA = histogram_metadata.create_summary_metadata(display_name=No
                                                                  description=None)
 
 
-def _histogram(tag, data):
+def histogram(tag, data):
   """tf.summary.histogram: the same [30, 3] (left edge, right edge, count) of `data`.
 
   Counted by one segment sum, not its one-hot [size, 30] float64 matrix (212 MB

@@ -11,6 +11,7 @@ import os
 import re
 import time
 
+import numpy as np
 import pytest
 from tensorboard.util import tensor_util
 
@@ -291,3 +292,29 @@ def test_on_a_terminal_the_log_line_updates_in_place(synth_data_dir, tmp_path):
   assert lines[lines.index(updating[0]) + 1] == (
       'Done: the newest checkpoint is %s/model.ckpt-4. Evaluate it: python cli.py eval '
       '--run_once --checkpoint_dir %s --data_dir %s' % (train_dir, train_dir, synth_data_dir))
+
+
+@pytest.mark.parametrize('values', [
+    np.random.default_rng(0).normal(0.1, 0.05, (64, 384)),  # many values
+    np.full((2, 3), 0.1),  # a single value: all in the last bucket
+    np.array([[0.0, 1.0], [1.0, 1.0]]),  # two values: edges at both ends
+], ids=['many', 'single', 'two'])
+def test_traced_histogram_writes_what_tf_summary_histogram_writes(values, tmp_path):
+  """modern.step.histogram (traced, one segment sum) against tf.summary.histogram
+  (eager): the same edges and counts, bit for bit."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.modern import step  # pylint: disable=import-outside-toplevel
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
+  data = tf.constant(values, tf.float32)
+  written = {}
+  for name, write in (('eager', tf.summary.histogram),
+                      ('traced', tf.function(step.histogram, autograph=False))):
+    writer = tf.summary.create_file_writer(str(tmp_path / name))
+    with writer.as_default(step=1):
+      write('h', data)
+    writer.close()
+    acc = event_accumulator.EventAccumulator(str(tmp_path / name))
+    acc.Reload()
+    written[name] = tf.make_ndarray(acc.Tensors('h')[0].tensor_proto)
+  assert written['eager'].shape == (30, 3)
+  np.testing.assert_array_equal(written['traced'], written['eager'])
