@@ -124,7 +124,7 @@ class Towers(training.Trainer):
                                                self.config.train_dir))
       return step
     # A single process stops at once until its first step is done; with peers
-    # a stop rides on the step's vote instead, so that all stop after one step.
+    # a stop rides on the step's result instead, so that all stop after one step.
     with self.stop.raising() if self.alone else contextlib.nullcontext():
       self._iterator = iter(self.dataset())
     return training.train_loop(self.config, self.stop, self, step, on_step)
@@ -133,7 +133,7 @@ class Towers(training.Trainer):
     # The first step traces and compiles the step function and fills the
     # shuffle buffer: seconds, tens of seconds on a busy machine, with
     # nothing written yet, so a stop ends it at once. (With peers a stop
-    # rides on the step's vote instead, so that all stop after one step.)
+    # rides on the step's result instead, so that all stop after one step.)
     def progress(what):
       # During the first step, a heartbeat line saying `what` it waits for
       # past 5 s. Progress comes from the chief.
@@ -148,9 +148,9 @@ class Towers(training.Trainer):
       # session run dequeues it); `on_step` the step alone.
       start_time = time.time()
       with progress('Building and tracing the step (first step)'):
-        tower_losses, voted = self._run(step, first, batches, summaries)
+        tower_losses, stopping = self._run(step, first, batches, summaries)
     self._traced = batches, summaries
-    return training.StepResult(tower_losses, time.time() - start_time, voted)
+    return training.StepResult(tower_losses, time.time() - start_time, stopping)
 
   def _run(self, step, first, batches, summaries):  # pylint: disable=unused-argument
     """The step on `batches`: (tower losses, numpy; whether every process stops now)."""

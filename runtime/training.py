@@ -169,18 +169,18 @@ def train_loop(config, stop, trainer, step, on_step=None):
   """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
-  first_step, window, writer, voted = step, LogWindow(), None, False
+  first_step, window, writer, stopping = step, LogWindow(), None, False
   write_errors = (RuntimeError, OSError, tf.errors.OpError)  # e.g. disk full
   try:
     try:
-      while step < config.max_steps and not voted and not (trainer.alone and stop.requested):
+      while step < config.max_steps and not stopping and not (trainer.alone and stop.requested):
         first = step == first_step
         write_summary = (step + 1) % config.summary_every == 0
         start = time.time()
         done = trainer.step(step, first, write_summary)
         if done is None:  # the stop closed the input under this step: it did not run
           break
-        tower_losses, step_seconds, voted = done
+        tower_losses, step_seconds, stopping = done
         seconds = time.time() - start
         # Before `step` counts it: a diverged step is never saved.
         check_divergence(step + 1, tower_losses)
@@ -222,7 +222,7 @@ def train_loop(config, stop, trainer, step, on_step=None):
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
     return trainer.failed(e, first_step, step, stop)
-  if voted or (trainer.alone and stop.requested):  # a stop during the last save too
+  if stopping or (trainer.alone and stop.requested):  # a stop during the last save too
     trainer.report_stop(stop.signal_name, step, path)
   elif trainer.chief:
     logger.info(f'Done: the newest checkpoint is {path}. Evaluate it: ' + prog.command(
