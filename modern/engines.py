@@ -275,9 +275,10 @@ def broadcast_from_chief(strategy, state):
 def all_sum(strategy, value):
   """The sum of `value` (float32 scalar) over every replica of every worker; returns when
   every replica has called it (with 1.0: a barrier)."""
+  # (tf.identity: a copy on the replica's device, where the all-reduce takes it.)
   return strategy.experimental_local_results(strategy.run(
       lambda: tf.distribute.get_replica_context().all_reduce(
-          tf.distribute.ReduceOp.SUM, value)))[0]
+          tf.distribute.ReduceOp.SUM, tf.identity(value))))[0]
 
 
 def mirrored_strategy(plan):
