@@ -131,7 +131,7 @@ def legacy_session(images, labels, plan, decay_steps, optimizer, values):
   values.
 
   Yields:
-    (tf.compat.v1.Session, legacy.train.Towers, dict name -> tf.Variable of
+    (tf.compat.v1.Session, legacy.train.TowerOps, dict name -> tf.Variable of
      every global variable).
   """
   from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top

@@ -13,7 +13,7 @@ import tensorflow.compat.v1 as tf
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
-from cifar10_towers.runtime import training
+from cifar10_towers.common import tags
 
 TOWER_NAME = hparams.TOWER_NAME
 LOSSES_COLLECTION = 'losses'  # upstream's collection of per-tower loss terms
@@ -25,7 +25,7 @@ def scalar_summary(tag, value):
   `tf.summary.scalar` tags by its name scope, which TF uniquifies ('_1')
   when an op of that name exists already (e.g. 'tower_0/total_loss'); the
   raw op takes the tag as a value, so both trainers' tags read the same
-  (`runtime.training.summary_tags`).
+  (`common.tags.summary_tags`).
   """
   return collected(tf.raw_ops.ScalarSummary(tags=tag, values=value, name='scalar_summary'))
 
@@ -56,8 +56,8 @@ def _activation_summary(x):
   # And its activations, each under its own tag.
   prefix, _, layer = x.op.name.rpartition('/')
   layer = re.sub(r'_\d+$', '', layer)
-  histogram_summary(training.activations_tag(prefix, layer), x)
-  scalar_summary(training.sparsity_tag(prefix, layer), tf.nn.zero_fraction(x))
+  histogram_summary(tags.activations_tag(prefix, layer), x)
+  scalar_summary(tags.sparsity_tag(prefix, layer), tf.nn.zero_fraction(x))
 
 
 def _variable_on_cpu(name, shape, initializer):

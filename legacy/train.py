@@ -21,6 +21,7 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import lrn as lrn_lib
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.common import tags
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
 from cifar10_towers.runtime import checkpoints
@@ -37,12 +38,12 @@ logger = logging.getLogger(__name__)
 # averaged_grads: list of (gradient, variable), mean over the towers
 # applied_grads: what the optimizer applies: averaged_grads, clipped if asked
 # ema: the tf.train.ExponentialMovingAverage of the trainable variables
-# summary_op: runtime.training.summary_tags' summaries, merged (variables after the step)
-Towers = collections.namedtuple('Towers', 'train_op global_step lr tower_losses mean_loss '
+# summary_op: common.tags.summary_tags' summaries, merged (variables after the step)
+TowerOps = collections.namedtuple('TowerOps', 'train_op global_step lr tower_losses mean_loss '
                                 'averaged_grads applied_grads ema summary_op')
 
 
-# towers: Towers
+# towers: TowerOps
 # saver: tf.train.Saver of all global variables
 # init_op: initializes global and local variables
 # close_queues: ops closing each queue, cancelling pending enqueues
@@ -169,7 +170,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       SGD) and the gradient clipping.
 
   Returns:
-    Towers.
+    TowerOps.
   """
   # Deviation from upstream: TF1's control flow, as upstream's TF1 had (see _control_flow_v1).
   with tf.device(devices.VARIABLE_DEVICE), _control_flow_v1():
@@ -220,17 +221,17 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
     with tf.name_scope('mean_loss'):
       mean_loss = tf.reduce_mean(tf.stack(tower_losses))
 
-    # The tags of runtime.training.summary_tags, as modern writes them (a
+    # The tags of common.tags.summary_tags, as modern writes them (a
     # summary op takes its tag as a value: name scopes do not change it).
     with tf.name_scope('summaries') as summaries_scope:
-      model.scalar_summary(training.LEARNING_RATE_TAG, lr)
-      model.scalar_summary(training.MEAN_LOSS_TAG, mean_loss)
+      model.scalar_summary(tags.LEARNING_RATE_TAG, lr)
+      model.scalar_summary(tags.MEAN_LOSS_TAG, mean_loss)
       for grad, var in grads:
-        model.histogram_summary(training.gradients_tag(var.op.name), grad)
+        model.histogram_summary(tags.gradients_tag(var.op.name), grad)
       # A few of tower 0's images, as TF1's image summary scales them.
       model.collected(tf.raw_ops.ImageSummary(
           tag='images', tensor=tower_batches[0][0],
-          max_images=training.NUM_SUMMARY_IMAGES, name='image_summary'))
+          max_images=tags.NUM_SUMMARY_IMAGES, name='image_summary'))
 
     # Named by `name`, not by a name scope around it, which would rename
     # Adam's 'beta1_power' and 'beta2_power' (tf.Variables).
@@ -255,13 +256,13 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
           model.histogram_summary(var.op.name, var.read_value())
           model.histogram_summary(model_spec.average_name(var.op.name),
                                   ema.average(var).read_value())
-      # Deviation from upstream: both trainers write the tags of runtime.training.summary_tags.
+      # Deviation from upstream: both trainers write the tags of common.tags.summary_tags.
       # The towers' summaries only: not the input pipeline's queue-fill
       # fractions and image summary, which the modern trainer has no counterpart of.
       summary_op = tf.summary.merge(tf.get_collection(
           tf.GraphKeys.SUMMARIES, rf'{model.TOWER_NAME}_\d+/|summaries/'))
 
-  return Towers(train_op, global_step, lr, tower_losses, mean_loss, grads,
+  return TowerOps(train_op, global_step, lr, tower_losses, mean_loss, grads,
                 applied, ema, summary_op)
 
 
@@ -326,7 +327,16 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
         fill = hparams.min_queue_examples(examples_per_epoch)
         logger.info(f'Filling the queue with {fill} CIFAR images before starting to train. '
                     'This may take a while.')
-        return _train_loop(sess, config, graph_parts, step, stop, on_step, fill)
+        trainer = QueueTrainer(sess, config, graph_parts, step, stop, fill)
+        # On the stop request's own thread, while this one may wait in sess.run
+        # for a batch: the dequeue then fails with OutOfRangeError. The towers'
+        # queue first: a shuffle queue still filling hands out what it holds
+        # once closed, and no such batch must reach a tower. (Not
+        # coord.request_stop() first: the input threads would close the shuffle
+        # queue themselves as they stop.)
+        with stop.while_blocked(
+            lambda _: inputs.close_queues(sess, graph_parts.close_queues[::-1])):
+          return training.train_loop(config, stop, trainer, step, on_step)
 
 
 def tower_input_batches(config, num_threads=hparams.NUM_PREPROCESS_THREADS):
@@ -419,87 +429,82 @@ def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   return step
 
 
-def _save(saver, sess, config, step):
-  """Writes `model.ckpt-<step>`; a failed write (e.g. disk full) stops training.
-
-  The Saver names a checkpoint latest only after writing it whole, so a
-  failure leaves the previous one in place; its partial files are removed.
-  Nothing is written if train_dir was removed under the run (LockError).
-  A function of its own: the fault tests hold a run in it (tests/test_faults_runs.py's
-  save phases, tests/test_faults_interrupt.py).
-  """
-  lock.check(config.train_dir)
-  try:
-    saver.save(sess, config.checkpoint_prefix(), global_step=step)
-  except (tf.errors.OpError, OSError) as e:
-    raise checkpoints.save_failed(config.train_dir, step, e) from e
-
-
-def _train_loop(sess, config, graph_parts, step, stop, on_step, fill):
-  """`runtime.training.train_loop` fed by the queue threads, which it always stops.
+class QueueTrainer(training.Trainer):
+  """`runtime.training.train_loop`'s trainer, fed by the queue threads, which it always stops.
 
   A step waiting for its batch (the first one waits while the shuffle queue
   fills: tens of seconds with CIFAR-10) is ended at once by a stop closing the
   input queues under it.
   """
-  towers = graph_parts.towers
-  # A stop closes the queues: a dequeue then raises OutOfRangeError, an
-  # enqueue CancelledError. Input threads ending with either is a clean stop,
-  # not an error to re-raise.
-  closed = (tf.errors.OutOfRangeError, tf.errors.CancelledError)
-  coord = tf.train.Coordinator(closed)
-  threads = tf.train.start_queue_runners(sess, coord)
 
-  def first_step_progress(seconds):
+  def __init__(self, sess, config, graph_parts, step, stop, fill):
+    self.sess, self.config, self.graph_parts, self.stop, self.fill = (
+        sess, config, graph_parts, stop, fill)
+    self.images = config.batch_size * config.num_gpus
+    self.write_dir = self.train_dir = config.train_dir
+    self.last_saved = step
+    self._summary = None  # the serialized summary of the last summary step
+    # A stop closes the queues: a dequeue then raises OutOfRangeError, an
+    # enqueue CancelledError. Input threads ending with either is a clean stop,
+    # not an error to re-raise.
+    self._closed = (tf.errors.OutOfRangeError, tf.errors.CancelledError)
+    self._coord = tf.train.Coordinator(self._closed)
+    self._threads = tf.train.start_queue_runners(sess, self._coord)
+
+  def _first_step_progress(self, seconds):
     """The heartbeat line of the first step: the queue's filling, then the step."""
-    held = int(sess.run(graph_parts.queue_size))
-    if held < fill:
-      return f'Filling the queue: {held} of {fill} examples... {seconds} s'
+    held = int(self.sess.run(self.graph_parts.queue_size))
+    if held < self.fill:
+      return f'Filling the queue: {held} of {self.fill} examples... {seconds} s'
     return f'Running the first step... {seconds} s'
 
-  def run_step(step, first, write_summary):  # pylint: disable=unused-argument
-    if coord.should_stop():  # an input thread failed: its error ends the run
-      coord.raise_requested_exception()
+  def step(self, step, first, summaries):
+    if self._coord.should_stop():  # an input thread failed: its error ends the run
+      self._coord.raise_requested_exception()
       return None
+    towers = self.graph_parts.towers
     # Deviation from upstream: the summaries are fetched with the step;
     # upstream ran them separately, dequeuing batches it never trained on.
     # The first step waits for the shuffle queue to fill: tens of seconds,
     # said on stdout past training.HEARTBEAT_AFTER.
     try:
-      with training.heartbeat(first_step_progress) if first else contextlib.nullcontext():
-        _, tower_losses, summary = sess.run([
-            towers.train_op, towers.tower_losses, towers.summary_op if write_summary else []])
-    except closed:
-      if not stop.requested:
+      with training.heartbeat(self._first_step_progress) if first else contextlib.nullcontext():
+        _, tower_losses, self._summary = self.sess.run([
+            towers.train_op, towers.tower_losses, towers.summary_op if summaries else []])
+    except self._closed:
+      if not self.stop.requested:
         raise
       return None  # the stop closed the queues under this step: it did not run
-    return tower_losses, summary, False, None
+    return training.StepResult(tower_losses)
 
-  def held():
-    return int(sess.run(towers.global_step))
+  def global_step(self):
+    return int(self.sess.run(self.graph_parts.towers.global_step))
 
-  def save():
-    step = held()
-    if step != save.last_saved:
-      _save(graph_parts.saver, sess, config, step)
-      save.last_saved = step
+  def save(self):
+    """Writes `model.ckpt-<step>`; a failed write (e.g. disk full) stops training.
+
+    The Saver names a checkpoint latest only after writing it whole, so a
+    failure leaves the previous one in place; its partial files are removed.
+    Nothing is written if train_dir was removed under the run (LockError).
+    """
+    step, config = self.global_step(), self.config
+    if step != self.last_saved:
+      lock.check(config.train_dir)
+      try:
+        self.graph_parts.saver.save(self.sess, config.checkpoint_prefix(), global_step=step)
+      except (tf.errors.OpError, OSError) as e:
+        raise checkpoints.save_failed(config.train_dir, step, e) from e
+      self.last_saved = step
     return f'{config.checkpoint_prefix()}-{step}'
 
-  save.last_saved = step
+  def open_summaries(self):
+    return tf.summary.FileWriter(self.train_dir, self.sess.graph)
 
-  run = training.Run(
-      images=config.batch_size * config.num_gpus, write_dir=config.train_dir,
-      step=run_step, held=held, save=save,
-      open_summaries=lambda: tf.summary.FileWriter(config.train_dir, sess.graph),
-      write_summaries=lambda writer, step, summary: writer.add_summary(summary, step),
-      # The first recorded error wins: if an input thread failed first (and so
-      # closed the queues under this loop), join re-raises the thread's error.
-      close=lambda: inputs.stop_queue_threads(sess, coord, threads, graph_parts.close_queues))
-  # On the stop request's own thread, while this one may wait in sess.run
-  # for a batch: the dequeue then fails with OutOfRangeError. The towers'
-  # queue first: a shuffle queue still filling hands out what it holds
-  # once closed, and no such batch must reach a tower. (Not
-  # coord.request_stop() first: the input threads would close the shuffle
-  # queue themselves as they stop.)
-  with stop.while_blocked(lambda _: inputs.close_queues(sess, graph_parts.close_queues[::-1])):
-    return training.train_loop(config, stop, run, step, on_step)
+  def write_summaries(self, writer, step):
+    writer.add_summary(self._summary, step)
+
+  def close(self):
+    # The first recorded error wins: if an input thread failed first (and so
+    # closed the queues under this loop), join re-raises the thread's error.
+    inputs.stop_queue_threads(self.sess, self._coord, self._threads,
+                              self.graph_parts.close_queues)

@@ -1,6 +1,6 @@
 """The engines the one training loop (`modern.train.train`) runs the step on.
 
-  towers       (default) modern.step.Trainer: one tf.function tower per device
+  towers       (default) modern.step.TowerStep: one tf.function tower per device
                of the plan, the gradients averaged on the variables' device.
   mirrored     tf.distribute.MirroredStrategy over the plan's devices: one
                replica per device, the variables mirrored on every device,
@@ -11,12 +11,11 @@
                every worker. The cluster comes from TF_CONFIG or from
                --worker_hosts and --task_index.
 
-An engine is one small class with the interface of `Towers`: the loop asks it
-to build the step (`trainer`, whose `step` it runs), and, where several processes train
-together, to agree with its peers (broadcast the restored state, vote on a
-stop, meet at a final barrier, bound every wait). `Towers`' answers are
-those of one process, where there is nothing to agree on. `make` picks the
-engine; the loop never asks which one it has.
+An engine is the modern trainer's side of `runtime.training.train_loop`
+(`Towers`); it builds the step (`tower_step`) and runs it. Only `MultiWorker`,
+where several processes train together, agrees with its peers: it broadcasts
+the restored state, votes on a stop, meets at a final barrier and bounds
+every wait. `make` picks the engine; the loop never asks which one it has.
 
 The replica engines run the towers' update (`modern.step.TrainState`) on
 every replica: no Keras optimizer, the same learning rate and moving averages.
@@ -39,6 +38,7 @@ import time
 import tensorflow as tf
 
 from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
 from cifar10_towers.modern import cluster as cluster_lib
 from cifar10_towers.modern import inputs
 from cifar10_towers.modern import step as step_lib
@@ -51,49 +51,54 @@ from cifar10_towers.runtime import training
 logger = logging.getLogger(__name__)
 
 
-class Towers:
-  """One tf.function tower per device of the plan (modern.step.Trainer).
+class Towers(training.Trainer):
+  """One tf.function tower per device of the plan (modern.step.TowerStep).
 
-  The towers engine, and the base of the others: what the training loop asks
-  of an engine, with one process's answers where several must agree.
+  The towers engine, and the base of the others: the modern trainer's side
+  of `runtime.training.train_loop`, on one process.
 
   Attributes:
     config: runtime.config.TrainConfig.
     plan: common.devices.DevicePlan of this process.
-    trainer: the step (set by `start`); has `.state`, a modern.step.TrainState,
-      and `.num_towers`, the replicas in sync over all workers.
-    num_workers, worker_index, is_chief: this process's place in the run.
+    tower_step: the step (set by `start`): modern.step.TowerStep or ReplicaStep.
+    state: its modern.step.TrainState.
+    saver: modern.checkpoints.StepSaver of write_dir (set by modern.train.train).
+    stop: the run's runtime.training.StopRequest (set by modern.train.train).
+    num_workers, worker_index, chief: this process's place in the run.
     write_dir: where this process writes checkpoints and summaries.
     lock_what: what the train_dir lock says of this run.
-    peer_errors: exceptions of a wait for peers, handled by `lost_peers`
-      (MultiWorker's; none and no handler with one process).
   """
 
   num_workers = 1
   worker_index = 0
-  is_chief = True
   lock_what = 'modern training'
-  peer_errors = ()
-  lost_peers = None  # no peers to lose (see MultiWorker)
 
   def __init__(self, config, plan):
     self.config = config
     self.plan = plan
-    self.write_dir = config.train_dir
+    self.write_dir = self.train_dir = config.train_dir
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    """After the run, however it ended, its train_dir lock released."""
 
   def strategy(self):
     """The tf.distribute.Strategy the step runs under; None: the towers' own step."""
 
   def build(self, decay_steps):
-    """The step object (see `trainer`)."""
+    """The step object (see `tower_step`)."""
     strategy = self.strategy()
-    return (ReplicaTrainer if strategy else step_lib.Trainer)(
+    return (ReplicaStep if strategy else step_lib.TowerStep)(
         self.plan, decay_steps, jit=self.config.jit, optimizer=self.config.optimizer,
         strategy=strategy)
 
   def start(self, decay_steps):
     """Builds the step; with peers, meets them first. Nothing is written."""
-    self.trainer = self.build(decay_steps)
+    self.tower_step = self.build(decay_steps)
+    self.state = self.tower_step.state
+    self.images = self.config.batch_size * self.tower_step.num_towers
 
   def dataset(self):
     """The training batches of this process (its shard of the records)."""
@@ -102,31 +107,87 @@ class Towers:
         seed=self.config.seed, num_shards=self.num_workers,
         shard_index=self.worker_index)
 
-  def close(self):
-    """Called when the run ends, however it ends."""
+  def run(self, resume_from, on_step):
+    """`runtime.training.train_loop` on this engine, from the state restored from
+    `resume_from` (a path, or None); the global step reached.
 
-  def watching(self, stop, save):  # pylint: disable=unused-argument
-    """Context for the run after the start: watches the waits for peers."""
-    return contextlib.nullcontext()
+    Raises:
+      runtime.training.Stopped: the stop came before or during this run's
+        first step, in a single process.
+    """
+    step = self.global_step()
+    if resume_from:
+      logger.info(f'Resuming from {resume_from} at global step {step}.')
+      self.saver.last_saved = step
+    if step >= self.config.max_steps:
+      logger.warning(training.nothing_to_train(step, self.config.max_steps,
+                                               self.config.train_dir))
+      return step
+    # A single process stops at once until its first step is done; with peers
+    # a stop rides on the step's result instead, so that all stop after one step.
+    with self.stop.raising() if self.alone else contextlib.nullcontext():
+      self._iterator = iter(self.dataset())
+    return training.train_loop(self.config, self.stop, self, step, on_step)
 
-  def waiting(self, what, step, first=False):  # pylint: disable=unused-argument
-    """Context for one wait for the peers (`what`) after global step `step`."""
-    return contextlib.nullcontext()
+  def step(self, step, first, summaries):
+    # The first step traces and compiles the step function and fills the
+    # shuffle buffer: seconds, tens of seconds on a busy machine, with
+    # nothing written yet, so a stop ends it at once. (With peers a stop
+    # rides on the step's result instead, so that all stop after one step.)
+    def progress(what):
+      # During the first step, a heartbeat line saying `what` it waits for
+      # past 5 s. Progress comes from the chief.
+      return (training.heartbeat(lambda seconds: f'{what}... {seconds} s')
+              if first and self.chief else contextlib.nullcontext())
 
-  def broadcast(self):
-    """Gives every process the chief's (restored or fresh) state."""
+    with self.stop.raising() if first and self.alone else contextlib.nullcontext():
+      with progress('Filling the shuffle buffer with '
+                    f'{hparams.min_queue_examples(self.examples_per_worker)} examples'):
+        batches = next(self._iterator)
+      # The speed of the log lines counts the wait for the batch too (legacy's
+      # session run dequeues it); `on_step` the step alone.
+      start_time = time.time()
+      with progress('Building and tracing the step (first step)'):
+        tower_losses, stopping = self._run(step, first, batches, summaries)
+    self._traced = batches, summaries
+    return training.StepResult(tower_losses, time.time() - start_time, stopping)
 
-  # After the final save, and how the run ended after a stop request: one
-  # process's are runtime.training.Run's own (MultiWorker's meet the peers).
-  finish, report_stop = training.Run.finish, training.Run.report_stop
+  def _run(self, step, first, batches, summaries):  # pylint: disable=unused-argument
+    """The step on `batches`: (tower losses, numpy; whether every process stops now)."""
+    tower_losses, summary = self.tower_step.step(batches, summaries)
+    self._summaries = tower_losses, summary, batches[0]
+    return tower_losses.numpy(), False
+
+  def global_step(self):
+    return int(self.state.global_step.numpy())
+
+  def save(self):
+    return self.saver()
+
+  @property
+  def last_saved(self):
+    return self.saver.last_saved
+
+  def open_summaries(self):
+    writer = tf.summary.create_file_writer(self.write_dir)
+    try:
+      with writer.as_default():
+        tf.summary.graph(self.tower_step.step_graph(*self._traced))
+    except (tf.errors.OpError, OSError) as e:
+      logger.warning(f'could not write the graph to TensorBoard summaries in {self.write_dir} '
+                     f'({str(e).strip().splitlines()[0]}).')
+    return writer
+
+  def write_summaries(self, writer, step):
+    self.tower_step.write_summaries(writer, tf.constant(step, tf.int64), *self._summaries)
 
 
-class ReplicaTrainer(step_lib.Trainer):
+class ReplicaStep(step_lib.TowerStep):
   """modern.step's step on the replicas of a tf.distribute strategy.
 
-  The interface of modern.step.Trainer (`state`, `num_towers`, `step`,
-  `train_step`, `compute_gradients`), plus what keeps several workers
-  together. `tower_batches` = (images [N, B, 24, 24, 3], labels [N, B]) hold
+  The interface of modern.step.TowerStep (`state`, `num_towers`, `step`,
+  `train_step`, `compute_gradients`). `tower_batches` = (images [N, B, 24, 24, 3],
+  labels [N, B]) hold
   either one batch per replica of the whole run (N = num_towers, replica r
   takes images[r]; every worker passes the same N batches) or one per replica
   of this worker (N = plan.num_towers, local replica i takes images[i]).
@@ -142,45 +203,41 @@ class ReplicaTrainer(step_lib.Trainer):
   inner_summaries = False
 
   def __init__(self, *args, **kwargs):
-    """modern.step.Trainer's arguments, `strategy` required."""
+    """modern.step.TowerStep's arguments, `strategy` required."""
     super().__init__(*args, **kwargs)
     self.num_towers = self.grad_divisor = self.strategy.num_replicas_in_sync
 
-  def _replica_step(self, images, labels, vote):
+  def _replica_step(self, images, labels):
     """In each replica: its gradients, then the all-reduce over every replica.
 
     Returns:
       (list of averaged gradients, identical on every replica;
-       float32 [R + 1]: every replica's loss, then the sum of the stop votes).
+       float32 [R]: every replica's loss).
     """
     context = tf.distribute.get_replica_context()
     # This replica's own copy of the variables (mirrored on its device).
     values = [var.read_value() for var in self.state.model.variable_list()]
     loss, grads, _ = self._tower_fn(values, images, labels)
     # Each replica's loss goes into its own slot of a vector (zeros elsewhere,
-    # so the sum is exact), and the worker's stop vote into the last slot; one
-    # all-reduce then gives every worker all R losses and whether any worker
-    # wants to stop.
-    report = tf.concat([tf.one_hot(context.replica_id_in_sync_group, self.num_towers,
-                                   on_value=loss), [vote]], axis=0)
+    # so the sum is exact); one all-reduce then gives every worker all R losses.
+    report = tf.one_hot(context.replica_id_in_sync_group, self.num_towers, on_value=loss)
     # Synchronization point: every replica of every worker meets here. The
     # SUM over replicas of the gradients of loss_r / R is the towers' mean.
     with tf.name_scope('average_gradients'):
       reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [report])
     return reduced[:-1], reduced[-1]
 
-  def _gradients(self, images, labels, vote, summaries=False):
-    """All-reduced gradients (per replica), tower losses [R], the vote and no summaries."""
+  def _gradients(self, images, labels, summaries=False):
+    """All-reduced gradients (per replica), tower losses [R] and no summaries."""
     # The replicas of worker w have the global ids w * L .. w * L + L - 1 (L
     # local replicas): local replica i of every worker takes batch i of local batches.
     count = images.shape[0]
     batches = self.strategy.experimental_distribute_values_from_function(
         lambda ctx: (images[ctx.replica_id_in_sync_group % count],
                      labels[ctx.replica_id_in_sync_group % count]))
-    grads, report = self.strategy.run(self._replica_step, args=(*batches, vote))
+    grads, report = self.strategy.run(self._replica_step, args=batches)
     # Identical on every replica after the all-reduce: take the first local one.
-    report = self.strategy.experimental_local_results(report)[0]
-    return grads, report[:self.num_towers], report[self.num_towers] > 0, {}
+    return grads, self.strategy.experimental_local_results(report)[0], {}
 
   def _apply(self, grads):
     # --clip_where averaged: in every replica, on its identical averaged
@@ -191,34 +248,37 @@ class ReplicaTrainer(step_lib.Trainer):
     # Each replica's copy gets that replica's (identical) averaged gradient.
     self.state.apply_gradients(grads, update=self.strategy.extended.update)
 
-  @tf.function(autograph=False)  # as modern.step's
-  def broadcast_from_chief(self):
-    """Sets every worker's variables, averages and global step to the chief's."""
-    state = self.state
-    # The optimizer's slots too: a resumed momentum or Adam run goes on from
-    # the chief's.
-    variables = [*state.model.variable_list(), *state.ema.variable_list(),
-                 *state.slot_variables().values(), state.global_step]
 
-    def replica_fn():
-      context = tf.distribute.get_replica_context()
-      # Replica 0 (the chief's first) sends its values, all others zeros: the
-      # SUM is the chief's values, exactly. As float64, exact for float32 and
-      # for the int64 step below 2**53: one all-reduce packs one dtype.
-      return context.all_reduce(tf.distribute.ReduceOp.SUM, [
-          tf.where(context.replica_id_in_sync_group == 0, x, tf.zeros_like(x))
-          for x in (tf.cast(var.read_value(), tf.float64) for var in variables)])
+@tf.function(autograph=False)
+def broadcast_from_chief(strategy, state):
+  """Sets every worker's variables, averages and global step (a modern.step.TrainState's)
+  to the chief's."""
+  # The optimizer's slots too: a resumed momentum or Adam run goes on from
+  # the chief's.
+  variables = [*state.model.variable_list(), *state.ema.variable_list(),
+               *state.slot_variables().values(), state.global_step]
 
-    for var, value in zip(variables, self.strategy.run(replica_fn)):
-      self.strategy.extended.update(var, lambda v, x: v.assign(tf.cast(x, v.dtype)),
-                                    args=(value,))
+  def replica_fn():
+    context = tf.distribute.get_replica_context()
+    # Replica 0 (the chief's first) sends its values, all others zeros: the
+    # SUM is the chief's values, exactly. As float64, exact for float32 and
+    # for the int64 step below 2**53: one all-reduce packs one dtype.
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, [
+        tf.where(context.replica_id_in_sync_group == 0, x, tf.zeros_like(x))
+        for x in (tf.cast(var.read_value(), tf.float64) for var in variables)])
 
-  @tf.function(autograph=False)
-  def barrier(self):
-    """Returns when every replica of every worker has called it."""
-    return self.strategy.experimental_local_results(self.strategy.run(
-        lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.constant(1.0))))[0]
+  for var, value in zip(variables, strategy.run(replica_fn)):
+    strategy.extended.update(var, lambda v, x: v.assign(tf.cast(x, v.dtype)), args=(value,))
+
+
+@tf.function(autograph=False)
+def all_sum(strategy, value):
+  """The sum of `value` (float32 scalar) over every replica of every worker; returns when
+  every replica has called it (with 1.0: a barrier)."""
+  # (tf.identity: a copy on the replica's device, where the all-reduce takes it.)
+  return strategy.experimental_local_results(strategy.run(
+      lambda: tf.distribute.get_replica_context().all_reduce(
+          tf.distribute.ReduceOp.SUM, tf.identity(value))))[0]
 
 
 def mirrored_strategy(plan):
@@ -327,13 +387,14 @@ class MultiWorker(Mirrored):
     cluster = self.cluster = cluster_lib.resolve_cluster(config.worker_hosts, config.task_index)
     self.num_workers = cluster.num_workers
     self.worker_index = cluster.worker_index
-    self.is_chief = cluster.is_chief
+    self.chief = cluster.is_chief
+    self.alone = False
     self.lock_what = f'multiworker training as {cluster.name()}'
-    if not self.is_chief:  # TensorFlow's convention for a non-chief's copy
+    if not self.chief:  # TensorFlow's convention for a non-chief's copy
       self.write_dir = os.path.join(config.train_dir, f'workertemp_{self.worker_index}')
 
-  def close(self):
-    if not self.is_chief:  # the chief's copy is the one kept
+  def __exit__(self, *exc):
+    if not self.chief:  # the chief's copy is the one kept
       shutil.rmtree(self.write_dir, ignore_errors=True)
 
   def strategy(self):
@@ -350,7 +411,7 @@ class MultiWorker(Mirrored):
     """
     cluster, config = self.cluster, self.config
     started = time.monotonic()
-    if not self.is_chief:  # left over in its locked write_dir only if a run was killed
+    if not self.chief:  # left over in its locked write_dir only if a run was killed
       for entry in os.scandir(self.write_dir):
         if entry.is_dir(follow_symlinks=False):
           shutil.rmtree(entry.path, ignore_errors=True)
@@ -370,7 +431,7 @@ class MultiWorker(Mirrored):
                     f"TensorFlow's start-up did not finish within {seconds:.0f} s "
                     "(--startup_timeout): a worker failed or was stopped while "
                     "starting (see its output). Start every worker again."):
-        self.trainer = self.build(decay_steps)
+        super().start(decay_steps)
     except tf.errors.OpError as e:
       # e.g. 'Could not start gRPC server': another process took the port
       # after the rendezvous found it free.
@@ -384,44 +445,56 @@ class MultiWorker(Mirrored):
 
   def _save_completed(self, step, first_step):
     """The chief saves the last step completed in this run, if any: its path, or None."""
-    if not self.is_chief or step <= first_step:
+    if not self.chief or step <= first_step:
       return None
     try:
       # A failed step may have incremented the global step before its
       # all-reduce failed (the increment does not depend on it).
-      self.trainer.state.global_step.assign(step)
-      return self._save()
+      self.state.global_step.assign(step)
+      return self.save()
     except (checkpoints.CheckpointError, lock.LockError, tf.errors.OpError,
             OSError):  # LockError: train_dir was removed under the run
       return None
 
-  @contextlib.contextmanager
-  def watching(self, stop, save):
-    self._save = save
-    self._watchdog = PeerWatchdog(self.cluster, self._save_completed, self.close)
+  def run(self, resume_from, on_step):
+    """Every worker takes the chief's state, then trains; waits for the peers are watched."""
+    self._watchdog = PeerWatchdog(self.cluster, self._save_completed, self.__exit__)
     try:
       # A stop request while the main thread waits for the peers in C++: the
       # watchdog ends that wait if it goes on.
-      with stop.while_blocked(self._watchdog.stop_requested):
-        yield
+      with self.stop.while_blocked(self._watchdog.stop_requested):
+        step = self.global_step()
+        try:
+          # Synchronization point: every worker takes the chief's state (fresh or
+          # restored), so all resume from the chief's checkpoint.
+          with self.waiting('the start-up', step, first=True):
+            broadcast_from_chief(self.tower_step.strategy, self.state)
+        except self.peer_errors as e:
+          return self.failed(e, step, step, self.stop)  # nothing to save
+        return super().run(resume_from, on_step)
     finally:
       self._watchdog.stop()
 
   def waiting(self, what, step, first=False):
+    """Context for one wait for the peers (`what`) after global step `step`."""
     config = self.config
     flag = ('startup_timeout' if first and config.startup_timeout > config.peer_timeout
             else 'peer_timeout')
     return self._watchdog.guard(getattr(config, flag), what, step, f'--{flag}')
 
-  def broadcast(self):
-    self.trainer.broadcast_from_chief()
+  def _run(self, step, first, batches, summaries):
+    with self.waiting('the step', step, first=first):
+      tower_losses, _ = super()._run(step, first, batches, summaries)
+      # A stop request of any worker stops all after this step: the stop vote.
+      return tower_losses, bool(all_sum(self.tower_step.strategy,
+                                        tf.constant(float(self.stop.requested))) > 0)
 
   def finish(self, step):
     # Synchronization point: no worker leaves before all have saved.
     with self.waiting('the final barrier', step):
-      self.trainer.barrier()
+      all_sum(self.tower_step.strategy, tf.constant(1.0))
 
-  def lost_peers(self, error, step, first_step, stop):
+  def failed(self, error, first_step, step, stop):
     """After a wait for the peers failed in this thread: saves what it can, says so.
 
     Returns:
@@ -429,8 +502,10 @@ class MultiWorker(Mirrored):
       the wait: the run stopped.
 
     Raises:
-      runtime.training.TrainingError: the peers were lost.
+      runtime.training.TrainingError: the peers were lost; else as the base's.
     """
+    if not isinstance(error, self.peer_errors):
+      return super().failed(error, first_step, step, stop)
     saved = self._save_completed(step, first_step)
     if stop.requested:
       # (Not lower(): that would change the path's case.)
@@ -439,19 +514,19 @@ class MultiWorker(Mirrored):
       return step
     raise training.TrainingError(_line(self.cluster, step, saved, _quote(error))) from error
 
-  def report_stop(self, stopped_by, step, path):
+  def report_stop(self, signal_name, step, path):
     # A non-chief's own copy is removed at the end: the chief's is the one kept.
     path = os.path.join(self.config.train_dir, os.path.basename(path))
     # No signal of this process: a stop request of another worker rode on the step.
     line = (f"{self.cluster.name()}: stopped by "
-            f"{stopped_by or 'a stop request of another worker'} at global step {step}; "
-            f"{'it' if self.is_chief else 'the chief'} saved {path}.")
-    if not stopped_by:
+            f"{signal_name or 'a stop request of another worker'} at global step {step}; "
+            f"{'it' if self.chief else 'the chief'} saved {path}.")
+    if not signal_name:
       # Not a signal of this process, so not its exit status: the run did not
       # end, and every worker must be started again.
       raise training.TrainingError(f'{line} {_RESTART}')
     # The run's one ending line, on stderr (runtime.ending).
-    ending.say(training.stopped_line(stopped_by, step, path) if self.is_chief else line)
+    ending.say(training.stopped_line(signal_name, step, path) if self.chief else line)
 
 
 def _quote(error):

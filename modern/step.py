@@ -18,6 +18,7 @@ arithmetic.
 """
 
 import tensorflow as tf
+from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
@@ -25,7 +26,7 @@ from cifar10_towers.common import lrn
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.modern import model as model_lib
-from cifar10_towers.runtime import training
+from cifar10_towers.common import tags
 
 
 def tower_loss(model, images, labels, params=None, activation_hook=None):
@@ -127,7 +128,7 @@ class TrainState:
 
     Args:
       plan: common.devices.DevicePlan the towers run on.
-      decay_steps: int >= 1, `training.checked_decay_steps(...)`.
+      decay_steps: int >= 1, `runtime.training.checked_decay_steps(...)`.
       optimizer: common.optimizer.Optimizer.
     """
     self.decay_steps = decay_steps
@@ -239,10 +240,10 @@ class TrainState:
             self.shadow_variables())
 
 
-class Trainer:
+class TowerStep:
   """The tower step: one tf.function tower per device of the plan.
 
-  The base of `modern.engines.ReplicaTrainer`, the same step on the
+  The base of `modern.engines.ReplicaStep`, the same step on the
   replicas of a tf.distribute strategy, which overrides where the towers'
   gradients meet (`_gradients`) and how the update reaches the variables
   (`_apply`).
@@ -268,7 +269,7 @@ class Trainer:
 
     Args:
       plan: common.devices.DevicePlan.
-      decay_steps: int >= 1, `training.checked_decay_steps(...)`.
+      decay_steps: int >= 1, `runtime.training.checked_decay_steps(...)`.
       jit: bool, compile each tower's forward and backward pass with XLA.
       optimizer: common.optimizer.Optimizer; default upstream's SGD.
       strategy: the tf.distribute.Strategy to create the state in.
@@ -286,7 +287,6 @@ class Trainer:
     self._gradients_fn = tf.function(
         lambda images, labels, *rest: self._gradients(*self._checked(images, labels), *rest),
         autograph=False)
-    self._votes = tf.constant(0.0), tf.constant(1.0)  # `_args`' vote, not made per step
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -301,7 +301,7 @@ class Trainer:
       (loss float32 scalar, list of gradients of loss / grad_divisor shaped
       like `values`, clipped by their global norm with --clip_where
       per_tower, summary): with `summaries`, a dict tag -> tensor of the loss
-      terms (`training.loss_terms()`), the layers' activations and their
+      terms (`tags.loss_terms()`), the layers' activations and their
       fractions of zeros, each tag without the tower's 'tower_<i>/'; else empty.
     """
     model = self.state.model
@@ -330,13 +330,13 @@ class Trainer:
     grads = self.state.clip_tower(tape.gradient(share, values), 1.0 / self.grad_divisor)
     summary = {}
     if summaries:  # tags below the tower's own; the last layer's output is the logits
-      summary = dict(zip(training.loss_terms(), model.loss_terms(activations[-1], labels, params)))
+      summary = dict(zip(tags.loss_terms(), model.loss_terms(activations[-1], labels, params)))
       for layer, x in zip(model_spec.LAYERS, activations):
-        summary[training.activations_tag('', layer.name)] = x
-        summary[training.sparsity_tag('', layer.name)] = tf.nn.zero_fraction(x)
+        summary[tags.activations_tag('', layer.name)] = x
+        summary[tags.sparsity_tag('', layer.name)] = tf.nn.zero_fraction(x)
     return loss, grads, summary
 
-  def _gradients(self, images, labels, vote, summaries=False):
+  def _gradients(self, images, labels, summaries=False):
     """Runs the towers and averages their gradients, without applying them.
 
     (With --clip_where averaged, `TrainState.clip_averaged` comes after this.)
@@ -344,14 +344,12 @@ class Trainer:
     Args:
       images: float32 [num_towers, batch, 24, 24, 3].
       labels: int32 [num_towers, batch].
-      vote: float32 scalar, > 0 when this process wants to stop.
       summaries: bool, also return each tower's loss terms, activations and
-        sparsity (tags of `runtime.training.summary_tags`).
+        sparsity (tags of `common.tags.summary_tags`).
 
     Returns:
       (list of averaged gradients in VARIABLE_NAMES order,
        tower total losses float32 [num_towers],
-       bool scalar: some process wants to stop,
        dict tag -> tensor of the summaries, empty without `summaries`).
     """
     variables = self.state.model.variable_list()
@@ -368,7 +366,7 @@ class Trainer:
       with tf.device(device), tf.name_scope(f'{hparams.TOWER_NAME}_{i}'):
         loss, grads, tower_summary = self._tower_fn(values, tower_images[i], tower_labels[i],
                                                     summaries)
-      summary.update((training.tower_tag(i, tag), x) for tag, x in tower_summary.items())
+      summary.update((tags.tower_tag(i, tag), x) for tag, x in tower_summary.items())
       tower_losses.append(loss)
       tower_grads.append(list(zip(grads, variables)))
     # Synchronization point: the towers meet here, once, when every gradient of every
@@ -386,7 +384,7 @@ class Trainer:
       # mean loss over all N*batch images with weight decay counted once.
       # Nothing is summed across replicas implicitly.
       grads = [g for g, _ in average_gradients(tower_grads)]
-      return grads, tf.stack(tower_losses), vote > 0, summary
+      return grads, tf.stack(tower_losses), summary
 
   def _apply(self, grads):
     """Clips the averaged gradients (--clip_where averaged) and applies them."""
@@ -399,29 +397,26 @@ class Trainer:
   # _gradients_fn): the step is Python that builds ops, with no `if` or `for` over
   # a tensor to convert, and converting it cost a modern process 1 s of its start.
   @tf.function(autograph=False)
-  def _step(self, images, labels, vote, summaries=False):
+  def _step(self, images, labels, summaries=False):
     """One training step over all towers.
 
     Returns:
-      (tower losses float32 [num_towers], bool scalar: some process wants to
-      stop, summary): with `summaries`, a dict tag -> tensor of each tower's
+      (tower losses float32 [num_towers], summary): with `summaries`, a dict tag -> tensor of each tower's
       loss terms, activations and sparsity, and the averaged gradients; else
       empty.
     """
-    grads, tower_losses, voted, summary = self._gradients(*self._checked(images, labels), vote,
-                                                          summaries)
+    grads, tower_losses, summary = self._gradients(*self._checked(images, labels), summaries)
     if summaries:
-      summary.update((training.gradients_tag(name), grad)
+      summary.update((tags.gradients_tag(name), grad)
                      for name, grad in zip(model_spec.VARIABLE_NAMES, grads))
     self._apply(grads)
-    return tower_losses, voted, summary
+    return tower_losses, summary
 
-  def _args(self, tower_batches, stop_requested=False, summaries=False):
-    """`_step`'s arguments: (images, labels) as given, the vote, and whether the step
-    returns the summaries (`inner_summaries`). Nothing is converted or checked here, per
-    step: the traced step converts and checks the batches once per trace (`_checked`)."""
-    return (*tower_batches, self._votes[bool(stop_requested)],
-            summaries and self.inner_summaries)
+  def _args(self, tower_batches, summaries=False):
+    """`_step`'s arguments: (images, labels) as given, and whether the step returns the
+    summaries (`inner_summaries`). Nothing is converted or checked here, per step: the
+    traced step converts and checks the batches once per trace (`_checked`)."""
+    return (*tower_batches, summaries and self.inner_summaries)
 
   def _checked(self, images, labels):
     """(images float32, labels int32), their static shapes checked: inside a trace, once."""
@@ -437,26 +432,56 @@ class Trainer:
                        f'{images.shape} and {labels.shape}')
     return images, labels
 
-  def step(self, tower_batches, stop_requested=False, summaries=False):
+  def step(self, tower_batches, summaries=False):
     """Runs one training step.
 
     Args:
       tower_batches: (images float32 [N, batch, 24, 24, 3],
         labels int32 [N, batch]), e.g. an element of
         `inputs.distorted_inputs`; tower i trains on images[i], labels[i].
-      stop_requested: bool, this process wants to stop (a stop request rides
-        on the step, so that every worker learns of it: see ReplicaTrainer).
       summaries: bool, also return what the summaries need from inside the
         step (`inner_summaries`; ignored where that is False).
 
     Returns:
       (tower losses float32 tensor [num_towers], each tower's total loss
-       before the update; bool tensor: some process wants to stop;
-       summary: dict tag -> tensor of `runtime.training.summary_tags`, the
+       before the update; summary: dict tag -> tensor of `common.tags.summary_tags`, the
        towers' loss terms and sparsity, their activations and the averaged
        gradients; empty without `summaries`).
     """
-    return self._step(*self._args(tower_batches, stop_requested, summaries))
+    return self._step(*self._args(tower_batches, summaries))
+
+  # Deviation from upstream: both trainers write the tags of common.tags.summary_tags.
+  # Computed and written in one traced function, as legacy fetches one merged
+  # summary op: eager summary calls, op by op, cost a summary step ~3x legacy's.
+  @tf.function(autograph=False)
+  def write_summaries(self, writer, step, tower_losses, summary, images):
+    """Writes the tags of common.tags.summary_tags to `writer` at global step `step`.
+
+    Args:
+      writer: the tf.summary writer.
+      step: int64 scalar, the global step reached.
+      tower_losses: float32 [num_towers], `step`'s tower losses.
+      summary: `step`'s summary (empty for the replica engines, which write
+        no images either).
+      images: float32 [N, batch, 24, 24, 3], the step's: tower 0's first are written.
+    """
+    state = self.state
+    # The learning rate the step just taken used (read before the increment).
+    lr = model_spec.learning_rate(step - 1, state.decay_steps, state.optimizer.learning_rate)
+    values = {tags.MEAN_LOSS_TAG: tf.reduce_mean(tower_losses), tags.LEARNING_RATE_TAG: lr,
+              **summary, **state.variables(),
+              # Deviation from upstream: every tower's loss summary is written.
+              **{tags.tower_tag(i, 'total_loss'): tower_losses[i]
+                 for i in range(self.num_towers)},
+              **{model_spec.average_name(name): var
+                 for name, var in state.shadow_variables().items()}}
+    with writer.as_default(step=step):
+      for tag, value in values.items():  # a histogram of each tensor, a scalar of each scalar
+        value = tf.convert_to_tensor(value)
+        (histogram if value.shape.rank else tf.summary.scalar)(tag, value)
+      if summary:  # the tags of tags.image_tags()
+        for tag, image in zip(tags.image_tags(), tf.unstack(images[0][:tags.NUM_SUMMARY_IMAGES])):
+          tf.summary.image(tag, _displayable(image)[tf.newaxis])
 
   def train_step(self, tower_batches):
     """`step`'s tower losses, float32 tensor [num_towers]."""
@@ -480,3 +505,45 @@ class Trainer:
     # One copy of each (identical on every replica after the all-reduce).
     return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
             zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses
+
+
+def _displayable(image):
+  """A float image scaled into [0, 1] as TF1's image summary scales it.
+
+  Non-negative images: the largest value becomes 1. Otherwise 0 goes to
+  127/255 and the image is scaled so that its smallest value is 0 or its
+  largest 1 (tf.summary.image clips what lies outside [0, 1]). The scale is
+  computed in float64 and applied in float32.
+  """
+  low, high = tf.reduce_min(image), tf.reduce_max(image)
+  low64, high64 = tf.cast(low, tf.float64), tf.cast(high, tf.float64)
+  scale = tf.where(high > 0, tf.minimum(127.0 / -low64, 128.0 / high64), 127.0 / -low64)
+  return tf.where(low >= 0, tf.where(high > 0, image / high, image),
+                  (image * tf.cast(scale, tf.float32) + 127.0) / 255.0)
+
+
+HISTOGRAM_BUCKETS = 30  # tf.summary.histogram's default
+_HISTOGRAM_METADATA = histogram_metadata.create_summary_metadata(display_name=None,
+                                                                 description=None)
+
+
+def histogram(tag, data):
+  """tf.summary.histogram: the same [30, 3] (left edge, right edge, count) of `data`.
+
+  Counted by one segment sum, not its one-hot [size, 30] float64 matrix (212 MB
+  for local3/weights) and its conds, which cost most of a summary step and of
+  its tracing. A single value: every edge is it, the last bucket counts all,
+  as there.
+  """
+  data = tf.cast(tf.reshape(data, [-1]), tf.float64)
+  low, high = tf.reduce_min(data), tf.reduce_max(data)
+  width = tf.where(high > low, (high - low) / HISTOGRAM_BUCKETS, 1.0)
+  index = tf.minimum(tf.cast(tf.floor((data - low) / width), tf.int32), HISTOGRAM_BUCKETS - 1)
+  counts = tf.math.unsorted_segment_sum(
+      tf.ones_like(data), tf.where(high > low, index, HISTOGRAM_BUCKETS - 1), HISTOGRAM_BUCKETS)
+  # The kernel: tf.linspace's composite ops, traced with a constant count, are
+  # constant-folded into other roundings. The last edge is exactly the largest value.
+  edges = tf.concat(
+      [tf.raw_ops.LinSpace(start=low, stop=high, num=HISTOGRAM_BUCKETS + 1)[:-1], [high]], 0)
+  tf.summary.write(tag, tf.stack([edges[:-1], edges[1:], counts], axis=1),
+                   metadata=_HISTOGRAM_METADATA)

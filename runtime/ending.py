@@ -55,10 +55,10 @@ def cause(error):
   return f'{type(error).__name__}: {text[0]}' if text else type(error).__name__
 
 
-def failed(error, first_step, step, run, train_dir):
+def failed(error, first_step, step, trainer, train_dir):
   """The error a training run ends with after `error` crossed its loop, its work kept.
 
-  Where the variables still hold the last completed step (`run.held() == step`:
+  Where the variables still hold the last completed step (`trainer.global_step() == step`:
   the failure came before the step's update, which is where input and output
   failures happen), that step is saved unless it already is. Where they may
   not (a NaN, a failure during the update) or the save fails too (disk
@@ -71,10 +71,7 @@ def failed(error, first_step, step, run, train_dir):
     error: the exception that crossed the loop.
     first_step: int, the global step this run started from.
     step: int, the last global step this run completed and checked.
-    run: runtime.training.Run: its held() (the global step the variables
-      hold now) and save() (saves them; the checkpoint's path), whose
-      last_saved is the step of the checkpoint this run last wrote or
-      resumed from (or None).
+    trainer: runtime.training.Trainer (its global_step(), save() and last_saved).
     train_dir: str, where the checkpoints are.
 
   Returns:
@@ -86,13 +83,13 @@ def failed(error, first_step, step, run, train_dir):
     return error if isinstance(error, errors.Failure) else RunFailed(cause(error))
   line = f"{cause(error).rstrip('.')}."
   try:
-    intact = run.held() == step
+    intact = trainer.global_step() == step
   except Exception:  # pylint: disable=broad-except
     intact = False
   problem = ''
-  if intact and step != run.save.last_saved and os.path.isdir(train_dir):
+  if intact and step != trainer.last_saved and os.path.isdir(train_dir):
     try:
-      path = run.save()
+      path = trainer.save()
       return RunFailed(f'{line} Saved global step {step} to {path}; the same command resumes '
                        'from it.')
     except Exception as e:  # pylint: disable=broad-except

@@ -1,5 +1,5 @@
 """Run-time pieces both training loops share: the log line and its averages,
-progress lines during long waits, the TensorBoard tags, stop requests, divergence."""
+progress lines during long waits, stop requests, divergence."""
 
 import contextlib
 import datetime
@@ -9,7 +9,7 @@ import signal
 import socket
 import threading
 import time
-import types
+import typing
 
 from cifar10_towers.common import errors
 from cifar10_towers.common import hparams
@@ -80,37 +80,52 @@ class LogWindow:
     return log_line(step, loss, *rates, max_steps)
 
 
-class Run(types.SimpleNamespace):
-  """A trainer's side of `train_loop`: the hooks given (keyword arguments), the defaults below.
+class StepResult(typing.NamedTuple):
+  """What one step of a trainer gives `train_loop`."""
 
-  The hooks each trainer gives (legacy.train._train_loop, modern.train._train_loop):
-    step(step, first, write_summary): runs one step from global step `step`:
-      (tower losses, summary, voted, step seconds or None), or None when a
-      stop cut it short before it ran. `summary` is what `write_summaries`
-      takes (with `write_summary`); `voted`, that a worker's stop request
-      rode on the step; step seconds, if not None, what `on_step` gets
-      instead of the whole call's seconds.
-    open_summaries(): the summary writer (with a close()), opened after the
-      first step: a stop before it writes nothing.
-    write_summaries(writer, step, summary): writes `step`'s summaries.
-    save(): saves the current global step unless it is saved already; the
-      checkpoint's path. Its `last_saved`: the global step of the newest
-      checkpoint written or resumed from, or None.
-    held(): the global step the variables hold now.
-    lost_peers(error, step, first_step, stop), with `peer_errors`: a
-      wait for the peers failed: the step reached, or raises.
+  tower_losses: typing.Sequence[float]  # each tower's total loss at the step
+  seconds: typing.Optional[float] = None  # what `on_step` gets, if not the whole call's seconds
+  stop: bool = False  # every process stops after this step (a stop request of one rode on it)
+
+
+class Trainer:
+  """A trainer's side of `train_loop` (legacy.train.QueueTrainer, modern.engines.Towers).
 
   Attributes:
     images: int, the images of one step over all replicas.
     write_dir: str, where this process writes checkpoints and summaries.
+    train_dir: str, where the run's checkpoints are kept.
     chief: bool, this process logs and reports (with peers, the chief alone).
     alone: bool, no peers: a stop ends the run at the next step boundary;
-      with peers it rides on a step's vote, so that all stop after one step.
-    peer_errors: exceptions of a wait for peers, handled by `lost_peers`.
+      with peers it rides on a step (`StepResult.stop`), so that all stop after one step.
+    last_saved: int, the global step of the newest checkpoint written or
+      resumed from, or None.
   """
 
   chief = alone = True
-  peer_errors = ()
+  last_saved = None
+
+  def step(self, step, first, summaries):
+    """Runs one step from global step `step` (`summaries`: computes them too):
+    a StepResult, or None when a stop cut it short before it ran."""
+    raise NotImplementedError
+
+  def global_step(self):
+    """The global step the variables hold now."""
+    raise NotImplementedError
+
+  def save(self):
+    """Saves the current global step unless it is saved already; the checkpoint's path."""
+    raise NotImplementedError
+
+  def open_summaries(self):
+    """The summary writer (with a close()), opened after the first step: a stop before it
+    writes nothing."""
+    raise NotImplementedError
+
+  def write_summaries(self, writer, step):
+    """Writes the summaries of the last step (global step `step` reached)."""
+    raise NotImplementedError
 
   def finish(self, step):
     """After the final save (with peers: the final barrier)."""
@@ -118,12 +133,17 @@ class Run(types.SimpleNamespace):
   def close(self):
     """After the loop, however it ended; may raise what ended it (an input thread's error)."""
 
+  def failed(self, error, first_step, step, stop):  # pylint: disable=unused-argument
+    """`error` crossed the loop after global step `step`: raises what the run ends with
+    (`ending.failed`), or returns the step reached."""
+    raise ending.failed(error, first_step, step, self, self.train_dir) from error
+
   def report_stop(self, signal_name, step, path):
     """Says how the run ended after a stop request (on stderr)."""
     ending.say(stopped_line(signal_name, step, path))
 
 
-def train_loop(config, stop, run, step, on_step=None):
+def train_loop(config, stop, trainer, step, on_step=None):
   """Both trainers' steps, from global step `step` until max_steps or a stop.
 
   Logs upstream's line every log_every steps (LogWindow's means), writes
@@ -136,7 +156,7 @@ def train_loop(config, stop, run, step, on_step=None):
   Args:
     config: runtime.config.TrainConfig.
     stop: StopRequest.
-    run: Run, the trainer's side.
+    trainer: Trainer.
     step: int, the global step the run starts from (< config.max_steps).
     on_step: optional callable(step, seconds, images) after every step (bench
       paces itself with it).
@@ -149,64 +169,62 @@ def train_loop(config, stop, run, step, on_step=None):
   """
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from cifar10_towers.runtime import checkpoints  # pylint: disable=import-outside-toplevel
-  first_step, window, writer, voted = step, LogWindow(), None, False
+  first_step, window, writer, stopping = step, LogWindow(), None, False
   write_errors = (RuntimeError, OSError, tf.errors.OpError)  # e.g. disk full
   try:
     try:
-      while step < config.max_steps and not voted and not (run.alone and stop.requested):
+      while step < config.max_steps and not stopping and not (trainer.alone and stop.requested):
         first = step == first_step
         write_summary = (step + 1) % config.summary_every == 0
         start = time.time()
-        done = run.step(step, first, write_summary)
+        done = trainer.step(step, first, write_summary)
         if done is None:  # the stop closed the input under this step: it did not run
           break
-        tower_losses, summary, voted, step_seconds = done
+        tower_losses, step_seconds, stopping = done
         seconds = time.time() - start
         # Before `step` counts it: a diverged step is never saved.
         check_divergence(step + 1, tower_losses)
         # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
         step += 1  # each step moves global_step by one
         if writer is None:  # not before: a stop before the first step writes nothing
-          writer = run.open_summaries()
+          writer = trainer.open_summaries()
         # Deviation from upstream: the loss logged is the mean over towers, not the last tower's.
         # Deviation from upstream: examples/sec and sec/batch are means over the
         # steps since the last line, not divided by the towers (LogWindow).
-        window.add(seconds, run.images, first or write_summary)
-        if step % config.log_every == 0 and run.chief:
+        window.add(seconds, trainer.images, first or write_summary)
+        if step % config.log_every == 0 and trainer.chief:
           logger.info(window.line(step, sum(tower_losses) / len(tower_losses), config.max_steps),
                       extra=progress.IN_PLACE)
         if on_step:
-          on_step(step, seconds if step_seconds is None else step_seconds, run.images)
+          on_step(step, seconds if step_seconds is None else step_seconds, trainer.images)
         if write_summary:
           try:
-            run.write_summaries(writer, step, summary)
+            trainer.write_summaries(writer, step)
           except write_errors as e:
-            raise checkpoints.write_failed(run.write_dir, 'TensorBoard summaries', e) from e
+            raise checkpoints.write_failed(trainer.write_dir, 'TensorBoard summaries', e) from e
         if step % config.save_every == 0:
-          run.save()
+          trainer.save()
       if step == first_step:
         raise Stopped(stop.signal_name)
-      path = run.save()  # with peers every worker saves: the chief's copy is kept
-      run.finish(step)
+      path = trainer.save()  # with peers every worker saves: the chief's copy is kept
+      trainer.finish(step)
     finally:
       try:
-        run.close()
+        trainer.close()
       finally:
         try:
           if writer is not None:
             writer.close()
         except write_errors as e:
-          logger.warning(f'could not write the last TensorBoard summaries to {run.write_dir} '
+          logger.warning(f'could not write the last TensorBoard summaries to {trainer.write_dir} '
                          f'({str(e).strip().splitlines()[0]}).')
-  except run.peer_errors as e:
-    return run.lost_peers(e, step, first_step, stop)
   except Exception as e:  # pylint: disable=broad-except
     # The one ending path of a failure, whatever it was: keep the last
     # completed step if the variables still hold it, and say so in one line.
-    raise ending.failed(e, first_step, step, run, config.train_dir) from e
-  if voted or (run.alone and stop.requested):  # a stop during the last save too
-    run.report_stop(stop.signal_name, step, path)
-  elif run.chief:
+    return trainer.failed(e, first_step, step, stop)
+  if stopping or (trainer.alone and stop.requested):  # a stop during the last save too
+    trainer.report_stop(stop.signal_name, step, path)
+  elif trainer.chief:
     logger.info(f'Done: the newest checkpoint is {path}. Evaluate it: ' + prog.command(
         'eval --run_once', checkpoint_dir=config.train_dir, data_dir=config.data_dir))
   return step
@@ -246,69 +264,6 @@ def heartbeat(message):
   finally:
     done.set()
     thread.join()
-
-
-# --- TensorBoard: the one tag set both trainers write ------------------------
-
-MEAN_LOSS_TAG = 'total_loss'  # the mean of the towers' total losses
-LEARNING_RATE_TAG = 'learning_rate'
-NUM_SUMMARY_IMAGES = 3  # tower 0's first images of the step
-
-
-def loss_terms():
-  """A tower's loss terms, as legacy names them in its 'losses' collection:
-  ('local3/weight_loss', 'local4/weight_loss', 'cross_entropy')."""
-  from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  return tuple(f'{layer.name}/weight_loss' for layer in model_spec.LAYERS
-               if layer.wd is not None) + ('cross_entropy',)
-
-
-def tower_tag(tower, name):
-  """'tower_<i>/<name>'."""
-  return f'{hparams.TOWER_NAME}_{tower}/{name}'
-
-
-def activations_tag(prefix, layer):
-  """A layer's activations histogram: '<prefix>/<layer>/activations'."""
-  return f"{prefix and prefix + '/'}{layer}/activations"
-
-
-def sparsity_tag(prefix, layer):
-  """A layer's fraction of zero activations: '<prefix>/<layer>/sparsity'."""
-  return f"{prefix and prefix + '/'}{layer}/sparsity"
-
-
-def gradients_tag(variable_name):
-  """The averaged gradient of a variable: 'conv1/weights/gradients'."""
-  return f'{variable_name}/gradients'
-
-
-def image_tags():
-  """What the input images are written as: 'images/image/0', ... (TF1's naming)."""
-  return [f'images/image/{i}' for i in range(NUM_SUMMARY_IMAGES)]
-
-
-def summary_tags(num_towers, activations=True):
-  """{'scalars', 'histograms', 'images'} -> sorted tags both trainers write.
-
-  `activations`: with the per-layer activation, sparsity and gradient
-  summaries and the images (False: the subset the replica engines write).
-  """
-  from cifar10_towers.common import model_spec  # pylint: disable=import-outside-toplevel
-  names, layers = model_spec.VARIABLE_NAMES, [layer.name for layer in model_spec.LAYERS]
-  scalars = [MEAN_LOSS_TAG, LEARNING_RATE_TAG]
-  histograms = [*names, *map(model_spec.average_name, names)]
-  for i in range(num_towers):
-    scalars.append(tower_tag(i, 'total_loss'))
-    if activations:
-      prefix = f'{hparams.TOWER_NAME}_{i}'
-      scalars += [tower_tag(i, term) for term in loss_terms()]
-      scalars += [sparsity_tag(prefix, layer) for layer in layers]
-      histograms += [activations_tag(prefix, layer) for layer in layers]
-  if activations:
-    histograms += map(gradients_tag, names)
-  return {'scalars': sorted(scalars), 'histograms': sorted(histograms),
-          'images': image_tags() if activations else []}
 
 
 # What a tower's loss can be: its batch's mean cross-entropy plus the weight

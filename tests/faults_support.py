@@ -621,14 +621,19 @@ PROJECT_PACKAGES = ('common', 'runtime', 'datasets', 'legacy', 'modern', 'towerp
 
 
 def hook(at, say=None, dwell=0.0, nth=1, returns=None):
-  """One hook of `hooks_env`: at the nth call of `at` ('module:attr.path').
+  """One hook of `hooks_env`: at the nth call of `at`.
 
-  The project's modules are named inside the cifar10_towers package
-  ('modern.step:...'); others in full ('tensorflow.python...:...').
+  `at` is a function or method of the product itself (e.g.
+  `engines.Towers.write_summaries`), named where the test module is
+  collected, so that a rename fails there; or 'module:attr.path', the
+  project's modules named inside the cifar10_towers package
+  ('common.devices:...'), others in full ('tensorflow.python...:...').
   Prints `say` on stdout and pauses until `dwell` seconds after it before the call goes on,
   or returns `returns` instead of calling (when given).
   """
-  if at.split('.')[0] in PROJECT_PACKAGES:
+  if callable(at):
+    at = f'{at.__module__}:{at.__qualname__}'
+  elif at.split('.')[0] in PROJECT_PACKAGES:
     at = 'cifar10_towers.' + at
   spec = {'at': at, 'nth': nth, 'dwell': dwell}
   if say is not None:

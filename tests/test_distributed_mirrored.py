@@ -1,7 +1,7 @@
 """modern.engines in one process: the MirroredStrategy engine, the cluster, the CLI.
 
 The MirroredStrategy engine runs on the session's logical CPU devices and is
-compared with modern.step.Trainer (the towers) on the same batches and
+compared with modern.step.TowerStep (the towers) on the same batches and
 initial variables, with docs/equivalence.md §2's tolerances. The multi-process tests are in
 test_distributed_multiworker.py.
 """
@@ -42,7 +42,7 @@ def _plan(num_towers):
 
 
 def _mirrored(plan, decay_steps):
-  return engines.ReplicaTrainer(plan, decay_steps, strategy=engines.mirrored_strategy(plan))
+  return engines.ReplicaStep(plan, decay_steps, strategy=engines.mirrored_strategy(plan))
 
 
 def _batches(num_towers, batch, seed):
@@ -55,7 +55,7 @@ def _batches(num_towers, batch, seed):
 @pytest.fixture(scope='module')
 def initial_values():
   tf.random.set_seed(5)
-  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  trainer = modern_step.TowerStep(_plan(1), decay_steps=100)
   return {name: var.numpy() for name, var in trainer.state.variables().items()}
 
 
@@ -72,7 +72,7 @@ def _assert_close(got, want, rel_tol, what):
 @pytest.mark.parametrize('num_towers', [2, 4])
 def test_mirrored_gradients_and_losses_equal_the_towers(num_towers, initial_values):
   images, labels = _batches(num_towers, 4, seed=num_towers)
-  towers = modern_step.Trainer(_plan(num_towers), decay_steps=100)
+  towers = modern_step.TowerStep(_plan(num_towers), decay_steps=100)
   towers.state.assign_variables(initial_values)
   mirrored = _mirrored(_plan(num_towers), decay_steps=100)
   mirrored.state.assign_variables(initial_values)
@@ -90,7 +90,7 @@ def test_mirrored_gradients_and_losses_equal_the_towers(num_towers, initial_valu
 
 def test_mirrored_steps_equal_the_towers_steps(initial_values):
   """K steps with the learning-rate decay and the moving averages (docs/equivalence.md §2.3)."""
-  towers = modern_step.Trainer(_plan(2), decay_steps=2)  # lr 0.1, 0.1, then 0.01
+  towers = modern_step.TowerStep(_plan(2), decay_steps=2)  # lr 0.1, 0.1, then 0.01
   towers.state.assign_variables(initial_values)
   mirrored = _mirrored(_plan(2), decay_steps=2)
   mirrored.state.assign_variables(initial_values)
@@ -125,7 +125,7 @@ def test_mirrored_checkpoints_have_the_towers_layout(initial_values, tmp_path,
   mirrored.state.assign_variables(initial_values)
   mirrored.train_step(_batches(2, 4, seed=1))
   path = modern_checkpoints.checkpoint_object(mirrored.state).save(str(tmp_path / 'm' / 'model.ckpt'))
-  towers = modern_step.Trainer(_plan(2), decay_steps=100)
+  towers = modern_step.TowerStep(_plan(2), decay_steps=100)
   towers_path = modern_checkpoints.checkpoint_object(towers.state).save(str(tmp_path / 't' / 'model.ckpt'))
   assert ({name: shape for name, shape in tf.train.list_variables(path)}
           == {name: shape for name, shape in tf.train.list_variables(towers_path)})

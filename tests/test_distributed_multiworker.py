@@ -82,7 +82,7 @@ def _rel(a, b):
 
 
 def _worker_main(in_path, out_path, local_batches):
-  """One worker (one replica): modern.engines.ReplicaTrainer on the inputs of in_path.
+  """One worker (one replica): modern.engines.ReplicaStep on the inputs of in_path.
 
   Args:
     in_path: npz with init/<var>, images [R, B, ...], labels [R, B] and
@@ -98,7 +98,7 @@ def _worker_main(in_path, out_path, local_batches):
   from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
   cluster = cluster_lib.resolve_cluster()  # from TF_CONFIG
   strategy = engines.multi_worker_strategy(plan, cluster, COLLECTIVE_TIMEOUT)
-  trainer = engines.ReplicaTrainer(plan, DECAY_STEPS, strategy=strategy)
+  trainer = engines.ReplicaStep(plan, DECAY_STEPS, strategy=strategy)
   assert trainer.num_towers == cluster.num_workers, trainer.num_towers
   assert len(strategy.extended.worker_devices) == 1  # one local replica
   state = trainer.state
@@ -122,7 +122,7 @@ def _worker_main(in_path, out_path, local_batches):
       np.testing.assert_array_equal(copy.numpy(), arrays['final/' + name])
   for name, var in state.shadow_variables().items():
     arrays['final_ema/' + name] = var.numpy()
-  trainer.barrier()
+  engines.all_sum(strategy, tf.constant(1.0))  # a barrier
   np.savez(out_path, **arrays)
 
 
@@ -171,7 +171,7 @@ def test_workers_compute_the_towers_averaged_gradient(tmp_path, num_workers,
   procs = _start_workers(tmp_path, in_path, num_workers, local_batches)
 
   # Meanwhile, the towers in this process on the same inputs.
-  towers = step_lib.Trainer(devices.DevicePlan(
+  towers = step_lib.TowerStep(devices.DevicePlan(
       tuple('/device:CPU:%d' % i for i in range(num_workers)), 'cpu', 4), DECAY_STEPS)
   towers.state.assign_variables({k[len('init/'):]: v for k, v in arrays.items()
                                  if k.startswith('init/')})

@@ -21,8 +21,14 @@ import sys
 import pytest
 
 import faults_support as fs
+from cifar10_towers.modern import engines
+from cifar10_towers.modern import step as step_lib
 from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import training
+
+# What the modern cases inject into, named here so that a rename fails at collection.
+_MODERN_WRITE = engines.Towers.write_summaries
+_MODERN_STEP = step_lib.TowerStep.step
 
 ALL_SIGNALS = ('SIGHUP', 'SIGINT', 'SIGQUIT', 'SIGTERM', 'SIGUSR1', 'SIGUSR2',
                'SIGALRM', 'SIGXCPU', 'SIGPWR')
@@ -184,8 +190,7 @@ def _inject_summaries(monkeypatch, impl, step, ctx):
     import tensorflow.compat.v1 as tf1  # pylint: disable=import-outside-toplevel
     _nth_call(monkeypatch, tf1.summary.FileWriter, 'add_summary', step + 1, error)
   else:
-    from cifar10_towers.modern import train  # pylint: disable=import-outside-toplevel
-    _nth_call(monkeypatch, train, '_write_summaries', step + 1, error)
+    _nth_call(monkeypatch, engines.Towers, _MODERN_WRITE.__name__, step + 1, error)
 
 
 def _inject_step(monkeypatch, impl, step, ctx):
@@ -205,8 +210,7 @@ def _inject_step(monkeypatch, impl, step, ctx):
       return real(self, fetches, *args, **kwargs)
     monkeypatch.setattr(tf1.Session, 'run', run)
   else:
-    from cifar10_towers.modern import step as step_lib  # pylint: disable=import-outside-toplevel
-    _nth_call(monkeypatch, step_lib.Trainer, 'step', step + 1, error)
+    _nth_call(monkeypatch, step_lib.TowerStep, _MODERN_STEP.__name__, step + 1, error)
 
 
 def _inject_saver(monkeypatch, impl, step, ctx):

@@ -66,7 +66,7 @@ def test_the_bound_is_100_times_a_fresh_models_loss(synth_data_dir, device_plan)
   assert training.DIVERGED_LOSS == 100 * training.INITIAL_LOSS
   # What a fresh model's towers measure on 4 batches of 64, before any step.
   tf.random.set_seed(1)
-  trainer = modern_step.Trainer(devices.plan_devices(4),
+  trainer = modern_step.TowerStep(devices.plan_devices(4),
                           decay_steps=100)
   batches = next(iter(inputs.distorted_inputs(synth_data_dir, 64, 4, seed=1)))
   _, tower_losses = trainer.compute_gradients(batches)
@@ -95,7 +95,7 @@ def _blow_up(impl, src, train_dir, how):
   else:
     from cifar10_towers.modern import checkpoints as modern_checkpoints
     from cifar10_towers.modern import step as modern_step
-    trainer = modern_step.Trainer(devices.plan_devices(1),
+    trainer = modern_step.TowerStep(devices.plan_devices(1),
                             decay_steps=100)
     checkpoint = modern_checkpoints.checkpoint_object(trainer.state)
     checkpoint.restore(path).assert_existing_objects_matched()

@@ -21,7 +21,12 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
+from cifar10_towers.legacy import train as legacy_train
+from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.runtime import checkpoints
+
+# Where a save is held, named here so that a rename fails at collection.
+_SAVE = {'legacy': legacy_train.QueueTrainer.save, 'modern': modern_checkpoints.StepSaver.__call__}
 
 STEP_LINE = re.compile(r': step (\d+), loss = ')
 EXIT_WITHIN_SECS = 10
@@ -189,7 +194,7 @@ def second_sigint_runs(synth_data_dir, tmp_path_factory):
     dict impl -> (train_dir, seconds from the second signal to the exit,
     exit code, stdout, stderr).
   """
-  save = {'legacy': 'legacy.train:_save', 'modern': 'modern.checkpoints:StepSaver.__call__'}
+  save = _SAVE
   runs = {}
   for impl in fs.TRAINERS:
     base = tmp_path_factory.mktemp('%s_sigint_twice' % impl)

@@ -34,6 +34,12 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
+from cifar10_towers.common import devices
+from cifar10_towers.common import hparams
+from cifar10_towers.legacy import train as legacy_train
+from cifar10_towers.modern import checkpoints as modern_checkpoints
+from cifar10_towers.modern import engines
+from cifar10_towers.modern import step as modern_step
 from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import training
@@ -112,7 +118,7 @@ def two_runs(synth_data_dir, tmp_path_factory):
         _train_args(pair[1], synth_data_dir, firsts[pair[0]][0],
                     '--max_steps', PAIR_STEPS, '--save_every', 5),
         env=fs.hooks_env(str(base / 'hooks'),
-                         [fs.hook('runtime.lock:exclusive', say='HOOK lock',
+                         [fs.hook(lock.exclusive, say='HOOK lock',
                                   dwell=5)]), forked=True)
     seconds[pair] = (second, fs.Frozen(second, lambda line: line == 'HOOK lock'))
   runs = [run for _, run, _ in firsts.values()] + [run for run, _ in seconds.values()]
@@ -185,18 +191,17 @@ Phase = collections.namedtuple('Phase', [
     'saved',  # the step the stop saves, or None: stopped before the first step
 ])
 
-_SAVE = {'legacy': 'legacy.train:_save', 'modern': 'modern.checkpoints:StepSaver.__call__'}
+_SAVE = {'legacy': legacy_train.QueueTrainer.save, 'modern': modern_checkpoints.StepSaver.__call__}
 _SUMMARIES = {
     'legacy': ('tensorflow.python.summary.writer.writer:'
                'SummaryToEventTransformer.add_summary'),
-    'modern': 'modern.train:_write_summaries'}
-_GRAPH = {'legacy': 'legacy.train:build_train_graph',
-          'modern': 'modern.step:Trainer.__init__'}
+    'modern': engines.Towers.write_summaries}
+_GRAPH = {'legacy': legacy_train.build_train_graph, 'modern': modern_step.TowerStep.__init__}
 _RESTORE = {'legacy': 'legacy.train:_restore_or_initialize',
             'modern': 'modern.checkpoints:restore_latest'}
 # Legacy's first step waits in C++ while the shuffle queue fills: with this
 # many examples to hold first, it would wait for minutes.
-_ENDLESS_FILL = fs.hook('common.hparams:min_queue_examples', returns=10 ** 6)
+_ENDLESS_FILL = fs.hook(hparams.min_queue_examples, returns=10 ** 6)
 
 
 def _phases(impl):
@@ -207,7 +212,7 @@ def _phases(impl):
                      dwell=5)],
             'HOOK data', (), False, None),
       Phase('tensorflow_import', impl, term if impl == 'legacy' else sigint,
-            [fs.hook('common.devices:plan_devices', say='HOOK import')],
+            [fs.hook(devices.plan_devices, say='HOOK import')],
             'HOOK import', (), False, None),
       Phase('graph_building', impl, term,
             [fs.hook(_GRAPH[impl], say='HOOK graph', dwell=5)],
@@ -234,7 +239,7 @@ def _phases(impl):
     ]
   else:
     # Tracing and compiling the step: seconds, tens on a busy machine.
-    first_step = fs.hook('modern.step:Trainer.step', say='HOOK first step')
+    first_step = fs.hook(modern_step.TowerStep.step, say='HOOK first step')
     rows += [
         Phase('first_step', impl, term, [first_step], 'HOOK first step', (),
               False, None),

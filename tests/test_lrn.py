@@ -89,7 +89,7 @@ def test_for_plan_uses_the_fast_lrn_on_cpu_towers_only():
 
 def test_modern_trainer_builds_its_model_with_the_plans_lrn(device_plan):
   from cifar10_towers.modern import step as modern_step
-  trainer = modern_step.Trainer(device_plan, decay_steps=10)
+  trainer = modern_step.TowerStep(device_plan, decay_steps=10)
   assert trainer.state.model._lrn is lrn.fast_lrn  # pylint: disable=protected-access
 
 

@@ -132,7 +132,7 @@ def test_a_signal_stops_training_at_a_step_boundary_with_a_checkpoint(synth_data
 
 @pytest.mark.slow
 def test_divergence_names_the_step_and_keeps_the_last_checkpoint(synth_data_dir, tmp_path):
-  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  trainer = modern_step.TowerStep(_plan(1), decay_steps=100)
   trainer.state.variables()['softmax_linear/biases'].assign(np.full(10, np.nan, np.float32))
   trainer.state.global_step.assign(3)
   manager = tf.train.CheckpointManager(modern_checkpoints.checkpoint_object(trainer.state), str(tmp_path),

@@ -30,7 +30,7 @@ def _batches(num_towers, batch, seed):
 @pytest.fixture(scope='module')
 def initial_values():
   tf.random.set_seed(7)
-  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  trainer = modern_step.TowerStep(_plan(1), decay_steps=100)
   return {name: var.numpy() for name, var in trainer.state.variables().items()}
 
 
@@ -56,9 +56,9 @@ def test_average_gradients_is_the_mean_over_towers():
 def test_n_towers_equal_one_tower_on_the_concatenation(num_towers, initial_values):
   """docs/equivalence.md §2.4: a true mean, and weight decay counted once."""
   images, labels = _batches(num_towers, 4, seed=num_towers)
-  many = modern_step.Trainer(_plan(num_towers), decay_steps=100)
+  many = modern_step.TowerStep(_plan(num_towers), decay_steps=100)
   many.state.assign_variables(initial_values)
-  one = modern_step.Trainer(_plan(1), decay_steps=100)
+  one = modern_step.TowerStep(_plan(1), decay_steps=100)
   one.state.assign_variables(initial_values)
   grads_n, losses_n = many.compute_gradients((images, labels))
   grads_1, losses_1 = one.compute_gradients(
@@ -71,9 +71,9 @@ def test_n_towers_equal_one_tower_on_the_concatenation(num_towers, initial_value
 
 def test_tower_losses_are_each_towers_own(initial_values):
   images, labels = _batches(2, 4, seed=11)
-  trainer = modern_step.Trainer(_plan(2), decay_steps=100)
+  trainer = modern_step.TowerStep(_plan(2), decay_steps=100)
   trainer.state.assign_variables(initial_values)
-  alone = modern_step.Trainer(_plan(1), decay_steps=100)
+  alone = modern_step.TowerStep(_plan(1), decay_steps=100)
   alone.state.assign_variables(initial_values)
   _, losses = trainer.compute_gradients((images, labels))
   for i in range(2):
@@ -83,7 +83,7 @@ def test_tower_losses_are_each_towers_own(initial_values):
 
 def test_step_is_sgd_then_moving_average(initial_values):
   """lr from the step before the increment, EMA decay from the step after."""
-  trainer = modern_step.Trainer(_plan(2), decay_steps=1)  # lr 0.1, then 0.01
+  trainer = modern_step.TowerStep(_plan(2), decay_steps=1)  # lr 0.1, then 0.01
   trainer.state.assign_variables(initial_values)
   var = {k: v.astype(np.float32) for k, v in initial_values.items()}
   shadow = dict(var)
@@ -110,7 +110,7 @@ def test_step_is_sgd_then_moving_average(initial_values):
 
 def test_ops_of_tower_i_run_on_device_i_and_updates_on_the_cpu():
   plan = _plan(2, first=1)  # towers on CPU:1 and CPU:2, variables on CPU:0
-  trainer = modern_step.Trainer(plan, decay_steps=100)
+  trainer = modern_step.TowerStep(plan, decay_steps=100)
   images, labels = _batches(2, 2, seed=0)
   trainer.train_step((images, labels))  # the placement runs, not just builds
   graph = trainer.step_graph((images, labels))
@@ -142,22 +142,22 @@ def test_ops_of_tower_i_run_on_device_i_and_updates_on_the_cpu():
 
 def test_jit_towers_give_the_same_gradients(initial_values):
   images, labels = _batches(2, 4, seed=5)
-  plain = modern_step.Trainer(_plan(2), decay_steps=100)
+  plain = modern_step.TowerStep(_plan(2), decay_steps=100)
   plain.state.assign_variables(initial_values)
-  jitted = modern_step.Trainer(_plan(2), decay_steps=100, jit=True)
+  jitted = modern_step.TowerStep(_plan(2), decay_steps=100, jit=True)
   jitted.state.assign_variables(initial_values)
   _assert_grads_close(jitted.compute_gradients((images, labels))[0],
                       plain.compute_gradients((images, labels))[0])
 
 
 def test_wrong_number_of_tower_batches_is_refused():
-  trainer = modern_step.Trainer(_plan(2), decay_steps=100)
+  trainer = modern_step.TowerStep(_plan(2), decay_steps=100)
   with pytest.raises(ValueError, match=r'with N in \[2\]'):
     trainer.train_step(_batches(3, 2, seed=0))
 
 
 def test_assign_variables_checks_names_and_shapes(initial_values):
-  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  trainer = modern_step.TowerStep(_plan(1), decay_steps=100)
   partial = dict(initial_values)
   del partial['conv1/biases']
   with pytest.raises(ValueError, match='conv1/biases'):
@@ -174,7 +174,7 @@ def test_assign_variables_checks_names_and_shapes(initial_values):
 
 
 def test_checkpoint_keys_map_to_legacy_names(tmp_path, initial_values):
-  trainer = modern_step.Trainer(_plan(1), decay_steps=100)
+  trainer = modern_step.TowerStep(_plan(1), decay_steps=100)
   shadows = {k: v * 2 for k, v in initial_values.items()}
   trainer.state.assign_variables(initial_values, shadows)
   trainer.state.global_step.assign(42)

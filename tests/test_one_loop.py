@@ -1,13 +1,13 @@
 """modern.train has one training loop, and every engine runs through it.
 
-`modern.train._train_loop` is wrapped to record the engine it is given; each
+`runtime.training.train_loop` is wrapped to record the engine it is given; each
 of towers, mirrored and multiworker (a one-worker cluster, in its own process
 forked by tests/fork_server.py: MultiWorkerMirroredStrategy must start before
 any other op) then trains 4 steps through `python cli.py modern`'s code and
 saves model.ckpt-4.
 Summaries are on (steps 2 and 4), and the event files are read back as
 TensorBoard reads them: towers writes every tag of
-runtime.training.summary_tags, the replica engines the subset the README's
+common.tags.summary_tags, the replica engines the subset the README's
 TensorBoard section names (summary_tags(n, activations=False)), all a graph.
 """
 
@@ -18,21 +18,22 @@ import tensorflow as tf
 
 import faults_support as fs
 from cifar10_towers.common import devices
+from cifar10_towers.common import tags as tb_tags
 from cifar10_towers.modern import engines
 from cifar10_towers.modern import train
 from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import training
 
-# Runs the CLI with modern.train._train_loop wrapped to print its engine's class.
+# Runs the CLI with runtime.training.train_loop wrapped to print its engine's class.
 _SPY = '''
 import sys
 sys.path.insert(0, %(root)r)
-from cifar10_towers.modern import train
-loop = train._train_loop
-def spy(config, engine, *args, **kwargs):
+from cifar10_towers.runtime import training
+loop = training.train_loop
+def spy(config, stop, engine, *args, **kwargs):
   print('ENGINE', type(engine).__name__, flush=True)
-  return loop(config, engine, *args, **kwargs)
-train._train_loop = spy
+  return loop(config, stop, engine, *args, **kwargs)
+training.train_loop = spy
 from cifar10_towers import cli
 sys.argv = ['cli.py'] + sys.argv[1:]
 cli.main()
@@ -41,22 +42,22 @@ cli.main()
 
 def _spied(monkeypatch):
   seen = []
-  loop = train._train_loop  # pylint: disable=protected-access
+  loop = training.train_loop
 
-  def spy(config, engine, *args, **kwargs):
+  def spy(config, stop, engine, *args, **kwargs):
     seen.append(type(engine).__name__)
-    return loop(config, engine, *args, **kwargs)
+    return loop(config, stop, engine, *args, **kwargs)
 
-  monkeypatch.setattr(train, '_train_loop', spy)
+  monkeypatch.setattr(training, 'train_loop', spy)
   return seen
 
 
 def _check_summaries(train_dir, num_towers, activations):
   """train_dir's events: summary_tags(num_towers, activations) at steps 2 and 4, a graph."""
   tags, graph, acc = fs.read_tags(train_dir)
-  assert tags == training.summary_tags(num_towers, activations=activations)
+  assert tags == tb_tags.summary_tags(num_towers, activations=activations)
   assert graph
-  assert [e.step for e in acc.Tensors(training.MEAN_LOSS_TAG)] == [2, 4]
+  assert [e.step for e in acc.Tensors(tb_tags.MEAN_LOSS_TAG)] == [2, 4]
 
 
 def _settings(synth_data_dir, train_dir):

@@ -200,7 +200,7 @@ def _modern_losses(path, plan, images, labels, steps):
   """The same with modern's towers, from a modern checkpoint."""
   from cifar10_towers.modern import checkpoints as modern_checkpoints
   from cifar10_towers.modern import step as modern_step
-  trainer = modern_step.Trainer(plan, DECAY_STEPS, optimizer=ADAM)
+  trainer = modern_step.TowerStep(plan, DECAY_STEPS, optimizer=ADAM)
   modern_checkpoints.checkpoint_object(trainer.state).restore(
       path).assert_existing_objects_matched()
   return np.array([trainer.train_step((images, labels)).numpy()

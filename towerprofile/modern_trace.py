@@ -1,7 +1,7 @@
 """The modern adapter: a few steps of the tf.function trainer under tf.profiler.
 
-The only contact with modern/: `modern.step.Trainer(plan, decay_steps, jit)`,
-`Trainer.train_step(batch)` and `inputs.distorted_inputs`.
+The only contact with modern/: `modern.step.TowerStep(plan, decay_steps, jit)`,
+`TowerStep.train_step(batch)` and `inputs.distorted_inputs`.
 
 What the trace holds (tensorflow-cpu 2.21, docs/profile-design.md): the
 `.xplane.pb` of `tf.profiler.experimental` has one '/host:CPU' plane whose
@@ -123,7 +123,7 @@ def trace(config, plan, decay_steps, steps, warmup):
     (events, windows, wall_us, sources) as in `events_from_xspace`, with
     wall_us the time of each step (next batch and train_step) in Python.
   """
-  trainer = modern_step.Trainer(plan, decay_steps, jit=config.jit)
+  trainer = modern_step.TowerStep(plan, decay_steps, jit=config.jit)
   iterator = iter(inputs.distorted_inputs(config.data_dir, config.batch_size,
                                           config.num_gpus, seed=config.seed))
   device_of = graph_facts(trainer, next(iterator))
