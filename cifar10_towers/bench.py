@@ -517,28 +517,28 @@ def summarize(config, windows, finals, inputs, data_description):
   estimate = max(matmul_runs) / flops
   towers_key = f'ratio_to_{min(config.num_gpus)}_tower'
 
-  def rates(impl, num_gpus, clock='seconds'):
-    """Images/sec of each timed window, in round order, over its `clock` (Keras has
-    no cadence_seconds: it writes no summaries nor checkpoints, and it is its seconds)."""
+  def figures(impl, num_gpus):
+    """Each timed window's images/sec, in round order: of its plain steps, at the default
+    cadence (Keras has no cadence_seconds: it writes no summaries nor checkpoints, and it is
+    its seconds) and per CPU second; and (a trainer's) its summary and save costs."""
     images = config.window_steps * config.batch_size * num_gpus
-    return [images / w.get(clock, w['seconds'])
+    return [{'images_per_sec': images / w['seconds'],
+             'cadence_images_per_sec': images / w.get('cadence_seconds', w['seconds']),
+             'images_per_cpu_second': images / w['cpu_seconds'], **w.get('costs', {})}
             for w in windows[impl, num_gpus][config.warmup_rounds:]]
 
   rows = []
   for num_gpus in config.num_gpus:
     for impl in (BASELINE, *config.impls):
-      measured = rates(impl, num_gpus)
-      # Each round: its rates, ratios and (a trainer's) summary and save costs.
-      rounds = [{'round': r, 'images_per_sec': rate, 'cadence_images_per_sec': cadence,
-                 'images_per_cpu_second': cpu_rate, 'baseline_images_per_sec': base,
-                 'ratio_to_baseline': cadence / base, towers_key: cadence / few,
-                 **w.get('costs', {})}
-                for r, (rate, cadence, cpu_rate, base, few, w) in enumerate(zip(
-                    measured, rates(impl, num_gpus, 'cadence_seconds'),
-                    rates(impl, num_gpus, 'cpu_seconds'), rates(BASELINE, num_gpus),
-                    rates(impl, min(config.num_gpus), 'cadence_seconds'),
-                    windows[impl, num_gpus][config.warmup_rounds:]))]
-      row = {key: statistics.median(r[key] for r in rounds) for key in list(rounds[0])[1:]}
+      # Each round: its figures, and its ratios to that round's Keras and fewest towers.
+      rounds = [dict(own, round=r, baseline_images_per_sec=base['images_per_sec'],
+                     ratio_to_baseline=own['cadence_images_per_sec'] / base['images_per_sec'],
+                     **{towers_key: own['cadence_images_per_sec'] / few['cadence_images_per_sec']})
+                for r, (own, base, few) in enumerate(zip(
+                    figures(impl, num_gpus), figures(BASELINE, num_gpus),
+                    figures(impl, min(config.num_gpus))))]
+      row = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != 'round'}
+      measured = [r['images_per_sec'] for r in rounds]
       result = inputs.get((impl, num_gpus))  # None: Keras has no input pipeline
       input_rate = result and statistics.median(result['window_images_per_sec'])
       rows.append(dict(
