@@ -64,12 +64,13 @@ def plan_devices(num_gpus):
     for gpu in gpus:
       _split(gpu, per_gpu, GPU_SPLIT_MB)
   if gpus:
-    return DevicePlan(tuple(f'/device:GPU:{i}' for i in range(num_gpus)), 'gpu', 1)
-  if num_gpus > 1:
-    logger.warning(f'{num_gpus} tower(s) asked for, no GPU found: running the towers on '
-                   f'{num_gpus} logical CPU devices.')
-  have = _split(tf.config.list_physical_devices('CPU')[0], num_gpus)
-  return DevicePlan(tuple(f'/device:CPU:{i}' for i in range(num_gpus)), 'cpu', have)
+    kind, have = 'gpu', 1
+  else:
+    if num_gpus > 1:
+      logger.warning(f'{num_gpus} tower(s) asked for, no GPU found: running the towers on '
+                     f'{num_gpus} logical CPU devices.')
+    kind, have = 'cpu', _split(tf.config.list_physical_devices('CPU')[0], num_gpus)
+  return DevicePlan(tuple(f'/device:{kind.upper()}:{i}' for i in range(num_gpus)), kind, have)
 
 
 def _split(device, count, memory_limit=None):
