@@ -340,6 +340,7 @@ def test_stdout_closed_by_head_under_a_modern_run(synth_data_dir, tmp_path):
       train_dir, saved, saved) in out.splitlines()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('impl', fs.TRAINERS)
 def test_stdout_on_a_full_disk_ends_a_run_saying_what_it_kept(impl, synth_data_dir, tmp_path):
   """`legacy ... > /dev/full`: legacy's first line comes before its first step, modern's
@@ -371,6 +372,7 @@ def test_stdout_on_a_full_disk_ends_a_run_saying_what_it_kept(impl, synth_data_d
   assert checkpoints.resume_point(train_dir) == os.path.join(train_dir, 'model.ckpt-2')
 
 
+@pytest.mark.slow
 def test_both_streams_on_a_full_disk_end_a_run_with_status_1(synth_data_dir, tmp_path):
   """Nowhere to say it: still a failure's status, and no run left behind."""
   train_dir = str(tmp_path / 'train')

@@ -12,8 +12,12 @@ import shlex
 import subprocess
 
 import click
+import pytest
 
 from cifar10_towers import cli
+
+# Each test runs scripts/gpu_check.sh: a process.
+pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'gpu_check.sh')
