@@ -68,7 +68,7 @@ _CLEAR_DISTANCE = (100.0, 160.0)  # range of the colour distance of a clear imag
 _FAINT_DISTANCE = (0.0, 20.0)  # and of a faint one
 
 
-_CHUNK = 1000  # images made at once: bounds the float32 working memory (~50 MB)
+CHUNK = 1000  # images made at once: bounds the float32 working memory (~50 MB)
 
 
 def _patterns(labels, draws, noise):
@@ -134,9 +134,9 @@ def _image_pieces(rng, labels, size):
   The random numbers are drawn as one call over all N images would draw them,
   in the same order: the small per-image draws whole; the two big per-pixel
   draws (the noise class's pattern, [N, 32, 32], and the pixel noise,
-  [N, 32, 32, 3]) `_CHUNK` images at a time - the first from a copy of the
+  [N, 32, 32, 3]) `CHUNK` images at a time - the first from a copy of the
   generator, skipped in the original - so the same seed gives the same bytes
-  whatever the pieces, and the float32 working memory is that of `_CHUNK`
+  whatever the pieces, and the float32 working memory is that of `CHUNK`
   images, not of N (2 GB for CIFAR-10's 60000).
 
   Args:
@@ -159,8 +159,8 @@ def _image_pieces(rng, labels, size):
   # The noise class's pattern comes next in the stream; a big per-pixel
   # draw: taken chunk by chunk from a copy, and skipped here the same way.
   noise_rng = copy.deepcopy(rng)
-  for start in range(0, n, _CHUNK):
-    rng.random((min(_CHUNK, n - start), _SIZE, _SIZE), dtype=np.float32)
+  for start in range(0, n, CHUNK):
+    rng.random((min(CHUNK, n - start), _SIZE, _SIZE), dtype=np.float32)
   # Foreground and background colours: a random mid colour plus/minus half a
   # random colour difference, of a clear or a faint image's length.
   base = rng.uniform(60.0, 195.0, (n, 3))
@@ -181,8 +181,8 @@ def _image_pieces(rng, labels, size):
     return np.clip(np.rint(images), 0, 255).astype(np.uint8)
 
   for start in range(0, n, size):
-    yield (np.concatenate([chunk(slice(i, min(i + _CHUNK, start + size)))
-                           for i in range(start, start + size, _CHUNK)]),
+    yield (np.concatenate([chunk(slice(i, min(i + CHUNK, start + size)))
+                           for i in range(start, start + size, CHUNK)]),
            labels[start:start + size])
 
 

@@ -319,7 +319,7 @@ def train(config, plan, num_threads=hparams.NUM_PREPROCESS_THREADS, on_step=None
         graph.finalize()
       with tf.Session(config=session_config(plan, config.log_device_placement)) as sess:
         with stop.raising():
-          step = _restore_or_initialize(sess, graph_parts, config.train_dir,
+          step = restore_or_initialize(sess, graph_parts, config.train_dir,
                                         config.optimizer)
         if step >= config.max_steps:
           logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
@@ -395,7 +395,7 @@ def build_train_graph(config, plan, decay_steps, num_threads):
   return TrainGraph(towers, saver, init_op, close_queues, queue_size)
 
 
-def _restore_or_initialize(sess, graph_parts, train_dir, optimizer):
+def restore_or_initialize(sess, graph_parts, train_dir, optimizer):
   """Restores the newest intact checkpoint of train_dir, or initializes; the step.
 
   The values restored are the ones `runtime.checkpoints.resume` read (and

@@ -161,7 +161,7 @@ def read(path):
   return contents
 
 
-def _on_disk(directory):
+def on_disk(directory):
   """The prefixes of the checkpoints with an .index file in `directory`.
 
   The state file's all_model_checkpoint_paths lists only the named ones; a
@@ -312,7 +312,7 @@ def newest_intact(directory):
   named = state and os.path.join(directory, os.path.basename(state.model_checkpoint_path))
   named_step = named and step_of(named)
   contents, skipped, unfinished = None, [], []
-  for prefix in sorted({*_on_disk(directory), named} - {None}, key=lambda p: step_of(p) or 0,
+  for prefix in sorted({*on_disk(directory), named} - {None}, key=lambda p: step_of(p) or 0,
                        reverse=True):
     contents, problem = _read(prefix)
     if contents:

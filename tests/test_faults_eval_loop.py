@@ -214,8 +214,8 @@ def test_a_checkpoint_gone_between_listing_and_reading(synth_data_dir, tmp_path,
                                                        monkeypatch):
   """A newer checkpoint listed, then deleted before it is read: passed over, unsaid."""
   train_dir = fs.copy_trained('legacy', synth_data_dir, str(tmp_path / 'train'))
-  listed = checkpoints._on_disk  # pylint: disable=protected-access
-  monkeypatch.setattr(checkpoints, '_on_disk', lambda d: [
+  listed = checkpoints.on_disk
+  monkeypatch.setattr(checkpoints, checkpoints.on_disk.__name__, lambda d: [
       os.path.join(d, 'model.ckpt-9'), *listed(d)])
   found = checkpoints.newest_intact(train_dir)
   assert os.path.basename(found.contents.path) == 'model.ckpt-2'

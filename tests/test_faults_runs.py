@@ -34,6 +34,7 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
+from cifar10_towers.common import cifar10_format
 from cifar10_towers.common import devices
 from cifar10_towers.common import hparams
 from cifar10_towers.legacy import train as legacy_train
@@ -197,8 +198,8 @@ _SUMMARIES = {
                'SummaryToEventTransformer.add_summary'),
     'modern': engines.Towers.write_summaries}
 _GRAPH = {'legacy': legacy_train.build_train_graph, 'modern': modern_step.TowerStep.__init__}
-_RESTORE = {'legacy': 'legacy.train:_restore_or_initialize',
-            'modern': 'modern.checkpoints:restore_latest'}
+_RESTORE = {'legacy': legacy_train.restore_or_initialize,
+            'modern': modern_checkpoints.restore_latest}
 # Legacy's first step waits in C++ while the shuffle queue fills: with this
 # many examples to hold first, it would wait for minutes.
 _ENDLESS_FILL = fs.hook(hparams.min_queue_examples, returns=10 ** 6)
@@ -208,7 +209,7 @@ def _phases(impl):
   term, sigint = signal.SIGTERM, signal.SIGINT
   rows = [
       Phase('data_check', impl, sigint if impl == 'legacy' else term,
-            [fs.hook('common.cifar10_format:train_files', say='HOOK data',
+            [fs.hook(cifar10_format.train_files, say='HOOK data',
                      dwell=5)],
             'HOOK data', (), False, None),
       Phase('tensorflow_import', impl, term if impl == 'legacy' else sigint,

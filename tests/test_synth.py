@@ -13,6 +13,9 @@ import faults_support as fs
 from cifar10_towers.common import cifar10_format as fmt
 from cifar10_towers.datasets import synth
 
+# The constant the memory tests patch, read here so that a rename fails at collection.
+assert isinstance(synth.CHUNK, int)
+
 
 def _read_dir(data_dir):
   train = [fmt.read_records(p) for p in fmt.train_files(data_dir)]
@@ -97,7 +100,7 @@ def test_synth_refuses_empty_files(tmp_path):
 
 # sha256 of the six .bin files, in TRAIN_FILES + EVAL_FILES order, as written
 # by version 2 of the generator (issue 22; version 1's easy set wrote other
-# bytes) with every image of a stream made at once (_CHUNK above 100): the same
+# bytes) with every image of a stream made at once (CHUNK above 100): the same
 # seed must keep giving these bytes, whatever the size of the pieces.
 PINNED_FILES = {
     # (train_per_file, num_test, seed): sha256
@@ -113,7 +116,7 @@ PINNED_NEXT_DRAW = 0.1785783632949075
 @pytest.mark.parametrize('chunk', [1, 7, 1000])
 def test_the_bytes_of_a_seed_do_not_depend_on_the_pieces(chunk, tmp_path,
                                                          monkeypatch):
-  monkeypatch.setattr(synth, '_CHUNK', chunk)
+  monkeypatch.setattr(synth, 'CHUNK', chunk)
   for (train_per_file, num_test, seed), expected in PINNED_FILES.items():
     data_dir = str(tmp_path / ('%d_%d_%d' % (train_per_file, num_test, seed)))
     synth.generate(data_dir, train_per_file=train_per_file, num_test=num_test,
@@ -132,8 +135,8 @@ def test_the_bytes_of_a_seed_do_not_depend_on_the_pieces(chunk, tmp_path,
 def test_generate_holds_about_one_file_in_memory(tmp_path, monkeypatch):
   """Made all at once, 2000 training images took ~60 files' worth (float32
   pixels, noise and patterns of every image); file by file, a file's pixels,
-  its records and their bytes, and the float32 work of `_CHUNK` images."""
-  monkeypatch.setattr(synth, '_CHUNK', 50)
+  its records and their bytes, and the float32 work of `CHUNK` images."""
+  monkeypatch.setattr(synth, 'CHUNK', 50)
   train_per_file = 400
   file_bytes = train_per_file * fmt.RECORD_BYTES
   tracemalloc.start()
