@@ -175,15 +175,10 @@ def _failures(rows):
 
 
 def _kinds(optimizer):
-  """The legacy names of a full state by kind, in _parting's order."""
+  """The legacy names of a full state's entries by kind, in _parting's order."""
   names = model_spec.VARIABLE_NAMES
   return {'variable': names, 'slot': optimizer.slot_names(), 'global step': ('global_step',),
           'moving average': tuple(map(model_spec.average_name, names))}
-
-
-def state_names(optimizer):
-  """Legacy names of a full state: variables, slots, global step, moving averages."""
-  return sum(_kinds(optimizer).values(), ())
 
 
 def initial_state(init, optimizer):
@@ -316,31 +311,32 @@ def write_evidence(path_dir, images, labels, init, reports):
   """
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images, 'labels': labels}  # float32, int32 (draw_batches)
-  arrays.update((f'init/{name}', value) for name, value in init.items())
   first = next(iter(reports.values()))
   optimizer = first.optimizer
 
-  def put(prefix, got, **groups):
-    """`got`'s (a Step's or a Result's) tower losses, gradients and `groups` under prefix."""
-    arrays[f'{prefix}tower_loss'] = np.asarray(got.tower_losses, np.float32)
-    groups['grad'] = got.grads
-    if optimizer.clips_averaged:
-      groups['clipped_grad'] = got.applied
+  def put(prefix, got=None, **groups):
+    """`groups` under prefix, with the tower losses and gradients of `got` (a Step or Result)."""
+    if got:
+      arrays[f'{prefix}tower_loss'] = np.asarray(got.tower_losses, np.float32)
+      groups['grad'] = got.grads
+      if optimizer.clips_averaged:
+        groups['clipped_grad'] = got.applied
     arrays.update((f'{prefix}{what}/{key}', np.asarray(value))
                   for what, values in groups.items() for key, value in values.items())
 
+  put('', init=init)
   for impl, result in (('legacy', first.legacy), ('modern', first.modern)):
     put(f'{impl}/', result, final={n: result.final[n] for n in init},
         slot={n: result.final[n] for n in optimizer.slot_names()})
-  # Per step: the state both started from, then what each trainer computed from it.
+  # Per step: the state both started from (legacy's after the step before), then what
+  # each trainer computed from it.
   impls = {'legacy': first.legacy, **{engine: r.modern for engine, r in reports.items()}}
-  start = initial_state(init, optimizer)
-  for k, step in enumerate(first.legacy.steps, 1):
-    arrays.update((f'step/{k}/start/{name}', np.asarray(v)) for name, v in start.items())
+  starts = [initial_state(init, optimizer)] + [step.state for step in first.legacy.steps]
+  for k, start in enumerate(starts[:-1], 1):
+    put(f'step/{k}/', start=start)
     for impl, result in impls.items():
       got = result.steps[k - 1]
       put(f'step/{k}/{impl}/', got, state=got.state or {})
-    start = step.state
   path = os.path.join(path_dir, 'crosscheck.npz')
   with files.replacing('--dump', path) as [temp]:
     np.savez_compressed(temp, **arrays)
@@ -370,24 +366,12 @@ def _layer_outputs(graph, scope):
 
 
 class _Legacy:
-  """Legacy's own graph (`legacy.train.build_towers`), built once, fed the batches and state."""
+  """Legacy's own graph (`convert.legacy_session`), built once, fed the batches and state."""
 
   def __init__(self, stack, plan, batch_size, decay_steps, optimizer):
-    import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-    from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
-    self.plan, self.graph, self._detail = plan, tf1.Graph(), None
-    shape = [plan.num_towers, batch_size]
-    with self.graph.as_default():
-      # In place of the prefetch queue: the towers' batches, fed.
-      self.inputs = (tf1.placeholder(tf1.float32, shape + [hparams.IMAGE_SIZE] * 2 + [3]),
-                     tf1.placeholder(tf1.int32, shape))
-      self.towers = legacy_train.build_towers(list(zip(*map(tf1.unstack, self.inputs))),
-                                              plan, decay_steps, optimizer=optimizer)
-      self.variables = {v.op.name: v for v in tf1.global_variables()}
-    self.names = state_names(optimizer)
-    # Not entered: that would make its graph the default, and modern's eager.
-    self.sess = tf1.Session(graph=self.graph, config=legacy_train.session_config(plan))
-    stack.callback(self.sess.close)
+    self.plan, self._detail = plan, None
+    self.sess, self.towers, self.variables, self.inputs = stack.enter_context(
+        convert.legacy_session([plan.num_towers, batch_size], plan, decay_steps, optimizer, {}))
 
   def _run(self, fetches, state, images, labels):
     convert.set_values(self.sess, self.variables, state)
@@ -401,18 +385,18 @@ class _Legacy:
                                                          towers.train_op if update else []],
                                   state, images, labels)
     return Step(*grads, np.asarray(losses),
-                self.sess.run({n: self.variables[n] for n in self.names}) if update else None)
+                self.sess.run(self.variables) if update else None)  # the full state
 
   def detail(self, state, images, labels):
-    """`_places`' arrays from `state`: each tower's layer outputs and loss, its gradients,
+    """`_parting`'s arrays from `state`: each tower's layer outputs and loss, its gradients,
     and its gradients as they enter the average (clipped with --clip_where per_tower)."""
     import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
     if self._detail is None:  # built at the first failure only
       variables = [self.variables[n] for n in reversed(model_spec.VARIABLE_NAMES)]
       outputs, grads, entering = [], [], []
-      with self.graph.as_default():
+      with self.sess.graph.as_default():
         for i, loss in enumerate(self.towers.tower_losses):
-          outputs += _layer_outputs(self.graph, f'{hparams.TOWER_NAME}_{i}/') + [loss]
+          outputs += _layer_outputs(self.sess.graph, f'{hparams.TOWER_NAME}_{i}/') + [loss]
           with tf1.device(self.plan.tower_devices[i]):
             grads += tf1.gradients(loss, variables)
       # average_gradients: reduce_mean(concat([expand_dims(tower grad, 0), ...]), 0).
@@ -435,12 +419,7 @@ class _Modern:
     self.plan, self._detail = plan, None
     self.trainer = engines.make(config_lib.TrainConfig(
         num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
-    target = self.trainer.state
-    # The state's variables by their legacy names (state_names).
-    self.variables = {**target.variables(), **target.slot_variables(),
-                      'global_step': target.global_step,
-                      **{model_spec.average_name(n): v
-                         for n, v in target.shadow_variables().items()}}
+    self.variables = convert.modern_variables(self.trainer.state)
 
   def _set(self, state):
     for name, var in self.variables.items():
@@ -509,17 +488,16 @@ def _parting(engine, k, rows, legacy, modern, *inputs):
             + [(f"tower {i}'s gradient of {n}", GRAD_RTOL) for i in towers for n in names]
             + [(f'per-tower clipping of {n} on tower {i}', GRAD_RTOL) for i in towers
                for n in names])
-  places = [(place, rel_diff(a, b), tol) for (place, tol), a, b in zip(
-      places, legacy.detail(*inputs), modern.detail(*inputs))]
-  for row in rows:
-    if row.check[0] in '13':  # the averaging, averaged clipping, the update
-      place = (f'the {row.check[2:]} of {row.name}' if row.check[0] == '1' else
-               f'the moving average of {row.name.rsplit("/", 1)[0]}'
-               if 'moving average' in row.check else f'the update of {row.name}')
-      places.append((place, row.measured, row.tolerance))
-  place, measured, _ = next((p for p in places if not p[1] <= p[2]),
-                            ('no place checked (see the table)', 0.0, 0.0))
-  return f'modern ({engine}) parts from legacy at step {k}: {place}, {measured:.1e} apart'
+  parted = _failures(
+      [Row(place, None, rel_diff(a, b), tol) for (place, tol), a, b in zip(
+          places, legacy.detail(*inputs), modern.detail(*inputs))]
+      + [row._replace(check=f'the {row.check[2:]} of {row.name}' if row.check[0] == '1' else
+                      f'the moving average of {row.name.rsplit("/", 1)[0]}'
+                      if 'moving average' in row.check else f'the update of {row.name}')
+         for row in rows if row.check[0] in '13'])  # averaging, averaged clipping, update
+  first = parted[0] if parted else Row('no place checked (see the table)', None, 0.0, 0.0)
+  return (f'modern ({engine}) parts from legacy at step {k}: {first.check}, '
+          f'{first.measured:.1e} apart')
 
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
