@@ -141,7 +141,7 @@ class Result:
   """What one implementation computed on the cross-check's inputs."""
   steps: list  # Step of each of the K steps, each from the shared state (K = 0: one, no update)
   final: dict  # full state after K free-running steps (legacy names, as `initial_state`)
-  single_tower_grads: dict = None  # 1 tower on the concatenated batches (clipped if asked)
+  single_tower_grads: dict  # 1 tower on the concatenated batches (clipped if asked)
   grads = property(lambda self: self.steps[0].grads)  # at the first state
   applied = property(lambda self: self.steps[0].applied)
   tower_losses = property(lambda self: self.steps[0].tower_losses)
@@ -459,10 +459,9 @@ class _Modern:
             loss = modern_step.tower_loss(target.model, images[i], labels[i],
                                           target.model.params(values))
           tower = tape.gradient(loss, values)
-          clipped = target.clip_tower(tower, 1.0)
-        outputs += _layer_outputs(tf.compat.v1.get_default_graph(), scope) + [loss]
-        grads += reversed(tower)
-        entering += reversed(clipped)
+          outputs += _layer_outputs(tf.compat.v1.get_default_graph(), scope) + [loss]
+          grads += reversed(tower)
+          entering += reversed(target.clip_tower(tower, 1.0))
       return outputs + grads + entering
 
     self._detail = self._detail or tf.function(towers, autograph=False)
