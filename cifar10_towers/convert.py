@@ -16,13 +16,13 @@ import errno
 import logging
 import os
 
-import numpy as np
 import tensorflow as tf
 import tensorflow.compat.v1 as tf1
 
 from cifar10_towers.common import devices
 from cifar10_towers.common import errors
 from cifar10_towers.common import files
+from cifar10_towers.common import hparams
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
@@ -88,17 +88,19 @@ def write_modern(directory, values, optimizer):
   from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
   state = modern_step.TrainState(_HOST_PLAN, decay_steps=1,
                                  optimizer=optimizer_lib.Optimizer(name=optimizer))
-  names = model_spec.VARIABLE_NAMES
-  state.assign_variables({name: values[name] for name in names},
-                         {name: values[model_spec.average_name(name)] for name in names})
-  state.assign_slots({name: values[name] for name in state.slot_variables()})
-  step = values['global_step']
-  state.global_step.assign(step)
+  for name, var in modern_variables(state).items():
+    var.assign(values[name])
   manager = tf.train.CheckpointManager(
       modern_checkpoints.checkpoint_object(state), directory,
       max_to_keep=modern_checkpoints.MAX_TO_KEEP,
       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-  return manager.save(checkpoint_number=step)
+  return manager.save(checkpoint_number=values['global_step'])
+
+
+def modern_variables(state):
+  """Every tf.Variable of a modern TrainState by its legacy name (as `state_of`'s values)."""
+  return {**state.variables(), **state.slot_variables(), 'global_step': state.global_step,
+          **{model_spec.average_name(n): v for n, v in state.shadow_variables().items()}}
 
 
 def write_legacy(directory, values, optimizer):
@@ -108,42 +110,46 @@ def write_legacy(directory, values, optimizer):
   `optimizer`: the graph holds TF1's own optimizer, so the slots are the
   variables it makes.
 
-  The graph is legacy's own (`legacy_session`, fed zeros it never runs), so
-  the Saver sees exactly the variables a legacy train_dir holds.
+  The graph is legacy's own (`legacy_session`, never run), so the Saver sees
+  exactly the variables a legacy train_dir holds.
   """
-  with legacy_session(np.zeros([1, 1, 24, 24, 3], np.float32), np.zeros([1, 1], np.int32),
-                      _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer), values) as (
-                          sess, _, _):
+  with legacy_session([1, 1], _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer),
+                      values) as (sess, *_), sess.graph.as_default():
     return tf1.train.Saver(tf1.global_variables(), save_relative_paths=True).save(
         sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),
         global_step=values['global_step'])
 
 
 @contextlib.contextmanager
-def legacy_session(images, labels, plan, decay_steps, optimizer, values):
+def legacy_session(batch_shape, plan, decay_steps, optimizer, values):
   """A Session on legacy's own graph with the variables set as given.
 
-  The graph is legacy's `build_towers`, fed the constant tower batches
-  `images` [N, B, 24, 24, 3] and `labels` [N, B] instead of the prefetch
-  queue. Each variable `values` names by its legacy name ('conv1/weights',
+  The graph is legacy's `build_towers`, its tower batches fed instead of the
+  prefetch queue: tower i's batch is `inputs`' images[i] and labels[i]
+  (placeholders [N, B, 24, 24, 3] float32 and [N, B] int32, batch_shape
+  [N, B]). Each variable `values` names by its legacy name ('conv1/weights',
   'conv1/weights/ExponentialMovingAverage', an optimizer slot,
   'global_step') is set to its value there; the rest keep their initial
-  values.
+  values. The graph is not made the default (eager code may run meanwhile).
 
   Yields:
     (tf.compat.v1.Session, legacy.train.TowerOps, dict name -> tf.Variable of
-     every global variable).
+     every global variable, inputs).
   """
   from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
-  with tf.Graph().as_default():
-    towers = legacy_train.build_towers(
-        [(tf.constant(i), tf.constant(l)) for i, l in zip(images, labels)], plan, decay_steps,
-        optimizer=optimizer)
+  graph = tf.Graph()
+  with graph.as_default():
+    inputs = (tf1.placeholder(tf.float32, batch_shape + [hparams.IMAGE_SIZE] * 2 + [3]),
+              tf1.placeholder(tf.int32, batch_shape))
+    towers = legacy_train.build_towers(list(zip(*map(tf.unstack, inputs))), plan, decay_steps,
+                                       optimizer=optimizer)
     variables = {v.op.name: v for v in tf1.global_variables()}
-    with tf1.Session(config=legacy_train.session_config(plan)) as sess:
-      sess.run(tf1.global_variables_initializer())
-      set_values(sess, variables, values)
-      yield sess, towers, variables
+    init = tf1.global_variables_initializer()
+  with contextlib.closing(tf1.Session(graph=graph,
+                                      config=legacy_train.session_config(plan))) as sess:
+    sess.run(init)
+    set_values(sess, variables, values)
+    yield sess, towers, variables, inputs
 
 
 def set_values(sess, variables, values):

@@ -141,7 +141,7 @@ class Result:
   """What one implementation computed on the cross-check's inputs."""
   steps: list  # Step of each of the K steps, each from the shared state (K = 0: one, no update)
   final: dict  # full state after K free-running steps (legacy names, as `initial_state`)
-  single_tower_grads: dict = None  # 1 tower on the concatenated batches (clipped if asked)
+  single_tower_grads: dict  # 1 tower on the concatenated batches (clipped if asked)
   grads = property(lambda self: self.steps[0].grads)  # at the first state
   applied = property(lambda self: self.steps[0].applied)
   tower_losses = property(lambda self: self.steps[0].tower_losses)
@@ -167,14 +167,18 @@ class Report:
     return max((row.measured for row in self.rows if row.tolerance == NOT_HELD), default=None)
 
   def failures(self):
-    return [row for row in self.rows if not row.measured <= row.tolerance]
+    return _failures(self.rows)
 
 
-def state_names(optimizer):
-  """Legacy names of a full state: variables, slots, global step, moving averages."""
+def _failures(rows):
+  return [row for row in rows if not row.measured <= row.tolerance]
+
+
+def _kinds(optimizer):
+  """The legacy names of a full state's entries by kind, in _parting's order."""
   names = model_spec.VARIABLE_NAMES
-  return (names + optimizer.slot_names() + ('global_step',)
-          + tuple(map(model_spec.average_name, names)))
+  return {'variable': names, 'slot': optimizer.slot_names(), 'global step': ('global_step',),
+          'moving average': tuple(map(model_spec.average_name, names))}
 
 
 def initial_state(init, optimizer):
@@ -188,41 +192,41 @@ def initial_state(init, optimizer):
 def _update_rows(before, legacy_step, modern_step, optimizer, decay_steps):
   """Contract 3's rows of one step, in _parting's order (variables, slots, the global
   step, moving averages): each state entry's update, legacy's Step against modern's."""
-  legacy, modern = legacy_step.state, modern_step.state
   step = int(before['global_step'])
   lr = optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (step // decay_steps)
   ema = 1.0 - min(hparams.MOVING_AVERAGE_DECAY, (2.0 + step) / (11.0 + step))  # the new step's
   rows = []
-  for name in state_names(optimizer):
-    a, b, start = (np.asarray(x[name], np.float64) for x in (legacy, modern, before))
-    # Float32 stores each result rounded: one spacing of the value apart is no difference.
-    excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
-    what = ('variable' if name in model_spec.VARIABLE_NAMES else 'global step'
-            if name == 'global_step' else 'moving average' if name.endswith('Average') else 'slot')
-    if optimizer.name == optimizer_lib.ADAM and what in ('variable', 'moving average'):
-      # A rounding-sized gradient steers part of an lr step: an Adam step moves at most
-      # lr / epsilon per unit of gradient, so the gradients' own difference may move it
-      # that much more. 1 - decay carries a variable's difference into its average.
-      factor = ema if what[0] == 'm' else 1.0
-      var = name.split('/Exp')[0]
-      excess -= factor * lr * np.abs(np.asarray(legacy_step.applied[var], np.float64)
-                                     - modern_step.applied[var]) / optimizer.adam_epsilon
-      scale, tol, what = lr * factor, ADAM_LR_RTOL, what + ' [of lr]'
-    else:
-      scale, tol = np.max(np.abs(b - start)), UPDATE_RTOL
-    excess = max(float(np.max(excess)), 0.0)
-    rows.append(Row(f'3 step update: {what}', name,
-                    excess / scale if scale else (0.0 if excess == 0 else np.inf), tol))
+  for what, names in _kinds(optimizer).items():
+    # Adam: a rounding-sized gradient steers part of an lr step. An Adam step moves at
+    # most lr / epsilon per unit of gradient, so the gradients' own difference may move
+    # it that much more. 1 - decay carries a variable's difference into its average.
+    factor = ({'variable': 1.0, 'moving average': ema}.get(what)
+              if optimizer.name == optimizer_lib.ADAM else None)
+    for name in names:
+      a, b, start = (np.asarray(x[name], np.float64)
+                     for x in (legacy_step.state, modern_step.state, before))
+      # Float32 stores each result rounded: one spacing of the value apart is no difference.
+      excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
+      if factor is None:
+        scale, tol, check = np.max(np.abs(b - start)), UPDATE_RTOL, what
+      else:
+        var = name.split('/Exp')[0]
+        excess -= factor * lr * np.abs(np.subtract(
+            legacy_step.applied[var], modern_step.applied[var], dtype=np.float64)) / (
+                optimizer.adam_epsilon)
+        scale, tol, check = lr * factor, ADAM_LR_RTOL, what + ' [of lr]'
+      rows.append(Row(f'3 step update: {check}', name,
+                      rel_diff(np.maximum(excess, 0.0), 0.0, scale), tol))
   return rows
 
 
 def _step_rows(legacy, modern, before, optimizer, decay_steps, grad_rtol):
   """Contract 1-3's rows of one step (Steps of both trainers from the state `before`)."""
-  rows = [Row('1 averaged gradient', n, rel_diff(legacy.grads[n], modern.grads[n]), grad_rtol)
-          for n in model_spec.VARIABLE_NAMES]
+  pairs = [('averaged gradient', legacy.grads, modern.grads)]
   if optimizer.clips_averaged:
-    rows += [Row('1 clipped averaged gradient', n, rel_diff(legacy.applied[n], modern.applied[n]),
-                 grad_rtol) for n in model_spec.VARIABLE_NAMES]
+    pairs.append(('clipped averaged gradient', legacy.applied, modern.applied))
+  rows = [Row(f'1 {check}', n, rel_diff(a[n], b[n]), grad_rtol)
+          for check, a, b in pairs for n in model_spec.VARIABLE_NAMES]
   rows += [Row('2 tower loss', f'tower_{i}', rel_diff(a, b), LOSS_RTOL)
            for i, (a, b) in enumerate(zip(legacy.tower_losses, modern.tower_losses))]
   if legacy.state is not None:
@@ -245,8 +249,8 @@ def compare(legacy, modern, optimizer, starts, decay_steps=2, grad_rtol=GRAD_RTO
 
   starts: the full state each step started from (legacy's before it).
   grad_rtol: the tolerance of the averaged gradients and the identity (--rtol).
-  where: callable(step k) -> the line naming where the trainers part at step
-    k (`_parting`), called only if a step failed.
+  where: callable(step k, its rows) -> the line naming where the trainers part
+    at step k (`_parting`), called only if a step failed.
   """
   steps = [_step_rows(a, b, start, optimizer, decay_steps, grad_rtol)
            for a, b, start in zip(legacy.steps, modern.steps, starts)]
@@ -257,12 +261,12 @@ def compare(legacy, modern, optimizer, starts, decay_steps=2, grad_rtol=GRAD_RTO
                rel_diff(result.applied[name], result.single_tower_grads[name]), tol)
            for impl, result in (('legacy', legacy), ('modern', modern))
            for name in model_spec.VARIABLE_NAMES]
-  failed = [k for k, step in enumerate(steps, 1) if any(not r.measured <= r.tolerance for r in step)]
+  failed = next((k for k, step in enumerate(steps, 1) if _failures(step)), None)
   drift = [(name, rel_diff(legacy.final[name], modern.final[name]),
             rel_diff(legacy.final[name], modern.final[name], stat=np.median))
            for name in model_spec.VARIABLE_NAMES + optimizer.slot_names()]
   return Report(rows, legacy, modern, optimizer,
-                where(failed[0], steps[failed[0] - 1]) if failed and where else None, drift)
+                failed and where and where(failed, steps[failed - 1]), drift)
 
 
 def format_report(report):
@@ -307,34 +311,32 @@ def write_evidence(path_dir, images, labels, init, reports):
   """
   os.makedirs(path_dir, exist_ok=True)
   arrays = {'images': images, 'labels': labels}  # float32, int32 (draw_batches)
-  arrays.update((f'init/{name}', value) for name, value in init.items())
   first = next(iter(reports.values()))
   optimizer = first.optimizer
-  slots = optimizer.slot_names()
-  for impl, result in (('legacy', first.legacy), ('modern', first.modern)):
-    arrays[f'{impl}/tower_loss'] = np.asarray(result.tower_losses, np.float32)
-    groups = {'grad': result.grads, 'final': {n: result.final[n] for n in init},
-              'slot': {n: result.final[n] for n in slots}}
-    if optimizer.clips_averaged:
-      groups['clipped_grad'] = result.applied
-    for what, values in groups.items():
-      arrays.update((f'{impl}/{what}/{key}', np.asarray(value, np.float32))
-                    for key, value in values.items())
-  # Per step: the state both started from, then what each trainer computed from it.
-  impls = {'legacy': first.legacy, **{engine: r.modern for engine, r in reports.items()}}
-  start = initial_state(init, optimizer)
-  for k, step in enumerate(first.legacy.steps, 1):
-    arrays.update((f'step/{k}/start/{name}', np.asarray(v)) for name, v in start.items())
-    for impl, result in impls.items():
-      got = result.steps[k - 1]
-      groups = {'grad': got.grads, 'state': got.state or {}}
+
+  def put(prefix, got=None, **groups):
+    """`groups` under prefix, with the tower losses and gradients of `got` (a Step or Result)."""
+    if got:
+      arrays[f'{prefix}tower_loss'] = np.asarray(got.tower_losses, np.float32)
+      groups['grad'] = got.grads
       if optimizer.clips_averaged:
         groups['clipped_grad'] = got.applied
-      arrays[f'step/{k}/{impl}/tower_loss'] = np.asarray(got.tower_losses, np.float32)
-      for what, values in groups.items():
-        arrays.update((f'step/{k}/{impl}/{what}/{key}', np.asarray(value))
-                      for key, value in values.items())
-    start = step.state
+    arrays.update((f'{prefix}{what}/{key}', np.asarray(value))
+                  for what, values in groups.items() for key, value in values.items())
+
+  put('', init=init)
+  for impl, result in (('legacy', first.legacy), ('modern', first.modern)):
+    put(f'{impl}/', result, final={n: result.final[n] for n in init},
+        slot={n: result.final[n] for n in optimizer.slot_names()})
+  # Per step: the state both started from (legacy's after the step before), then what
+  # each trainer computed from it.
+  impls = {'legacy': first.legacy, **{engine: r.modern for engine, r in reports.items()}}
+  starts = [initial_state(init, optimizer)] + [step.state for step in first.legacy.steps]
+  for k, start in enumerate(starts[:-1], 1):
+    put(f'step/{k}/', start=start)
+    for impl, result in impls.items():
+      got = result.steps[k - 1]
+      put(f'step/{k}/{impl}/', got, state=got.state or {})
   path = os.path.join(path_dir, 'crosscheck.npz')
   with files.replacing('--dump', path) as [temp]:
     np.savez_compressed(temp, **arrays)
@@ -363,76 +365,49 @@ def _layer_outputs(graph, scope):
   return [named[layer] for layer in _LAYER_OUTPUTS]
 
 
-def _places(plan, optimizer):
-  """The names of `_Legacy.detail`'s and `_Modern.detail`'s arrays, in _parting's order."""
-  names = [*reversed(model_spec.VARIABLE_NAMES)]  # backward order
-  towers = range(plan.num_towers)
-  return ([(f"{layer}'s output on tower {i}" if layer else f"tower {i}'s loss", LOSS_RTOL)
-           for i in towers for layer in _LAYER_OUTPUTS + (None,)]
-          + [(f"tower {i}'s gradient of {n}", GRAD_RTOL) for i in towers for n in names]
-          + [(f'per-tower clipping of {n} on tower {i}', GRAD_RTOL) for i in towers
-             for n in names])
-
-
 class _Legacy:
-  """Legacy's own graph (`legacy.train.build_towers`), built once, fed the batches and state."""
+  """Legacy's own graph (`convert.legacy_session`), built once, fed the batches and state."""
 
   def __init__(self, stack, plan, batch_size, decay_steps, optimizer):
-    import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-    from cifar10_towers.legacy import train as legacy_train  # pylint: disable=g-import-not-at-top
-    self.plan, self.names = plan, state_names(optimizer)
-    self.graph = tf1.Graph()
-    size = hparams.IMAGE_SIZE
-    with self.graph.as_default():
-      # In place of the prefetch queue: each tower's batch, fed.
-      self.batches = [(tf1.placeholder(tf1.float32, [batch_size, size, size, 3]),
-                       tf1.placeholder(tf1.int32, [batch_size])) for _ in plan.tower_devices]
-      self.towers = legacy_train.build_towers(self.batches, plan, decay_steps,
-                                              optimizer=optimizer)
-      self.variables = {v.op.name: v for v in tf1.global_variables()}
-    # Not entered: that would make its graph the default, and modern's eager.
-    self.sess = tf1.Session(graph=self.graph, config=legacy_train.session_config(plan))
-    stack.callback(self.sess.close)
-    self._detail = None
+    self.plan, self._detail = plan, None
+    self.sess, self.towers, self.variables, self.inputs = stack.enter_context(
+        convert.legacy_session([plan.num_towers, batch_size], plan, decay_steps, optimizer, {}))
 
-  def _feed(self, state, images, labels):
+  def _run(self, fetches, state, images, labels):
     convert.set_values(self.sess, self.variables, state)
-    return {x: v for pair, i, l in zip(self.batches, images, labels) for x, v in zip(pair, (i, l))}
+    return self.sess.run(fetches, dict(zip(self.inputs, (images, labels))))
 
   def step(self, state, images, labels, update=True):
     """A Step from `state` on these batches (images [N, B, 24, 24, 3], labels [N, B])."""
-    feed = self._feed(state, images, labels)
     towers = self.towers
-    got = self.sess.run([{v.op.name: g for g, v in gv}
-                         for gv in (towers.averaged_grads, towers.applied_grads)]
-                        + [towers.tower_losses] + ([towers.train_op] if update else []), feed)
-    state = self.sess.run({n: self.variables[n] for n in self.names}) if update else None
-    return Step(*got[:2], np.asarray(got[2]), state)
-
-  def _build_detail(self):
-    import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-    variables = [self.variables[n] for n in reversed(model_spec.VARIABLE_NAMES)]
-    outputs, grads, entering = [], [], []
-    for i, (device, loss) in enumerate(zip(self.plan.tower_devices, self.towers.tower_losses)):
-      outputs += _layer_outputs(self.graph, f'{hparams.TOWER_NAME}_{i}/') + [loss]
-      with tf1.device(device):
-        grads += tf1.gradients(loss, variables)
-    # average_gradients: reduce_mean(concat([expand_dims(tower grad, 0), ...]), 0).
-    for grad, _ in reversed(self.towers.averaged_grads):
-      stacked = grad.op.inputs[0]
-      while stacked.op.type == 'Identity':  # tf.concat of one tower
-        stacked = stacked.op.inputs[0]
-      parts = stacked.op.inputs[:-1] if stacked.op.type == 'ConcatV2' else [stacked]
-      entering.append([part.op.inputs[0] for part in parts])
-    return outputs + grads + [g for tower in zip(*entering) for g in tower]
+    *grads, losses, _ = self._run([{v.op.name: g for g, v in gv} for gv in (
+        towers.averaged_grads, towers.applied_grads)] + [towers.tower_losses,
+                                                         towers.train_op if update else []],
+                                  state, images, labels)
+    return Step(*grads, np.asarray(losses),
+                self.sess.run(self.variables) if update else None)  # the full state
 
   def detail(self, state, images, labels):
-    """_places' arrays from `state`: each tower's layer outputs, loss, gradients, and its
-    gradients as they enter the average (clipped with --clip_where per_tower)."""
+    """`_parting`'s arrays from `state`: each tower's layer outputs and loss, its gradients,
+    and its gradients as they enter the average (clipped with --clip_where per_tower)."""
+    import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
     if self._detail is None:  # built at the first failure only
-      with self.graph.as_default():
-        self._detail = self._build_detail()
-    return self.sess.run(self._detail, self._feed(state, images, labels))
+      variables = [self.variables[n] for n in reversed(model_spec.VARIABLE_NAMES)]
+      outputs, grads, entering = [], [], []
+      with self.sess.graph.as_default():
+        for i, loss in enumerate(self.towers.tower_losses):
+          outputs += _layer_outputs(self.sess.graph, f'{hparams.TOWER_NAME}_{i}/') + [loss]
+          with tf1.device(self.plan.tower_devices[i]):
+            grads += tf1.gradients(loss, variables)
+      # average_gradients: reduce_mean(concat([expand_dims(tower grad, 0), ...]), 0).
+      for grad, _ in reversed(self.towers.averaged_grads):
+        stacked = grad.op.inputs[0]
+        while stacked.op.type == 'Identity':  # tf.concat of one tower
+          stacked = stacked.op.inputs[0]
+        parts = stacked.op.inputs[:-1] if stacked.op.type == 'ConcatV2' else [stacked]
+        entering.append([part.op.inputs[0] for part in parts])
+      self._detail = outputs + grads + [g for tower in zip(*entering) for g in tower]
+    return self._run(self._detail, state, images, labels)
 
 
 class _Modern:
@@ -441,40 +416,30 @@ class _Modern:
 
   def __init__(self, engine, plan, decay_steps, optimizer):
     from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
-    self.plan, self.names = plan, state_names(optimizer)
+    self.plan, self._detail = plan, None
     self.trainer = engines.make(config_lib.TrainConfig(
         num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
-    self._detail = None
+    self.variables = convert.modern_variables(self.trainer.state)
 
   def _set(self, state):
-    names = model_spec.VARIABLE_NAMES
-    target = self.trainer.state
-    target.assign_variables({n: state[n] for n in names},
-                            {n: state[model_spec.average_name(n)] for n in names})
-    target.assign_slots({n: state[n] for n in target.slot_variables()})
-    target.global_step.assign(int(state['global_step']))
-
-  def read(self):
-    target = self.trainer.state
-    return _numpy({**target.variables(), **{model_spec.average_name(n): v for n, v in
-                                            target.shadow_variables().items()},
-                   **target.slot_variables(), 'global_step': target.global_step})
+    for name, var in self.variables.items():
+      var.assign(state[name])
 
   def step(self, state, images, labels, update=True):
     self._set(state)
     grads, losses = self.trainer.compute_gradients((images, labels))
     # What the step applies: the engine's own clipping of these gradients.
-    applied = _numpy(dict(zip(grads, self.trainer.state.clip_averaged(list(grads.values())))))
-    grads, losses = _numpy(grads), np.asarray(losses)
+    applied = dict(zip(grads, self.trainer.state.clip_averaged(list(grads.values()))))
     if update:
       self.trainer.train_step((images, labels))
-    return Step(grads, applied, losses, self.read() if update else None)
+    return Step(_numpy(grads), _numpy(applied), np.asarray(losses),
+                _numpy(self.variables) if update else None)
 
   def free_run(self, state, images, labels, steps):
     self._set(state)
     for _ in range(steps):
       self.trainer.train_step((images, labels))
-    return self.read()
+    return _numpy(self.variables)
 
   def detail(self, state, images, labels):
     """As _Legacy.detail, through modern.step's public tower_loss and the state's clipping."""
@@ -494,42 +459,44 @@ class _Modern:
             loss = modern_step.tower_loss(target.model, images[i], labels[i],
                                           target.model.params(values))
           tower = tape.gradient(loss, values)
-          clipped = target.clip_tower(tower, 1.0)
-        outputs += _layer_outputs(tf.compat.v1.get_default_graph(), scope) + [loss]
-        grads += reversed(tower)
-        entering += reversed(clipped)
+          outputs += _layer_outputs(tf.compat.v1.get_default_graph(), scope) + [loss]
+          grads += reversed(tower)
+          entering += reversed(target.clip_tower(tower, 1.0))
       return outputs + grads + entering
 
     self._detail = self._detail or tf.function(towers, autograph=False)
     self._set(state)
-    return [np.asarray(x) for x in self._detail(tf.constant(images), tf.constant(labels))]
+    return self._detail(tf.constant(images), tf.constant(labels))
 
 
 def _numpy(tensors):
   return {name: np.asarray(value) for name, value in tensors.items()}
 
 
-def _place(row):
-  """Where a row of a step is computed, in words."""
-  if row.check.startswith('1 '):
-    return f'the {row.check[2:]} of {row.name}'
-  if 'moving average' in row.check:
-    return f'the moving average of {row.name.rsplit("/", 1)[0]}'
-  return f'the update of {row.name}'
-
-
-def _parting(engine, k, rows, legacy, modern, start, images, labels, plan, optimizer):
+def _parting(engine, k, rows, legacy, modern, *inputs):
   """The line naming where legacy and a modern engine first part at step k, in the order
   of docs/equivalence.md §2: each tower's layer outputs and loss, its gradients
-  backward, per-tower clipping, then `rows` of the step (averaging, averaged
-  clipping, the update: variables, slots; the moving averages)."""
-  places = [(place, rel_diff(a, b), tol) for (place, tol), a, b in zip(
-      _places(plan, optimizer), legacy.detail(start, images, labels),
-      modern.detail(start, images, labels))]
-  places += [(_place(row), row.measured, row.tolerance) for row in rows if row.check[0] in '13']
-  place, measured, _ = next((p for p in places if not p[1] <= p[2]),
-                            ('no place checked (see the table)', 0.0, 0.0))
-  return f'modern ({engine}) parts from legacy at step {k}: {place}, {measured:.1e} apart'
+  backward, per-tower clipping (`detail`), then `rows` of the step (averaging,
+  averaged clipping, the update: variables, slots; the moving averages).
+
+  inputs: the state step k started from, its images and labels.
+  """
+  towers, names = range(legacy.plan.num_towers), [*reversed(model_spec.VARIABLE_NAMES)]
+  places = ([(f"{layer}'s output on tower {i}" if layer else f"tower {i}'s loss", LOSS_RTOL)
+             for i in towers for layer in _LAYER_OUTPUTS + (None,)]
+            + [(f"tower {i}'s gradient of {n}", GRAD_RTOL) for i in towers for n in names]
+            + [(f'per-tower clipping of {n} on tower {i}', GRAD_RTOL) for i in towers
+               for n in names])
+  parted = _failures(
+      [Row(place, None, rel_diff(a, b), tol) for (place, tol), a, b in zip(
+          places, legacy.detail(*inputs), modern.detail(*inputs))]
+      + [row._replace(check=f'the {row.check[2:]} of {row.name}' if row.check[0] == '1' else
+                      f'the moving average of {row.name.rsplit("/", 1)[0]}'
+                      if 'moving average' in row.check else f'the update of {row.name}')
+         for row in rows if row.check[0] in '13'])  # averaging, averaged clipping, update
+  first = parted[0] if parted else Row('no place checked (see the table)', None, 0.0, 0.0)
+  return (f'modern ({engine}) parts from legacy at step {k}: {first.check}, '
+          f'{first.measured:.1e} apart')
 
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
@@ -568,11 +535,11 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
   tf.config.experimental.enable_tensor_float_32_execution(False)
   os.environ['TF_CUDNN_USE_AUTOTUNE'] = '0'
   single = dataclasses.replace(plan, tower_devices=plan.tower_devices[:1])
-  n = plan.num_towers
+  n, update = plan.num_towers, steps > 0
   with contextlib.ExitStack() as stack:
     # Built once, for N towers and for 1 (the identity); each seed's state is assigned.
-    legacy = [_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
-              ((plan, batch_size), (single, n * batch_size))]
+    legacy, legacy_one = (_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
+                          ((plan, batch_size), (single, n * batch_size)))
     modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
     merged = {}
     for seed in range(seed, seed + seeds):
@@ -581,25 +548,21 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
       concat = images.reshape((1, -1) + images.shape[2:]), labels.reshape(1, -1)
       logger.info(f'legacy: {n} tower(s) x {batch_size} images, {steps} steps...')
       # Legacy's steps, each from the state the one before reached: its free run too.
-      starts, steps_of = [initial_state(init, optimizer)], []
+      starts, taken = [initial_state(init, optimizer)], []
       for _ in range(max(steps, 1)):
-        steps_of.append(legacy[0].step(starts[-1], images, labels, update=steps > 0))
-        starts.append(steps_of[-1].state)
-      result = Result(steps_of, starts[-1] if steps else starts[0],
-                      legacy[1].step(starts[0], *concat, update=False).applied)
+        taken.append(legacy.step(starts[-1], images, labels, update))
+        starts.append(taken[-1].state or starts[0])
+      reference = Result(taken, starts[-1], legacy_one.step(starts[0], *concat, False).applied)
       reports = {}
       for engine, (towers, one) in modern.items():
         logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
-        modern_result = Result(
-            [towers.step(start, images, labels, steps > 0) for start in starts[:len(steps_of)]],
-            towers.free_run(starts[0], images, labels, steps),
-            one.step(starts[0], *concat, update=False).applied)
-
-        def where(k, rows, engine=engine, towers=towers, starts=starts, batches=(images, labels)):
-          return _parting(engine, k, rows, legacy[0], towers, starts[k - 1], *batches, plan,
-                          optimizer)
-        reports[engine] = report = compare(result, modern_result, optimizer, starts,
-                                           decay_steps, grad_rtol, where)
+        result = Result([towers.step(start, images, labels, update) for start in starts[:-1]],
+                        towers.free_run(starts[0], images, labels, steps),
+                        one.step(starts[0], *concat, False).applied)
+        reports[engine] = report = compare(
+            reference, result, optimizer, starts, decay_steps, grad_rtol,
+            lambda k, rows: _parting(engine, k, rows, legacy, towers,  # pylint: disable=cell-var-from-loop
+                                     starts[k - 1], images, labels))
         if seeds > 1:  # a sweep: a line per seed, the worst of each figure kept
           top = max((r for r in report.rows if r.tolerance != NOT_HELD),
                     key=lambda r: r.measured / r.tolerance)
