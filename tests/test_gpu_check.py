@@ -38,6 +38,7 @@ def run_check(out, tmp_path, **env):
                         timeout=60, check=False)
 
 
+@pytest.mark.slow  # it runs scripts/gpu_check.sh
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
   out = tmp_path / 'check'
   result = run_check(out, tmp_path)
@@ -47,6 +48,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2(tmp_path):
   assert not out.exists()  # nothing installed, nothing written
 
 
+@pytest.mark.slow  # it runs scripts/gpu_check.sh
 def test_a_directory_in_use_is_refused_untouched(tmp_path):
   out = tmp_path / 'check'
   out.mkdir()
@@ -57,6 +59,7 @@ def test_a_directory_in_use_is_refused_untouched(tmp_path):
   assert [p.name for p in out.iterdir()] == ['mine.txt']
 
 
+@pytest.mark.slow  # it runs scripts/gpu_check.sh
 def test_a_dry_run_writes_one_report_of_every_stage_in_order(tmp_path):
   out = tmp_path / 'check'
   result = run_check(out, tmp_path, GPU_CHECK_DRY='1')
