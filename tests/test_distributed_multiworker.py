@@ -96,6 +96,7 @@ def _worker_main(in_path, out_path, local_batches):
   plan = devices.plan_devices(1)
   from cifar10_towers.modern import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   cluster = cluster_lib.resolve_cluster()  # from TF_CONFIG
   strategy = engines.multi_worker_strategy(plan, cluster, COLLECTIVE_TIMEOUT)
   trainer = engines.ReplicaStep(plan, DECAY_STEPS, strategy=strategy)
