@@ -140,7 +140,7 @@ NOT_HELD = math.inf  # the tolerance of a row reported but not held to one
 class Result:
   """What one implementation computed on the cross-check's inputs."""
   steps: list  # Step of each of the K steps, each from the shared state (K = 0: one, no update)
-  final: dict  # full state after K free-running steps (legacy names, as `initial_state`)
+  final: dict  # full state after K free-running steps (legacy names, as `initial_state`); False: not run
   single_tower_grads: dict  # 1 tower on the concatenated batches (clipped if asked)
   grads = property(lambda self: self.steps[0].grads)  # at the first state
   applied = property(lambda self: self.steps[0].applied)
@@ -264,7 +264,7 @@ def compare(legacy, modern, optimizer, starts, decay_steps=2, grad_rtol=GRAD_RTO
   failed = next((k for k, step in enumerate(steps, 1) if _failures(step)), None)
   drift = [(name, rel_diff(legacy.final[name], modern.final[name]),
             rel_diff(legacy.final[name], modern.final[name], stat=np.median))
-           for name in model_spec.VARIABLE_NAMES + optimizer.slot_names()]
+           for name in model_spec.VARIABLE_NAMES + optimizer.slot_names() if modern.final]
   return Report(rows, legacy, modern, optimizer,
                 failed and where and where(failed, steps[failed - 1]), drift)
 
@@ -427,11 +427,10 @@ class _Modern:
 
   def step(self, state, images, labels, update=True):
     self._set(state)
-    grads, losses = self.trainer.compute_gradients((images, labels))
+    # With `update`, the training step itself, which returns the gradients it applied.
+    grads, losses = self.trainer.compute_gradients((images, labels), apply=update)
     # What the step applies: the engine's own clipping of these gradients.
     applied = dict(zip(grads, self.trainer.state.clip_averaged(list(grads.values()))))
-    if update:
-      self.trainer.train_step((images, labels))
     return Step(_numpy(grads), _numpy(applied), np.asarray(losses),
                 _numpy(self.variables) if update else None)
 
@@ -541,7 +540,7 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     legacy, legacy_one = (_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
                           ((plan, batch_size), (single, n * batch_size)))
     modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
-    merged = {}
+    merged, last = {}, seed + seeds - 1
     for seed in range(seed, seed + seeds):
       images, labels = draw_batches(n, batch_size, seed, data_dir)
       init = initial_values(seed)
@@ -556,8 +555,9 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
       reports = {}
       for engine, (towers, one) in modern.items():
         logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
+        # A sweep reports no drift: only its last seed runs free (for --dump).
         result = Result([towers.step(start, images, labels, update) for start in starts[:-1]],
-                        towers.free_run(starts[0], images, labels, steps),
+                        seed == last and towers.free_run(starts[0], images, labels, steps),
                         one.step(starts[0], *concat, False).applied)
         reports[engine] = report = compare(
             reference, result, optimizer, starts, decay_steps, grad_rtol,

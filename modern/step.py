@@ -401,16 +401,18 @@ class TowerStep:
     """One training step over all towers.
 
     Returns:
-      (tower losses float32 [num_towers], summary): with `summaries`, a dict tag -> tensor of each tower's
-      loss terms, activations and sparsity, and the averaged gradients; else
-      empty.
+      (tower losses float32 [num_towers], summary, the averaged gradients the
+       step applied (before --clip_where averaged clips them), in
+       VARIABLE_NAMES order): with `summaries`, summary is a dict tag -> tensor
+       of each tower's loss terms, activations and sparsity, and the averaged
+       gradients; else empty.
     """
     grads, tower_losses, summary = self._gradients(*self._checked(images, labels), summaries)
     if summaries:
       summary.update((tags.gradients_tag(name), grad)
                      for name, grad in zip(model_spec.VARIABLE_NAMES, grads))
     self._apply(grads)
-    return tower_losses, summary
+    return tower_losses, summary, grads
 
   def _args(self, tower_batches, summaries=False):
     """`_step`'s arguments: (images, labels) as given, and whether the step returns the
@@ -448,7 +450,7 @@ class TowerStep:
        towers' loss terms and sparsity, their activations and the averaged
        gradients; empty without `summaries`).
     """
-    return self._step(*self._args(tower_batches, summaries))
+    return self._step(*self._args(tower_batches, summaries))[:2]
 
   # Deviation from upstream: both trainers write the tags of common.tags.summary_tags.
   # Computed and written in one traced function, as legacy fetches one merged
@@ -491,17 +493,22 @@ class TowerStep:
     """The traced graph of the step (`summaries`: of the summary step) for these batches."""
     return self._step.get_concrete_function(*self._args(tower_batches, summaries=summaries)).graph
 
-  def compute_gradients(self, tower_batches):
-    """The averaged gradients at the current variables, without applying them.
+  def compute_gradients(self, tower_batches, apply=False):
+    """The averaged gradients at the current variables.
 
     Args:
       tower_batches: as for `step`.
+      apply: bool, take the training step (`step`'s traced step) and return
+        the gradients it applied; else apply nothing.
 
     Returns:
       (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
        order; tower total losses float32 [num_towers]).
     """
-    grads, tower_losses = self._gradients_fn(*self._args(tower_batches))[:2]
+    if apply:
+      tower_losses, _, grads = self._step(*self._args(tower_batches))
+    else:
+      grads, tower_losses = self._gradients_fn(*self._args(tower_batches))[:2]
     # One copy of each (identical on every replica after the all-reduce).
     return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
             zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses
