@@ -508,7 +508,8 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     batch_size: images per tower.
     steps: K, training steps, each compared from the same state (0: the
       gradients, losses and identity at the initial variables only).
-    seed: seeds the batches and the initial variables.
+    seed: seeds the batches and the initial variables; or a dict engine ->
+      seed, each engine checked at its own seed (the suite's random draws).
     data_dir: draw the batches from this data dir; None = generated data.
     decay_steps: learning-rate decay interval; small by default so that K
       steps cross the staircase.
@@ -540,8 +541,11 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     legacy, legacy_one = (_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
                           ((plan, batch_size), (single, n * batch_size)))
     modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
-    merged, last = {}, seed + seeds - 1
-    for seed in range(seed, seed + seeds):
+    # Each engine's seeds: the sweep's range, or one of its own.
+    engine_seeds = {e: [seed[e]] if isinstance(seed, dict) else range(seed, seed + seeds)
+                    for e in engines}
+    merged = {}
+    for seed in sorted({s for chosen in engine_seeds.values() for s in chosen}):
       images, labels = draw_batches(n, batch_size, seed, data_dir)
       init = initial_values(seed)
       concat = images.reshape((1, -1) + images.shape[2:]), labels.reshape(1, -1)
@@ -552,14 +556,16 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
         taken.append(legacy.step(starts[-1], images, labels, update))
         starts.append(taken[-1].state or starts[0])
       reference = Result(taken, starts[-1], legacy_one.step(starts[0], *concat, False).applied)
-      reports = {}
       for engine, (towers, one) in modern.items():
+        if seed not in engine_seeds[engine]:
+          continue
         logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
         # A sweep reports no drift: only its last seed runs free (for --dump).
         result = Result([towers.step(start, images, labels, update) for start in starts[:-1]],
-                        seed == last and towers.free_run(starts[0], images, labels, steps),
+                        seed == engine_seeds[engine][-1]
+                        and towers.free_run(starts[0], images, labels, steps),
                         one.step(starts[0], *concat, False).applied)
-        reports[engine] = report = compare(
+        report = compare(
             reference, result, optimizer, starts, decay_steps, grad_rtol,
             lambda k, rows: _parting(engine, k, rows, legacy, towers,  # pylint: disable=cell-var-from-loop
                                      starts[k - 1], images, labels))
@@ -569,7 +575,8 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
           logger.info(f'seed {seed}, modern ({engine}): ' + (report.parting or (
               'PASS' if report.passed else 'FAIL (the identity)')) + f'; worst: {top.check} '
                       f'{top.name} {top.measured:.2e} (tolerance {top.tolerance:.0e})')
-          reports[engine] = dataclasses.replace(report, parting=None, drift=(), rows=worst(
-              (merged[engine].rows if merged else []) + [r._replace(seed=seed) for r in report.rows]))
-      merged = reports
+          report = dataclasses.replace(report, parting=None, drift=(), rows=worst(
+              (merged[engine].rows if engine in merged else [])
+              + [r._replace(seed=seed) for r in report.rows]))
+        merged[engine] = report
   return merged, images, labels, init

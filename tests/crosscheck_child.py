@@ -3,9 +3,10 @@
 tests/faults_support.crosscheck_in_background forks this (tests/fork_server.py)
 so that a module's slowest cross-checks run beside its other tests, on the
 core the single-threaded test process leaves idle. ARGS_JSON is a list of
-argument lists; each runs as faults_support.crosscheck_cli runs it in the
+argument lists, each run as faults_support.crosscheck_cli runs it in the
 test process (click's CliRunner, on DEVICES logical CPU devices, as many as
-the test process split the CPU into), and OUT receives the pickled list of
+the test process split the CPU into), or of dicts, each run as
+faults_support.crosscheck_run runs its arguments; OUT receives the pickled list of
 (exit code, output, what crosscheck.run returned, traceback text or None).
 """
 
@@ -30,6 +31,9 @@ devices.plan_devices(int(sys.argv[2]))  # as the test process (conftest.device_p
 _results = []
 for _args in json.loads(sys.argv[3]):
   try:
+    if isinstance(_args, dict):  # crosscheck.run's arguments: fs.crosscheck_run
+      _results.append(fs.crosscheck_run(**_args) + (None,))
+      continue
     with pytest.MonkeyPatch.context() as _monkeypatch:
       _result, _run = fs.crosscheck_cli(_monkeypatch, _args)
     _error = (None if _result.exception is None or isinstance(_result.exception, SystemExit)

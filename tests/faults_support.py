@@ -264,9 +264,30 @@ def crosscheck_cli(monkeypatch, args):
   return result, runs[0]
 
 
+def crosscheck_run(num_towers, optimizer, **run_args):
+  """crosscheck.run on num_towers of this process's devices, with optimizer (a dict of
+  common.optimizer.Optimizer's fields) and run_args as given (JSON's: `seed` a dict's
+  keys are strings, as engine names are).
+
+  Returns:
+    (exit code as the CLI's: 0 when every report passed, else 1; the reports'
+     tables; what crosscheck.run returned).
+  """
+  from cifar10_towers import crosscheck  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import devices  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.common import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
+  run = crosscheck.run(devices.plan_devices(num_towers),
+                       optimizer=optimizer_lib.Optimizer(**optimizer), **run_args)
+  reports = run[0]
+  return (int(not all(r.passed for r in reports.values())),
+          '\n'.join(f'legacy vs modern ({engine}):\n' + crosscheck.format_report(report)
+                    for engine, report in reports.items()), run)
+
+
 def crosscheck_in_background(arg_lists, out_dir):
-  """`crosscheck ARGS` for each list of arg_lists, as crosscheck_cli runs them, but in a
-  forked process (tests/crosscheck_child.py) while this one goes on.
+  """`crosscheck ARGS` for each list of arg_lists, as crosscheck_cli runs them (or, for
+  a dict, crosscheck_run on its arguments), but in a forked process
+  (tests/crosscheck_child.py) while this one goes on.
 
   This process is single-threaded Python most of the time (graph building,
   tracing), which leaves one of two cores idle: a module's slowest
@@ -280,7 +301,8 @@ def crosscheck_in_background(arg_lists, out_dir):
   path = os.path.join(out_dir, 'crosscheck_child.pickle')
   proc = Spawned([os.path.join(ROOT, 'tests', 'crosscheck_child.py'), path,
                   len(tf.config.list_logical_devices('CPU')),
-                  json.dumps([[str(a) for a in args] for args in arg_lists])], cli_env())
+                  json.dumps([args if isinstance(args, dict) else [str(a) for a in args]
+                              for args in arg_lists])], cli_env())
   results = []
 
   def wait():

@@ -35,6 +35,7 @@ from cifar10_towers import crosscheck
 from cifar10_towers.common import devices
 from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
+from cifar10_towers.datasets import digits
 from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import training
 
@@ -292,28 +293,37 @@ def test_cli_resume_refusal_is_one_line(adam_legacy_dir, synth_data_dir):
   assert 'Traceback' not in result.output
 
 
-# The sweep's cells (docs/equivalence.md §2), each at one seed drawn at random per run,
-# printed, and replayed with CIFAR10_TOWERS_CROSSCHECK_SEED=<the printed seed>: cell i
-# runs seed + i, legacy against the towers and the mirrored engine, batch 16, 5 steps,
-# on the generated set of `data synth` (its flat regions make max-pool ties common).
-SWEEP_CELLS = [(3, ['--optimizer', 'momentum', '--clip_norm', CLIP, '--clip_where', 'averaged']),
-               (3, []),
-               (2, ['--optimizer', 'adam', '--learning_rate', 0.001, '--clip_norm', CLIP,
-                    '--clip_where', 'per_tower']),
-               (2, ['--optimizer', 'adam', '--learning_rate', 0.1, '--clip_norm', CLIP,
-                    '--clip_where', 'per_tower'])]
+# The sweep's cells (docs/equivalence.md §2), on the generated set of `data synth` (its
+# flat regions make max-pool ties common) and on `data digits`'s set: each engine of
+# each cell at one seed drawn at random per run, printed, and replayed with
+# CIFAR10_TOWERS_CROSSCHECK_SEED=<the printed seed>: cell i checks the towers engine
+# at seed + 2i and the mirrored engine at seed + 2i + 1, batch 16, 5 steps.
+SWEEP_CONFIGS = [(3, dict(name='momentum', clip_norm=CLIP, clip_where='averaged')),
+                 (3, dict(name='sgd')),
+                 (2, dict(name='adam', learning_rate=0.001, clip_norm=CLIP,
+                          clip_where='per_tower')),
+                 (2, dict(name='adam', learning_rate=0.1, clip_norm=CLIP, clip_where='per_tower'))]
+SWEEP_CELLS = [(config, data) for data in ('synth', 'digits') for config in SWEEP_CONFIGS]
 SEED = int(os.environ.get('CIFAR10_TOWERS_CROSSCHECK_SEED') or np.random.SeedSequence().entropy
            % 10**6)
+
+
+def _cell_seeds(cell):
+  return {'towers': SEED + 2 * cell, 'mirrored': SEED + 2 * cell + 1}
 
 
 @pytest.fixture(scope='module', autouse=True)
 def sweep_cells(tmp_path_factory, synth_data_dir):
   """The cells' cross-checks, started as the module begins: they run in a process of
   their own (faults_support.crosscheck_in_background) beside the module's other tests."""
-  print(f'\nCross-check cells at seeds {SEED} + i (replay: CIFAR10_TOWERS_CROSSCHECK_SEED={SEED})')
-  runs = [['--strategy', 'mirrored', '--num_gpus', num_towers, '--batch_size', 16, '--steps', 5,
-           '--data_dir', synth_data_dir, '--seed', SEED + i] + flags
-          for i, (num_towers, flags) in enumerate(SWEEP_CELLS)]
+  print(f'\nCross-check cells at seeds {SEED} + 2i (towers), + 2i + 1 (mirrored) '
+        f'(replay: CIFAR10_TOWERS_CROSSCHECK_SEED={SEED})')
+  digits_dir = str(tmp_path_factory.mktemp('digits'))
+  digits.convert_digits(digits_dir, seed=0)
+  data_dirs = {'synth': synth_data_dir, 'digits': digits_dir}
+  runs = [dict(num_towers=num_towers, optimizer=optimizer, batch_size=16, steps=5,
+               data_dir=data_dirs[data], engines=['towers', 'mirrored'], seed=_cell_seeds(i))
+          for i, ((num_towers, optimizer), data) in enumerate(SWEEP_CELLS)]
   wait = fs.crosscheck_in_background(runs, str(tmp_path_factory.mktemp('sweep_cells')))
   yield wait
   wait.proc.kill()  # a no-op once it ended (when a test of the cells ran)
@@ -321,9 +331,9 @@ def sweep_cells(tmp_path_factory, synth_data_dir):
 
 @pytest.mark.parametrize('cell', range(len(SWEEP_CELLS)))
 def test_the_contract_holds_at_a_random_seed(sweep_cells, cell):
-  """Through `crosscheck --strategy mirrored`: legacy, the towers and the mirrored engine."""
+  """crosscheck.run: legacy against the towers and the mirrored engine, each at its seed."""
   code, output, (reports, *_) = sweep_cells()[cell]
-  assert code == 0, (f'seed {SEED + cell} (CIFAR10_TOWERS_CROSSCHECK_SEED={SEED})', output)
+  assert code == 0, (f'seeds {_cell_seeds(cell)} (CIFAR10_TOWERS_CROSSCHECK_SEED={SEED})', output)
   assert set(reports) == {'towers', 'mirrored'}
   for engine, report in reports.items():
     assert report.passed, (engine, crosscheck.format_report(report))
