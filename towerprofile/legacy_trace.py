@@ -46,8 +46,9 @@ def trace(config, plan, decay_steps, steps, warmup):
     warmup: int, untraced steps first (queues fill, kernels warm up).
 
   Returns:
-    (events, windows, wall_us, None): list of analysis.Event, per step the
-    traced window (start_us, end_us), per step the time sess.run took (us).
+    (events, windows, wall_us, {}): list of analysis.Event, per step the
+    traced window (start_us, end_us), per step the time sess.run took (us),
+    and no report fields of its own (modern's adapter has one).
   """
   events, windows, wall_us = [], [], []
   with tf.Graph().as_default():
@@ -72,4 +73,4 @@ def trace(config, plan, decay_steps, steps, warmup):
         events += step_events
         windows.append((min([called] + [e.start_us for e in step_events]),
                         max([returned] + [e.end_us for e in step_events])))
-  return events, windows, wall_us, None
+  return events, windows, wall_us, {}

@@ -16,6 +16,7 @@ op really ran); the device the traced function asks for (on logical CPU
 devices every op has a kernel, so the placer keeps it).
 """
 
+import collections
 import glob
 import time
 
@@ -120,8 +121,10 @@ def trace(config, plan, decay_steps, steps, warmup):
     warmup: int, unprofiled steps first (tracing, XLA compiles, prefetch).
 
   Returns:
-    (events, windows, wall_us, sources) as in `events_from_xspace`, with
-    wall_us the time of each step (next batch and train_step) in Python.
+    (events, windows, wall_us, extra): events and windows as in
+    `events_from_xspace`, wall_us the time of each step (next batch and
+    train_step) in Python, extra the report's 'placement_sources': how many
+    ops' devices came from each source (`events_from_xspace`'s sources).
   """
   trainer = modern_step.TowerStep(plan, decay_steps, jit=config.jit)
   iterator = iter(inputs.distorted_inputs(config.data_dir, config.batch_size,
@@ -142,4 +145,4 @@ def trace(config, plan, decay_steps, steps, warmup):
   logical_gpus = any(tf.config.get_logical_device_configuration(gpu)
                      for gpu in tf.config.list_physical_devices('GPU'))
   events, windows, sources = events_from_xspace(space, device_of, logical_gpus)
-  return events, windows, wall_us, sources
+  return events, windows, wall_us, {'placement_sources': collections.Counter(sources.values())}

@@ -4,7 +4,6 @@ The outputs: a Chrome trace (trace.json), a PNG timeline (timeline.png, with
 matplotlib) and the report (report.json, and as lines for the terminal).
 """
 
-import collections
 import dataclasses
 import importlib
 import json
@@ -60,14 +59,13 @@ def profile(impl, plan, batch_size, steps, data_dir=None, out_dir=None,
     config = config_lib.TrainConfig(data_dir=data_dir, train_dir=scratch,
                                     num_gpus=plan.num_towers, batch_size=batch_size, seed=0)
     adapter = importlib.import_module(f'cifar10_towers.towerprofile.{impl}_trace')
-    events, windows, wall_us, sources = adapter.trace(
+    # extra: the report fields only that trainer's adapter has.
+    events, windows, wall_us, extra = adapter.trace(
         config, trainer_plan, max(1, hparams.decay_steps(examples, batch_size, plan.num_towers)),
         steps, warmup)
   report = analysis.analyze(events, windows, plan.tower_devices, devices.VARIABLE_DEVICE,
                             wall_us)
-  report.update(trainer=impl, misplace_tower=misplace_tower)
-  if sources is not None:
-    report['placement_sources'] = collections.Counter(sources.values())
+  report.update(trainer=impl, misplace_tower=misplace_tower, **extra)
   return report, write_all(events, windows, report, out_dir) if out_dir else {}
 
 
