@@ -12,10 +12,11 @@ every step:
 3. the step's update (state after minus state before) of every variable,
    moving average, slot and the global step, element by element, against its
    largest element: <= UPDATE_RTOL beyond the float32 spacing of the value it
-   lands on. With Adam the variables are held per element to ADAM_LR_RTOL of
-   the step's learning rate beyond lr x their gradients' difference / epsilon
-   (their moving averages to that times 1 - decay): a rounding-sized gradient
-   steers part of an lr-sized step;
+   lands on (a moving average also beyond 1 - decay times its variable's
+   difference, which the variable's row holds). With Adam the variables are
+   held per element to ADAM_LR_RTOL of the step's learning rate beyond lr x
+   their gradients' difference / epsilon: a rounding-sized gradient steers
+   part of an lr-sized step;
 4. the identity, at the first step's state: N towers on b1..bN give the
    averaged gradient of 1 tower on their concatenation, <= GRAD_RTOL, in each
    implementation (with --clip_where per_tower reported, not held: clipping
@@ -199,22 +200,24 @@ def _update_rows(before, legacy_step, modern_step, optimizer, decay_steps):
   for what, names in _kinds(optimizer).items():
     # Adam: a rounding-sized gradient steers part of an lr step. An Adam step moves at
     # most lr / epsilon per unit of gradient, so the gradients' own difference may move
-    # it that much more. 1 - decay carries a variable's difference into its average.
-    factor = ({'variable': 1.0, 'moving average': ema}.get(what)
-              if optimizer.name == optimizer_lib.ADAM else None)
+    # it that much more.
+    adam = optimizer.name == optimizer_lib.ADAM and what == 'variable'
     for name in names:
       a, b, start = (np.asarray(x[name], np.float64)
                      for x in (legacy_step.state, modern_step.state, before))
       # Float32 stores each result rounded: one spacing of the value apart is no difference.
       excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
-      if factor is None:
-        scale, tol, check = np.max(np.abs(b - start)), UPDATE_RTOL, what
-      else:
-        var = name.split('/Exp')[0]
-        excess -= factor * lr * np.abs(np.subtract(
+      var = name.split('/Exp')[0]
+      if what == 'moving average':  # 1 - decay carries its variable's difference into it
+        excess -= ema * np.abs(np.subtract(legacy_step.state[var], modern_step.state[var],
+                                           dtype=np.float64))
+      if adam:
+        excess -= lr * np.abs(np.subtract(
             legacy_step.applied[var], modern_step.applied[var], dtype=np.float64)) / (
                 optimizer.adam_epsilon)
-        scale, tol, check = lr * factor, ADAM_LR_RTOL, what + ' [of lr]'
+        scale, tol, check = lr, ADAM_LR_RTOL, what + ' [of lr]'
+      else:
+        scale, tol, check = np.max(np.abs(b - start)), UPDATE_RTOL, what
       rows.append(Row(f'3 step update: {check}', name,
                       rel_diff(np.maximum(excess, 0.0), 0.0, scale), tol))
   return rows
