@@ -437,8 +437,7 @@ class QueueTrainer(training.Trainer):
   """
 
   def __init__(self, sess, config, graph_parts, step, stop, fill):
-    self.sess, self.config, self.graph_parts, self.stop, self.fill = (
-        sess, config, graph_parts, stop, fill)
+    self.sess, self.graph_parts, self.stop, self.fill = sess, graph_parts, stop, fill
     self.images = config.batch_size * config.num_gpus
     self.write_dir = self.train_dir = config.train_dir
     # The Saver names a checkpoint latest only after writing it whole.
