@@ -101,14 +101,22 @@ def restore_latest(train_dir, checkpoint, optimizer):
   return resume_from
 
 
+def _keys(optimizers):
+  """Legacy name -> modern key (less its '/.ATTRIBUTES/VARIABLE_VALUE') of everything the
+  training checkpoints of `optimizers` (names) hold: the left columns of the module docstring."""
+  keys = {'global_step': 'global_step'}
+  for name in model_spec.VARIABLE_NAMES:
+    keys[name], keys[model_spec.average_name(name)] = f'model/{name}', f'ema/{name}'
+  keys.update((slot, f'optimizer/{slot}') for o in optimizers
+              for slot in optimizer_lib.slot_names(o))
+  return keys
+
+
 def legacy_shapes(optimizer):
   """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
-  shapes = {'global_step': ()}
-  for name in model_spec.VARIABLE_NAMES:
-    shapes[name] = shapes[model_spec.average_name(name)] = model_spec.variable_shape(name)
-  shapes.update((name, optimizer_lib.slot_shape(name))
-                for name in optimizer_lib.slot_names(optimizer))
-  return shapes
+  # A moving average or a slot has its variable's shape (optimizer_lib.slot_shape).
+  return {name: model_spec.variable_shape(name) if name in model_spec.VARIABLE_NAMES
+          else optimizer_lib.slot_shape(name) for name in _keys([optimizer])}
 
 
 def checkpoint_key(legacy_name):
@@ -126,9 +134,4 @@ def checkpoint_key(legacy_name):
   Raises:
     KeyError: the name is none of these.
   """
-  keys = {'global_step': 'global_step'}
-  for name in model_spec.VARIABLE_NAMES:
-    keys[name], keys[model_spec.average_name(name)] = f'model/{name}', f'ema/{name}'
-  keys.update((slot, f'optimizer/{slot}') for o in optimizer_lib.NAMES
-              for slot in optimizer_lib.slot_names(o))
-  return f'{keys[legacy_name]}/.ATTRIBUTES/VARIABLE_VALUE'
+  return f'{_keys(optimizer_lib.NAMES)[legacy_name]}/.ATTRIBUTES/VARIABLE_VALUE'
