@@ -443,7 +443,7 @@ class QueueTrainer(training.Trainer):
     # The Saver names a checkpoint latest only after writing it whole.
     self.saver = checkpoints.StepSaver(
         config.train_dir, self.global_step, lambda step: graph_parts.saver.save(
-            sess, config.checkpoint_prefix(), global_step=step), step)
+            sess, self.saver.prefix, global_step=step), step)
     self._summary = None  # the serialized summary of the last summary step
     # A stop closes the queues: a dequeue then raises OutOfRangeError, an
     # enqueue CancelledError. Input threads ending with either is a clean stop,

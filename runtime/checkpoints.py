@@ -31,6 +31,10 @@ evidence. A named checkpoint whose files are all gone (deleted by hand)
 leaves nothing to protect: training resumes from the newest intact older one
 and says so.
 
+Both trainers save through `StepSaver`, which removes a failed save's partial
+files (and writes nothing into a train_dir removed under the run); each trainer
+gives it only its own write.
+
 Every way a checkpoint's files can be damaged (empty, truncated, bit-flipped,
 missing) is one fault here: TensorFlow's reader fails, and its reason is said.
 
@@ -502,7 +506,10 @@ class StepSaver:
   Args:
     directory: str, where this process writes its checkpoints.
     global_step: callable() -> int, the global step the variables hold now.
-    write: callable(step), writes the checkpoint `<directory>/model.ckpt-<step>`.
+    write: callable(step), writes the checkpoint `<prefix>-<step>`.
+
+  Attributes:
+    prefix: str, `<directory>/model.ckpt`, the path of every checkpoint less its `-<step>`.
     last_saved: int, the global step of the newest checkpoint written or
       resumed from, or None.
   """
@@ -510,12 +517,14 @@ class StepSaver:
   def __init__(self, directory, global_step, write, last_saved=None):
     self.directory, self.global_step, self.write, self.last_saved = (
         directory, global_step, write, last_saved)
+    self.prefix = os.path.join(directory, _BASENAME)  # of every checkpoint's path
     self._lock = threading.Lock()
 
   def __call__(self):
     with self._lock:
       step = self.global_step()
-      name = f'{_BASENAME}-{step}'
+      path = f'{self.prefix}-{step}'
+      name = os.path.basename(path)
       if step != self.last_saved:
         lock.check(self.directory)
         try:
@@ -524,7 +533,7 @@ class StepSaver:
           state, problem = _state(self.directory)
           named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
           if problem is None and name not in map(os.path.basename, named):
-            _remove(os.path.join(self.directory, name), '.*', '_temp')
+            _remove(path, '.*', '_temp')
           raise write_failed(self.directory, f'checkpoint {name}', e) from e
         self.last_saved = step
-      return os.path.join(self.directory, name)
+      return path
