@@ -49,10 +49,8 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
     # Restore the moving-average (shadow) value of each variable into it.
     variable_averages = tf.train.ExponentialMovingAverage(
         hparams.MOVING_AVERAGE_DECAY)
-    variables_to_restore = variable_averages.variables_to_restore()
-    values = evaluation.moving_averages(
-        contents, checkpoints.LEGACY,
-        {key: v.shape.as_list() for key, v in variables_to_restore.items()})
+    values = evaluation.moving_averages(contents, checkpoints.LEGACY,
+                                        variable_averages.variables_to_restore())
     # The epoch counter of the input is a local variable.
     local_init = tf.local_variables_initializer()
     close_queues = inputs.close_queue_ops()
@@ -63,8 +61,8 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       # Deviation from upstream: a Saver restored from the files; here the
       # values were read (and their checksums checked) before the graph was
       # built, so a checkpoint the trainer deletes meanwhile is still whole.
-      for key, variable in variables_to_restore.items():
-        variable.load(values[key], sess)
+      for variable, value in values:
+        variable.load(value, sess)
 
       def batches():
         try:
@@ -76,9 +74,8 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
       coord = tf.train.Coordinator()
       threads = tf.train.start_queue_runners(sess, coord)
       try:
-        return evaluation.count_correct(batches(), data_dir, num_examples,
-                                        checkpoints.global_step(contents), should_stop,
-                                        progress)
+        return evaluation.count_correct(batches(), data_dir, num_examples, contents,
+                                        should_stop, progress)
       finally:
         inputs.stop_queue_threads(sess, coord, threads, close_queues)
 

@@ -25,7 +25,6 @@ from cifar10_towers.common import tags
 from cifar10_towers.legacy import inputs
 from cifar10_towers.legacy import model
 from cifar10_towers.runtime import checkpoints
-from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import training
 
 logger = logging.getLogger(__name__)
@@ -438,11 +437,13 @@ class QueueTrainer(training.Trainer):
   """
 
   def __init__(self, sess, config, graph_parts, step, stop, fill):
-    self.sess, self.config, self.graph_parts, self.stop, self.fill = (
-        sess, config, graph_parts, stop, fill)
+    self.sess, self.graph_parts, self.stop, self.fill = sess, graph_parts, stop, fill
     self.images = config.batch_size * config.num_gpus
     self.write_dir = self.train_dir = config.train_dir
-    self.last_saved = step
+    # The Saver names a checkpoint latest only after writing it whole.
+    self.saver = checkpoints.StepSaver(
+        config.train_dir, self.global_step, lambda step: graph_parts.saver.save(
+            sess, self.saver.prefix, global_step=step), step)
     self._summary = None  # the serialized summary of the last summary step
     # A stop closes the queues: a dequeue then raises OutOfRangeError, an
     # enqueue CancelledError. Input threads ending with either is a clean stop,
@@ -479,23 +480,6 @@ class QueueTrainer(training.Trainer):
 
   def global_step(self):
     return int(self.sess.run(self.graph_parts.towers.global_step))
-
-  def save(self):
-    """Writes `model.ckpt-<step>`; a failed write (e.g. disk full) stops training.
-
-    The Saver names a checkpoint latest only after writing it whole, so a
-    failure leaves the previous one in place; its partial files are removed.
-    Nothing is written if train_dir was removed under the run (LockError).
-    """
-    step, config = self.global_step(), self.config
-    if step != self.last_saved:
-      lock.check(config.train_dir)
-      try:
-        self.graph_parts.saver.save(self.sess, config.checkpoint_prefix(), global_step=step)
-      except (tf.errors.OpError, OSError) as e:
-        raise checkpoints.save_failed(config.train_dir, step, e) from e
-      self.last_saved = step
-    return f'{config.checkpoint_prefix()}-{step}'
 
   def open_summaries(self):
     return tf.summary.FileWriter(self.train_dir, self.sess.graph)

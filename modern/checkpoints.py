@@ -26,8 +26,6 @@ checkpoint_key(name))` for each legacy name; legacy -> modern is a
 """
 
 import functools
-import os
-import threading
 
 import tensorflow as tf
 
@@ -35,46 +33,21 @@ from cifar10_towers.common import model_spec
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import config as config_lib
-from cifar10_towers.runtime import lock
 from cifar10_towers.runtime import training
 
 MAX_TO_KEEP = 5  # checkpoints kept in train_dir, like the Saver's default
 
 
-class StepSaver:
-  """Saves a `checkpoint_object` into `directory` at most once per global step.
+def step_saver(checkpoint, directory):
+  """The runtime.checkpoints.StepSaver of a `checkpoint_object` in `directory`.
 
   Create it after `restore_latest` (see there): its CheckpointManager reads
-  the directory's `checkpoint` state file. Calling it saves
-  `<directory>/model.ckpt-<global_step>` unless that step is already saved,
-  and returns the checkpoint's path. A failed write is a
-  one-line `runtime.checkpoints` error: the manager names a checkpoint latest
-  only after writing it whole, so the previous one stays in place. Nothing
-  is written if the directory, locked by this process, was removed under it
-  (`runtime.lock.LockError`). Safe to call from another thread (the
-  multiworker watchdog saves while the main thread waits for the peers).
+  the directory's `checkpoint` state file.
   """
-
-  def __init__(self, checkpoint, directory):
-    self.manager = tf.train.CheckpointManager(
-        checkpoint, directory, max_to_keep=MAX_TO_KEEP,
-        checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-    self.global_step = checkpoint.global_step
-    self.directory = directory
-    self.last_saved = None  # the global step of the newest save, or None
-    self._lock = threading.Lock()
-
-  def __call__(self):
-    with self._lock:
-      current = int(self.global_step.numpy())
-      if current != self.last_saved:
-        lock.check(self.directory)
-        try:
-          self.manager.save(checkpoint_number=current)
-        except (tf.errors.OpError, OSError) as e:
-          raise checkpoints.save_failed(self.directory, current, e) from e
-        self.last_saved = current
-      return os.path.join(self.directory, f'{config_lib.CHECKPOINT_BASENAME}-{current}')
+  manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=MAX_TO_KEEP,
+                                       checkpoint_name=config_lib.CHECKPOINT_BASENAME)
+  return checkpoints.StepSaver(directory, lambda: int(checkpoint.global_step.numpy()),
+                               lambda step: manager.save(checkpoint_number=step))
 
 
 def checkpoint_object(state):
@@ -128,14 +101,22 @@ def restore_latest(train_dir, checkpoint, optimizer):
   return resume_from
 
 
+def _keys(optimizers):
+  """Legacy name -> modern key (less its '/.ATTRIBUTES/VARIABLE_VALUE') of everything the
+  training checkpoints of `optimizers` (names) hold: the left columns of the module docstring."""
+  keys = {'global_step': 'global_step'}
+  for name in model_spec.VARIABLE_NAMES:
+    keys[name], keys[model_spec.average_name(name)] = f'model/{name}', f'ema/{name}'
+  keys.update((slot, f'optimizer/{slot}') for o in optimizers
+              for slot in optimizer_lib.slot_names(o))
+  return keys
+
+
 def legacy_shapes(optimizer):
   """Legacy name -> shape of everything a training checkpoint of `optimizer` holds."""
-  shapes = {'global_step': ()}
-  for name in model_spec.VARIABLE_NAMES:
-    shapes[name] = shapes[model_spec.average_name(name)] = model_spec.variable_shape(name)
-  shapes.update((name, optimizer_lib.slot_shape(name))
-                for name in optimizer_lib.slot_names(optimizer))
-  return shapes
+  # A moving average or a slot has its variable's shape (optimizer_lib.slot_shape).
+  return {name: model_spec.variable_shape(name) if name in model_spec.VARIABLE_NAMES
+          else optimizer_lib.slot_shape(name) for name in _keys([optimizer])}
 
 
 def checkpoint_key(legacy_name):
@@ -153,9 +134,4 @@ def checkpoint_key(legacy_name):
   Raises:
     KeyError: the name is none of these.
   """
-  keys = {'global_step': 'global_step'}
-  for name in model_spec.VARIABLE_NAMES:
-    keys[name], keys[model_spec.average_name(name)] = f'model/{name}', f'ema/{name}'
-  keys.update((slot, f'optimizer/{slot}') for o in optimizer_lib.NAMES
-              for slot in optimizer_lib.slot_names(o))
-  return f'{keys[legacy_name]}/.ATTRIBUTES/VARIABLE_VALUE'
+  return f'{_keys(optimizer_lib.NAMES)[legacy_name]}/.ATTRIBUTES/VARIABLE_VALUE'

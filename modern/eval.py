@@ -21,12 +21,10 @@ def moving_average_model(contents):
   model = model_lib.Cifar10Model()
   # The shadow (moving-average) value of each variable goes into the variable,
   # as upstream eval's `variables_to_restore()`; the raw weights are not used.
-  variables = {ckpt_lib.checkpoint_key(model_spec.average_name(name)): variable
-               for name, variable in model.variables_by_name().items()}
-  values = evaluation.moving_averages(
-      contents, checkpoints.MODERN, {key: v.shape.as_list() for key, v in variables.items()})
-  for key, variable in variables.items():
-    variable.assign(values[key])
+  for variable, value in evaluation.moving_averages(contents, checkpoints.MODERN, {
+      ckpt_lib.checkpoint_key(model_spec.average_name(name)): variable
+      for name, variable in model.variables_by_name().items()}):
+    variable.assign(value)
   return model
 
 
@@ -63,6 +61,6 @@ def evaluate_contents(contents, data_dir, batch_size=hparams.BATCH_SIZE,
 
   batches = (correct(images, labels).numpy()
              for images, labels in inputs.inputs(True, data_dir, batch_size))
-  return evaluation.count_correct(batches, data_dir, num_examples,
-                                  checkpoints.global_step(contents), should_stop, progress)
+  return evaluation.count_correct(batches, data_dir, num_examples, contents, should_stop,
+                                  progress)
 

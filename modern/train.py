@@ -57,7 +57,7 @@ def train(config, plan, on_step=None):
       # Only the chief restores; the others take its state (MultiWorker.run).
       resume_from = (ckpt_lib.restore_latest(config.train_dir, checkpoint, config.optimizer)
                      if engine.chief else None)
-      engine.saver = ckpt_lib.StepSaver(checkpoint, engine.write_dir)  # after restore_latest
+      engine.saver = ckpt_lib.step_saver(checkpoint, engine.write_dir)  # after restore_latest
     # The records of this worker's shard size the shuffle buffer the first
     # batch waits for, which the first step's heartbeat line names.
     engine.stop, engine.examples_per_worker = stop, examples_per_epoch // engine.num_workers

@@ -31,6 +31,10 @@ evidence. A named checkpoint whose files are all gone (deleted by hand)
 leaves nothing to protect: training resumes from the newest intact older one
 and says so.
 
+Both trainers save through `StepSaver`, which removes a failed save's partial
+files (and writes nothing into a train_dir removed under the run); each trainer
+gives it only its own write.
+
 Every way a checkpoint's files can be damaged (empty, truncated, bit-flipped,
 missing) is one fault here: TensorFlow's reader fails, and its reason is said.
 
@@ -51,6 +55,7 @@ import collections
 import logging
 import os
 import re
+import threading
 
 import tensorflow as tf
 
@@ -59,6 +64,7 @@ from cifar10_towers.common import files
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
 from cifar10_towers.runtime import config as config_lib
+from cifar10_towers.runtime import lock
 
 logger = logging.getLogger(__name__)
 
@@ -480,17 +486,54 @@ def write_failed(directory, what, error, flag='--train_dir'):
                                             flag))
 
 
-def save_failed(directory, step, error):
-  """The CheckpointError for a failed save of `step`; removes its partial files.
+class StepSaver:
+  """Both trainers' one save path: `<directory>/model.ckpt-<step>`, at most once per global step.
 
-  Only files of that one step (`*.tempstate*`, `<basename>-<step>_temp/`, an
-  unnamed `.index`/`.data-*` pair), and only when the state file does not name
-  it and is readable (or absent), as test_faults_checkpoints.py's full-disk
-  tests check. Returns the error for the caller to raise (see `write_failed`).
+  Calling it saves the current global step unless that step is saved
+  already, and returns the checkpoint's path. Each trainer gives only its own
+  TensorFlow write, `write(step)`: legacy's Saver, modern's CheckpointManager.
+  Both name a checkpoint latest only after writing it whole (see the module
+  docstring), so a failed write (e.g. disk full) leaves the previous one in
+  place; it is a one-line CheckpointError, and the partial files of that one
+  step (`*.tempstate*`, `<basename>-<step>_temp/`, an unnamed `.index`/`.data-*`
+  pair) are removed, only when the state file does not name it and is
+  readable (or absent), as test_faults_checkpoints.py's full-disk tests
+  check. Nothing is written if the directory, locked by this process, was
+  removed under it (`runtime.lock.LockError`). Safe to call from another
+  thread (the multiworker watchdog saves while the main thread waits for the
+  peers).
+
+  Args:
+    directory: str, where this process writes its checkpoints.
+    global_step: callable() -> int, the global step the variables hold now.
+    write: callable(step), writes the checkpoint `<prefix>-<step>`.
+
+  Attributes:
+    prefix: str, `<directory>/model.ckpt`, the path of every checkpoint less its `-<step>`.
+    last_saved: int, the global step of the newest checkpoint written or
+      resumed from, or None.
   """
-  name = f'{_BASENAME}-{step}'
-  state, problem = _state(directory)
-  named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
-  if problem is None and name not in map(os.path.basename, named):
-    _remove(os.path.join(directory, name), '.*', '_temp')
-  return write_failed(directory, f'checkpoint {name}', error)
+
+  def __init__(self, directory, global_step, write, last_saved=None):
+    self.directory, self.global_step, self.write, self.last_saved = (
+        directory, global_step, write, last_saved)
+    self.prefix = os.path.join(directory, _BASENAME)  # of every checkpoint's path
+    self._lock = threading.Lock()
+
+  def __call__(self):
+    with self._lock:
+      step = self.global_step()
+      path = f'{self.prefix}-{step}'
+      name = os.path.basename(path)
+      if step != self.last_saved:
+        lock.check(self.directory)
+        try:
+          self.write(step)
+        except (tf.errors.OpError, OSError) as e:
+          state, problem = _state(self.directory)
+          named = [state.model_checkpoint_path, *state.all_model_checkpoint_paths] if state else []
+          if problem is None and name not in map(os.path.basename, named):
+            _remove(path, '.*', '_temp')
+          raise write_failed(self.directory, f'checkpoint {name}', e) from e
+        self.last_saved = step
+      return path

@@ -1,7 +1,6 @@
 """The one set of training settings both trainers read. The CLI fills it."""
 
 import dataclasses
-import os
 
 from cifar10_towers.common import hparams
 from cifar10_towers.common import optimizer as optimizer_lib
@@ -32,10 +31,6 @@ class TrainConfig:
   peer_timeout: int = 60  # multiworker: seconds a step waits for its peers, then fails
   startup_timeout: int = 600  # multiworker: seconds the workers wait for each other to start
   optimizer: optimizer_lib.Optimizer = optimizer_lib.Optimizer()  # default upstream's SGD
-
-  def checkpoint_prefix(self):
-    """Path prefix of the checkpoints, `<train_dir>/model.ckpt`."""
-    return os.path.join(self.train_dir, CHECKPOINT_BASENAME)
 
 
 CHECKPOINT_BASENAME = 'model.ckpt'  # checkpoints are model.ckpt-<global_step>

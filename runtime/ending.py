@@ -71,7 +71,7 @@ def failed(error, first_step, step, trainer, train_dir):
     error: the exception that crossed the loop.
     first_step: int, the global step this run started from.
     step: int, the last global step this run completed and checked.
-    trainer: runtime.training.Trainer (its global_step(), save() and last_saved).
+    trainer: runtime.training.Trainer (its global_step() and saver).
     train_dir: str, where the checkpoints are.
 
   Returns:
@@ -87,9 +87,9 @@ def failed(error, first_step, step, trainer, train_dir):
   except Exception:  # pylint: disable=broad-except
     intact = False
   problem = ''
-  if intact and step != trainer.last_saved and os.path.isdir(train_dir):
+  if intact and step != trainer.saver.last_saved and os.path.isdir(train_dir):
     try:
-      path = trainer.save()
+      path = trainer.saver()
       return RunFailed(f'{line} Saved global step {step} to {path}; the same command resumes '
                        'from it.')
     except Exception as e:  # pylint: disable=broad-except

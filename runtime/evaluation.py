@@ -131,32 +131,32 @@ def precision_writer(eval_dir):
         writer.close()
 
 
-def moving_averages(contents, kind, shapes):
-  """The moving-average (shadow) values an evaluator restores into its model.
+def moving_averages(contents, kind, variables):
+  """The moving-average (shadow) values an evaluator restores into its model's variables.
 
   Args:
     contents: runtime.checkpoints.Contents.
     kind: checkpoints.LEGACY or MODERN, the evaluator's own.
-    shapes: dict checkpoint key -> the shape (list of ints) of its variable.
+    variables: dict checkpoint key -> the variable its value goes into.
 
   Returns:
-    dict checkpoint key -> numpy value.
+    list of (variable, numpy value).
 
   Raises:
     EvalError: the checkpoint is the other trainer's, or lacks a moving
       average of this model (or holds one of another shape).
   """
+  shapes = {key: variable.shape.as_list() for key, variable in variables.items()}
   if contents.kind != kind:
     raise EvalError(f'{contents.path} is a {contents.kind} checkpoint; evaluate it with the '
                     f'{contents.kind} evaluator.')
   if problem := checkpoints.misfit(contents, shapes):
     raise EvalError(f'{contents.path} does not hold the moving averages of this model '
                     f'({problem[0]}). Point --checkpoint_dir at a train_dir written by `{kind}`.')
-  return {key: contents.tensors[key] for key in shapes}
+  return [(variable, contents.tensors[key]) for key, variable in variables.items()]
 
 
-def count_correct(batches, data_dir, num_examples, global_step, should_stop=None,
-                  progress=None):
+def count_correct(batches, data_dir, num_examples, contents, should_stop, progress):
   """Both evaluators' batch loop: counts correct top-1 predictions, each record once.
 
   Args:
@@ -165,7 +165,7 @@ def count_correct(batches, data_dir, num_examples, global_step, should_stop=None
     data_dir: str, holds the test file.
     num_examples: optional int >= 1, count the first this many test records;
       None or more than the file holds means all.
-    global_step: int, of the checkpoint evaluated.
+    contents: runtime.checkpoints.Contents, the checkpoint evaluated.
     should_stop: optional callable() -> bool, asked before each batch.
     progress: optional callable(records_done), called after each batch.
 
@@ -191,7 +191,7 @@ def count_correct(batches, data_dir, num_examples, global_step, should_stop=None
     total += len(correct)
     if progress:
       progress(total)
-  return EvalCounts(true_count, total, global_step)
+  return EvalCounts(true_count, total, checkpoints.global_step(contents))
 
 
 def _identity(contents):
@@ -234,58 +234,56 @@ def run(checkpoint_dir, evaluate, stop=None, interval_secs=None, max_evals=None,
       intact checkpoint; the message says why and what to do.
     EvalError: eval_dir cannot be written.
   """
-  if stop is None:
-    with training.StopRequest() as stop:
-      return run(checkpoint_dir, evaluate, stop, interval_secs, max_evals, eval_dir)
   once = interval_secs is None
   results, seen, said = [], set(), set()
   waiting, cut = False, ''  # cut: a stop line's note of an evaluation the stop cut short
-  with precision_writer(eval_dir) as write:
-    while not stop.requested and (max_evals is None or len(results) < max_evals):
-      found = checkpoints.newest_intact(checkpoint_dir)
-      # A loop beside a trainer sees its saves in progress: those go unsaid.
-      for note in checkpoints.skip_notes(found, checkpoint_dir,
-                                         'evaluating the newest intact checkpoint',
-                                         unfinished=once):
-        if note not in said:
-          said.add(note)
-          logger.warning(note)
-      contents = found.contents
-      if contents is None:
-        if once:
-          damaged = found.skipped or found.unfinished or found.state_problem
-          raise checkpoints.CheckpointError(
-              f'no intact checkpoint in {checkpoint_dir} (what is wrong with each is said '
-              f'above). Train again with --train_dir {checkpoint_dir}, or pass another '
-              '--checkpoint_dir.'
-              if damaged else
-              f"no checkpoint in {checkpoint_dir}. Train first (`{prog.command('legacy')}` or "
-              f'`modern` with --train_dir {checkpoint_dir}), or pass the --checkpoint_dir you '
-              'trained into.')
-        if not waiting:
-          damaged = found.skipped or found.state_problem
-          logger.info(f"No {'intact ' if damaged else ''}checkpoint in {checkpoint_dir} yet; "
-                      f'looking again every {interval_secs:g} s.')
-        waiting = True
-      elif (identity := _identity(contents)) not in seen:
-        waiting = False
-        counts = evaluate(contents, should_stop=lambda: stop.requested)
-        if counts is None:  # a signal cut it short
-          cut = f'; the evaluation of {os.path.basename(contents.path)} was cut short'
-          break
-        seen.add(identity)
-        precision = counts.true_count / counts.total_count
-        # Upstream's result line, with the global step and the checkpoint evaluated.
-        logger.info(f'{datetime.datetime.now()}: precision @ 1 = {precision:.3f} (global step '
-                    f'{counts.global_step}, {os.path.basename(contents.path)})')
-        results.append(Evaluation(contents.path, precision, counts.global_step))
-        write(precision, counts.global_step)
-        if once:
-          break
-        continue
-      stop.wait(interval_secs)
-  if stop.requested:  # the one ending line, on stderr: what was evaluated, and what was cut short
-    done = (f'{len(results)} checkpoint(s), the last {os.path.basename(results[-1].path)} at '
-            f'global step {results[-1].global_step}' if results else 'no checkpoint')
-    ending.say(f'Stopped by {stop.signal_name}; evaluated {done}{cut}.')
-  return results
+  with contextlib.nullcontext(stop) if stop else training.StopRequest() as stop:
+    with precision_writer(eval_dir) as write:
+      while not stop.requested and (max_evals is None or len(results) < max_evals):
+        found = checkpoints.newest_intact(checkpoint_dir)
+        # A loop beside a trainer sees its saves in progress: those go unsaid.
+        for note in checkpoints.skip_notes(found, checkpoint_dir,
+                                           'evaluating the newest intact checkpoint',
+                                           unfinished=once):
+          if note not in said:
+            said.add(note)
+            logger.warning(note)
+        contents = found.contents
+        if contents is None:
+          if once:
+            damaged = found.skipped or found.unfinished or found.state_problem
+            raise checkpoints.CheckpointError(
+                f'no intact checkpoint in {checkpoint_dir} (what is wrong with each is said '
+                f'above). Train again with --train_dir {checkpoint_dir}, or pass another '
+                '--checkpoint_dir.'
+                if damaged else
+                f"no checkpoint in {checkpoint_dir}. Train first (`{prog.command('legacy')}` or "
+                f'`modern` with --train_dir {checkpoint_dir}), or pass the --checkpoint_dir you '
+                'trained into.')
+          if not waiting:
+            damaged = found.skipped or found.state_problem
+            logger.info(f"No {'intact ' if damaged else ''}checkpoint in {checkpoint_dir} yet; "
+                        f'looking again every {interval_secs:g} s.')
+          waiting = True
+        elif (identity := _identity(contents)) not in seen:
+          waiting = False
+          counts = evaluate(contents, should_stop=lambda: stop.requested)
+          if counts is None:  # a signal cut it short
+            cut = f'; the evaluation of {os.path.basename(contents.path)} was cut short'
+            break
+          seen.add(identity)
+          precision = counts.true_count / counts.total_count
+          # Upstream's result line, with the global step and the checkpoint evaluated.
+          logger.info(f'{datetime.datetime.now()}: precision @ 1 = {precision:.3f} (global step '
+                      f'{counts.global_step}, {os.path.basename(contents.path)})')
+          results.append(Evaluation(contents.path, precision, counts.global_step))
+          write(precision, counts.global_step)
+          if once:
+            break
+          continue
+        stop.wait(interval_secs)
+    if stop.requested:  # the one ending line, on stderr: what was evaluated, and what was cut short
+      done = (f'{len(results)} checkpoint(s), the last {os.path.basename(results[-1].path)} at '
+              f'global step {results[-1].global_step}' if results else 'no checkpoint')
+      ending.say(f'Stopped by {stop.signal_name}; evaluated {done}{cut}.')
+    return results

@@ -35,60 +35,53 @@ KNOWN = re.compile('|'.join([
 # gives fd 2 back (a child may still hold the pipe: there is no end-of-file).
 _SAY = b'\x00cifar10-towers stderr filter: say\x00'
 _END = b'\x00cifar10-towers stderr filter: end\x00'
-_state = None  # _Filter while installed
+# While installed: (the real stderr's fd, the pipe's write end, the thread reading the pipe).
+_state = None
 _lock = threading.RLock()  # re-entrant: a signal handler in the main thread may call restore
 
 
-class _Filter:
+def _pump(read_end, real):
+  """Passes what comes through the pipe on to `real`, but the known lines, until _END."""
+  pending = b''
+  with os.fdopen(read_end, 'rb', buffering=0) as pipe:
+    while chunk := pipe.read(65536):
+      # After a partial line `say`'s mark is a newline; elsewhere nothing.
+      pending = re.sub(rb'(?<=[^\n])' + re.escape(_SAY), b'\n', pending + chunk)
+      pending = pending.replace(_SAY, b'')
+      if _END in pending:
+        pending = pending.split(_END)[0]
+        break
+      *lines, pending = pending.split(b'\n')
+      _pass(real, lines)
+  lines = pending.split(b'\n')
+  _pass(real, lines if lines[-1] else lines[:-1])  # a last partial line too, ended
 
-  def __init__(self):
-    try:
-      self.real = os.dup(2)
-    except OSError:  # fd 2 closed (`2>&-`, a daemon): what stderr gets goes nowhere
-      self.real = os.open(os.devnull, os.O_WRONLY)
-    read_end, self.write_end = os.pipe()  # both non-inheritable
-    os.dup2(self.write_end, 2)  # fd 2 itself stays inheritable: children write here
-    if sys.stderr is None:  # Python found fd 2 closed: without this, click writes to stdout
-      sys.stderr = open(2, 'w', buffering=1, closefd=False)  # pylint: disable=consider-using-with
-    self.thread = threading.Thread(target=self._pump, args=(read_end,),
-                                   name='stderr-filter', daemon=True)
-    self.thread.start()
 
-  def _pump(self, read_end):
-    pending = b''
-    with os.fdopen(read_end, 'rb', buffering=0) as pipe:
-      while chunk := pipe.read(65536):
-        # After a partial line `say`'s mark is a newline; elsewhere nothing.
-        pending = re.sub(rb'(?<=[^\n])' + re.escape(_SAY), b'\n', pending + chunk)
-        pending = pending.replace(_SAY, b'')
-        if _END in pending:
-          pending = pending.split(_END)[0]
-          break
-        *lines, pending = pending.split(b'\n')
-        self._pass(lines)
-    lines = pending.split(b'\n')
-    self._pass(lines if lines[-1] else lines[:-1])  # a last partial line too, ended
-
-  def _pass(self, lines):
-    """Writes each of `lines` (without its newline) but the known ones."""
-    _write(self.real, b''.join(l + b'\n' for l in lines if not KNOWN.fullmatch(
-        l.decode('utf-8', 'replace').rstrip('\r'))))
-
-  def close(self):
-    os.dup2(self.real, 2)  # from here on, fd 2 writes go straight out
-    _write(self.write_end, _END)
-    os.close(self.write_end)
-    self.thread.join(timeout=5)
-    os.close(self.real)
+def _pass(real, lines):
+  """Writes each of `lines` (without its newline) to `real`, but the known ones."""
+  _write(real, b''.join(l + b'\n' for l in lines if not KNOWN.fullmatch(
+      l.decode('utf-8', 'replace').rstrip('\r'))))
 
 
 def install():
   """Filters fd 2 for the rest of the process; a no-op when already installed."""
   global _state  # pylint: disable=global-statement
   with _lock:
-    if not _state:
-      _state = _Filter()
-      atexit.register(restore)
+    if _state:
+      return
+    try:
+      real = os.dup(2)
+    except OSError:  # fd 2 closed (`2>&-`, a daemon): what stderr gets goes nowhere
+      real = os.open(os.devnull, os.O_WRONLY)
+    read_end, write_end = os.pipe()  # both non-inheritable
+    os.dup2(write_end, 2)  # fd 2 itself stays inheritable: children write here
+    if sys.stderr is None:  # Python found fd 2 closed: without this, click writes to stdout
+      sys.stderr = open(2, 'w', buffering=1, closefd=False)  # pylint: disable=consider-using-with
+    thread = threading.Thread(target=_pump, args=(read_end, real), name='stderr-filter',
+                              daemon=True)
+    thread.start()
+    _state = real, write_end, thread
+    atexit.register(restore)
 
 
 def _write(fd, data):
@@ -119,8 +112,13 @@ def restore():
   with _lock:
     state, _state = _state, None
   if state:
+    real, write_end, thread = state
     flush_python()
-    state.close()
+    os.dup2(real, 2)  # from here on, fd 2 writes go straight out
+    _write(write_end, _END)
+    os.close(write_end)
+    thread.join(timeout=5)
+    os.close(real)
 
 
 def say(line):
@@ -144,4 +142,4 @@ def say(line):
 def real_stderr():
   """The fd of the real stderr (2 when no filter is installed), for a child that outlives us."""
   with _lock:
-    return _state.real if _state else 2
+    return _state[0] if _state else 2

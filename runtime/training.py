@@ -98,12 +98,11 @@ class Trainer:
     chief: bool, this process logs and reports (with peers, the chief alone).
     alone: bool, no peers: a stop ends the run at the next step boundary;
       with peers it rides on a step (`StepResult.stop`), so that all stop after one step.
-    last_saved: int, the global step of the newest checkpoint written or
-      resumed from, or None.
+    saver: runtime.checkpoints.StepSaver of write_dir: saves the current
+      global step (unless saved already) and knows the step last saved.
   """
 
   chief = alone = True
-  last_saved = None
 
   def step(self, step, first, summaries):
     """Runs one step from global step `step` (`summaries`: computes them too):
@@ -112,10 +111,6 @@ class Trainer:
 
   def global_step(self):
     """The global step the variables hold now."""
-    raise NotImplementedError
-
-  def save(self):
-    """Saves the current global step unless it is saved already; the checkpoint's path."""
     raise NotImplementedError
 
   def open_summaries(self):
@@ -203,10 +198,10 @@ def train_loop(config, stop, trainer, step, on_step=None):
           except write_errors as e:
             raise checkpoints.write_failed(trainer.write_dir, 'TensorBoard summaries', e) from e
         if step % config.save_every == 0:
-          trainer.save()
+          trainer.saver()
       if step == first_step:
         raise Stopped(stop.signal_name)
-      path = trainer.save()  # with peers every worker saves: the chief's copy is kept
+      path = trainer.saver()  # with peers every worker saves: the chief's copy is kept
       trainer.finish(step)
     finally:
       try:

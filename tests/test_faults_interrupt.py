@@ -21,12 +21,10 @@ import pytest
 import tensorflow as tf
 
 import faults_support as fs
-from cifar10_towers.legacy import train as legacy_train
-from cifar10_towers.modern import checkpoints as modern_checkpoints
 from cifar10_towers.runtime import checkpoints
 
 # Where a save is held, named here so that a rename fails at collection.
-_SAVE = {'legacy': legacy_train.QueueTrainer.save, 'modern': modern_checkpoints.StepSaver.__call__}
+_SAVE = {impl: checkpoints.StepSaver.__call__ for impl in fs.TRAINERS}  # one save path
 
 STEP_LINE = re.compile(r': step (\d+), loss = ')
 EXIT_WITHIN_SECS = 10

@@ -192,7 +192,7 @@ Phase = collections.namedtuple('Phase', [
     'saved',  # the step the stop saves, or None: stopped before the first step
 ])
 
-_SAVE = {'legacy': legacy_train.QueueTrainer.save, 'modern': modern_checkpoints.StepSaver.__call__}
+_SAVE = {impl: checkpoints.StepSaver.__call__ for impl in fs.TRAINERS}  # one save path
 _SUMMARIES = {
     'legacy': ('tensorflow.python.summary.writer.writer:'
                'SummaryToEventTransformer.add_summary'),
