@@ -215,14 +215,6 @@ class TrainState:
     """Dict legacy slot name ('conv1/weights/Adam', 'beta1_power', ...) -> tf.Variable."""
     return dict(self._slots)
 
-  def assign_slots(self, values):
-    """Sets every slot; `values` maps each name of `slot_variables()` to an array.
-
-    Raises:
-      ValueError: a name is missing or unknown, or a shape is wrong.
-    """
-    _assign('slots', values, self._slots)
-
   def assign_variables(self, values, shadow_values=None):
     """Sets the trainable variables and their moving averages.
 
