@@ -58,12 +58,9 @@ def average_gradients(tower_grads):
   Returns:
     list of (averaged gradient, variable), in that order.
   """
-  average_grads = []
-  for grad_and_vars in zip(*tower_grads):
-    # grad_and_vars: ((grad_tower0, var), ..., (grad_towerN-1, var)).
-    grads = tf.stack([g for g, _ in grad_and_vars], axis=0)  # [N, *var.shape]
-    average_grads.append((tf.reduce_mean(grads, axis=0), grad_and_vars[0][1]))
-  return average_grads
+  # grad_and_vars: ((grad_tower0, var), ..., (grad_towerN-1, var)); the stack is [N, *var.shape].
+  return [(tf.reduce_mean(tf.stack([g for g, _ in grad_and_vars], axis=0), axis=0),
+           grad_and_vars[0][1]) for grad_and_vars in zip(*tower_grads)]
 
 
 def clip(grads, clip_norm):
