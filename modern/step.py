@@ -342,8 +342,8 @@ class TowerStep:
     with tf.device(devices.VARIABLE_DEVICE):
       # Each tower gets its own batch of the one pipeline (legacy: each tower
       # dequeues its own batch from the shared prefetch queue).
-      tower_images = tf.unstack(images, self.num_towers)
-      tower_labels = tf.unstack(labels, self.num_towers)
+      # (One per tower: the traced step checked the static shapes.)
+      tower_images, tower_labels = tf.unstack(images), tf.unstack(labels)
       # The variables are read once on their device; each tower receives a
       # copy of the values (legacy: towers read the CPU variables).
       values = [var.read_value() for var in variables]
