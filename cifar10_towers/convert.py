@@ -90,11 +90,9 @@ def write_modern(directory, values, optimizer):
                                  optimizer=optimizer_lib.Optimizer(name=optimizer))
   for name, var in modern_variables(state).items():
     var.assign(values[name])
-  manager = tf.train.CheckpointManager(
-      modern_checkpoints.checkpoint_object(state), directory,
-      max_to_keep=modern_checkpoints.MAX_TO_KEEP,
-      checkpoint_name=config_lib.CHECKPOINT_BASENAME)
-  return manager.save(checkpoint_number=values['global_step'])
+  # The trainer's own CheckpointManager (its saves' errors raised as they are).
+  saver = modern_checkpoints.StepSaver(modern_checkpoints.checkpoint_object(state), directory)
+  return saver.manager.save(checkpoint_number=values['global_step'])
 
 
 def modern_variables(state):

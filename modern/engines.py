@@ -100,13 +100,6 @@ class Towers(training.Trainer):
     self.state = self.tower_step.state
     self.images = self.config.batch_size * self.tower_step.num_towers
 
-  def dataset(self):
-    """The training batches of this process (its shard of the records)."""
-    return inputs.distorted_inputs(
-        self.config.data_dir, self.config.batch_size, self.config.num_gpus,
-        seed=self.config.seed, num_shards=self.num_workers,
-        shard_index=self.worker_index)
-
   def run(self, resume_from, on_step):
     """`runtime.training.train_loop` on this engine, from the state restored from
     `resume_from` (a path, or None); the global step reached.
@@ -115,19 +108,21 @@ class Towers(training.Trainer):
       runtime.training.Stopped: the stop came before or during this run's
         first step, in a single process.
     """
-    step = self.global_step()
+    config, step = self.config, self.global_step()
     if resume_from:
       logger.info(f'Resuming from {resume_from} at global step {step}.')
       self.saver.last_saved = step
-    if step >= self.config.max_steps:
-      logger.warning(training.nothing_to_train(step, self.config.max_steps,
-                                               self.config.train_dir))
+    if step >= config.max_steps:
+      logger.warning(training.nothing_to_train(step, config.max_steps, config.train_dir))
       return step
     # A single process stops at once until its first step is done; with peers
     # a stop rides on the step's result instead, so that all stop after one step.
     with self.stop.raising() if self.alone else contextlib.nullcontext():
-      self._iterator = iter(self.dataset())
-    return training.train_loop(self.config, self.stop, self, step, on_step)
+      # The training batches of this process (its shard of the records).
+      self._iterator = iter(inputs.distorted_inputs(
+          config.data_dir, config.batch_size, config.num_gpus, seed=config.seed,
+          num_shards=self.num_workers, shard_index=self.worker_index))
+    return training.train_loop(config, self.stop, self, step, on_step)
 
   def step(self, step, first, summaries):
     # The first step traces and compiles the step function and fills the

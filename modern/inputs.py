@@ -77,13 +77,12 @@ def distorted_inputs(data_dir, batch_size, num_towers, seed=None, num_shards=1,
   # call per image (docs/performance.md).
   dataset = dataset.batch(batch_size, drop_remainder=True).map(
       _distorted_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=seed is not None)
-  return _without_autotuning(dataset.batch(num_towers, drop_remainder=True).prefetch(
-      tf.data.AUTOTUNE))
+  return _without_autotuning(dataset.batch(num_towers, drop_remainder=True))
 
 
 def _without_autotuning(dataset):
-  """`dataset` without tf.data's autotuning thread: AUTOTUNE then means one parallel
-  call per core, and the prefetch buffer grows as the consumer waits.
+  """`dataset`, prefetched, without tf.data's autotuning thread: AUTOTUNE then means one
+  parallel call per core, and the prefetch buffer grows as the consumer waits.
 
   That thread waits out its current period (seconds, doubling as the run goes on)
   before the iterator can be deleted (TF 2.21): a run stopped by a signal,
@@ -93,7 +92,7 @@ def _without_autotuning(dataset):
   """
   options = tf.data.Options()
   options.autotune.enabled = False
-  return dataset.with_options(options)
+  return dataset.prefetch(tf.data.AUTOTUNE).with_options(options)
 
 
 def inputs(eval_data, data_dir, batch_size):
@@ -119,4 +118,4 @@ def inputs(eval_data, data_dir, batch_size):
   # Upstream ran ceil(n / batch) full batches from a
   # looping queue, counting some test images twice; the final batch here is
   # partial, so each record counts exactly once.
-  return _without_autotuning(dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE))
+  return _without_autotuning(dataset.batch(batch_size))

@@ -58,12 +58,9 @@ def average_gradients(tower_grads):
   Returns:
     list of (averaged gradient, variable), in that order.
   """
-  average_grads = []
-  for grad_and_vars in zip(*tower_grads):
-    # grad_and_vars: ((grad_tower0, var), ..., (grad_towerN-1, var)).
-    grads = tf.stack([g for g, _ in grad_and_vars], axis=0)  # [N, *var.shape]
-    average_grads.append((tf.reduce_mean(grads, axis=0), grad_and_vars[0][1]))
-  return average_grads
+  # grad_and_vars: ((grad_tower0, var), ..., (grad_towerN-1, var)); the stack is [N, *var.shape].
+  return [(tf.reduce_mean(tf.stack([g for g, _ in grad_and_vars], axis=0), axis=0),
+           grad_and_vars[0][1]) for grad_and_vars in zip(*tower_grads)]
 
 
 def clip(grads, clip_norm):
@@ -215,14 +212,6 @@ class TrainState:
     """Dict legacy slot name ('conv1/weights/Adam', 'beta1_power', ...) -> tf.Variable."""
     return dict(self._slots)
 
-  def assign_slots(self, values):
-    """Sets every slot; `values` maps each name of `slot_variables()` to an array.
-
-    Raises:
-      ValueError: a name is missing or unknown, or a shape is wrong.
-    """
-    _assign('slots', values, self._slots)
-
   def assign_variables(self, values, shadow_values=None):
     """Sets the trainable variables and their moving averages.
 
@@ -284,9 +273,6 @@ class TowerStep:
     # each tower's loss-and-gradients function (which receives the variables'
     # values as arguments) is compiled for its own device.
     self._tower_fn = tf.function(self._tower, jit_compile=True) if jit else self._tower
-    self._gradients_fn = tf.function(
-        lambda images, labels, *rest: self._gradients(*self._checked(images, labels), *rest),
-        autograph=False)
 
   def _tower(self, values, images, labels, summaries=False):
     """One tower: its loss and the gradients w.r.t. the variables' values.
@@ -356,8 +342,8 @@ class TowerStep:
     with tf.device(devices.VARIABLE_DEVICE):
       # Each tower gets its own batch of the one pipeline (legacy: each tower
       # dequeues its own batch from the shared prefetch queue).
-      tower_images = tf.unstack(images, self.num_towers)
-      tower_labels = tf.unstack(labels, self.num_towers)
+      # (One per tower: the traced step checked the static shapes.)
+      tower_images, tower_labels = tf.unstack(images), tf.unstack(labels)
       # The variables are read once on their device; each tower receives a
       # copy of the values (legacy: towers read the CPU variables).
       values = [var.read_value() for var in variables]
@@ -393,12 +379,16 @@ class TowerStep:
 
   # `summaries` (a Python bool) traces the step of the steps that write
   # summaries apart: the same arithmetic, and what the summaries need from
-  # inside it; the other steps run the plain step unchanged. No autograph (nor in
-  # _gradients_fn): the step is Python that builds ops, with no `if` or `for` over
+  # inside it; the other steps run the plain step unchanged. `apply` (a Python bool
+  # too) False traces the step without its update, for compute_gradients. No
+  # autograph: the step is Python that builds ops, with no `if` or `for` over
   # a tensor to convert, and converting it cost a modern process 1 s of its start.
   @tf.function(autograph=False)
-  def _step(self, images, labels, summaries=False):
-    """One training step over all towers.
+  def _step(self, images, labels, summaries=False, apply=True):
+    """One training step over all towers (`apply` False: without the update).
+
+    The batches are converted (images float32, labels int32) and their static
+    shapes checked here: inside a trace, once.
 
     Returns:
       (tower losses float32 [num_towers], summary, the averaged gradients the
@@ -407,21 +397,6 @@ class TowerStep:
        of each tower's loss terms, activations and sparsity, and the averaged
        gradients; else empty.
     """
-    grads, tower_losses, summary = self._gradients(*self._checked(images, labels), summaries)
-    if summaries:
-      summary.update((tags.gradients_tag(name), grad)
-                     for name, grad in zip(model_spec.VARIABLE_NAMES, grads))
-    self._apply(grads)
-    return tower_losses, summary, grads
-
-  def _args(self, tower_batches, summaries=False):
-    """`_step`'s arguments: (images, labels) as given, and whether the step returns the
-    summaries (`inner_summaries`). Nothing is converted or checked here, per step: the
-    traced step converts and checks the batches once per trace (`_checked`)."""
-    return (*tower_batches, summaries and self.inner_summaries)
-
-  def _checked(self, images, labels):
-    """(images float32, labels int32), their static shapes checked: inside a trace, once."""
     images, labels = tf.cast(images, tf.float32), tf.cast(labels, tf.int32)
     size = hparams.IMAGE_SIZE
     # A batch per tower (replica) of the whole run, or of this process (the plan's).
@@ -432,7 +407,13 @@ class TowerStep:
       raise ValueError(f'images must be [N, batch, {size}, {size}, 3] and labels [N, batch] '
                        f'with N in {counts} (a batch per tower), got '
                        f'{images.shape} and {labels.shape}')
-    return images, labels
+    grads, tower_losses, summary = self._gradients(images, labels, summaries)
+    if summaries:
+      summary.update((tags.gradients_tag(name), grad)
+                     for name, grad in zip(model_spec.VARIABLE_NAMES, grads))
+    if apply:
+      self._apply(grads)
+    return tower_losses, summary, grads
 
   def step(self, tower_batches, summaries=False):
     """Runs one training step.
@@ -450,7 +431,10 @@ class TowerStep:
        towers' loss terms and sparsity, their activations and the averaged
        gradients; empty without `summaries`).
     """
-    return self._step(*self._args(tower_batches, summaries))[:2]
+    # (images, labels) as given, and whether the step returns the summaries. Nothing is
+    # converted or checked here, per step: the traced step converts and checks the
+    # batches once per trace.
+    return self._step(*tower_batches, summaries and self.inner_summaries)[:2]
 
   # Deviation from upstream: both trainers write the tags of common.tags.summary_tags.
   # Computed and written in one traced function, as legacy fetches one merged
@@ -491,7 +475,8 @@ class TowerStep:
 
   def step_graph(self, tower_batches, summaries=False):
     """The traced graph of the step (`summaries`: of the summary step) for these batches."""
-    return self._step.get_concrete_function(*self._args(tower_batches, summaries=summaries)).graph
+    return self._step.get_concrete_function(
+        *tower_batches, summaries and self.inner_summaries).graph
 
   def compute_gradients(self, tower_batches, apply=False):
     """The averaged gradients at the current variables.
@@ -505,10 +490,7 @@ class TowerStep:
       (dict variable name -> averaged gradient tensor, in VARIABLE_NAMES
        order; tower total losses float32 [num_towers]).
     """
-    if apply:
-      tower_losses, _, grads = self._step(*self._args(tower_batches))
-    else:
-      grads, tower_losses = self._gradients_fn(*self._args(tower_batches))[:2]
+    tower_losses, _, grads = self._step(*tower_batches, apply=apply)
     # One copy of each (identical on every replica after the all-reduce).
     return {name: self.strategy.experimental_local_results(grad)[0] for name, grad in
             zip(model_spec.VARIABLE_NAMES, grads)}, tower_losses
