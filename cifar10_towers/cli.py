@@ -191,8 +191,8 @@ _TRAIN_OPTIONS = _options(
 )
 
 # The update rule, shared by `legacy`, `modern` and `crosscheck` (common.optimizer);
-# each option's parameter is named for its field of common.optimizer.Optimizer.
-_DEFAULT_OPTIMIZER = optimizer_lib.Optimizer()
+# each option's parameter is named for its field of common.optimizer.OptimizerSpec.
+_DEFAULT_OPTIMIZER = optimizer_lib.OptimizerSpec()
 _BETA = click.FloatRange(0.0, 1.0, max_open=True)
 _OPTIMIZER_OPTIONS = _options(
     _option('--optimizer name', click.Choice(optimizer_lib.NAMES), _DEFAULT_OPTIMIZER.name,
@@ -218,13 +218,13 @@ _OPTIMIZER_OPTIONS = _options(
 
 
 def _optimizer_from(options):
-  """Pops the optimizer flags from a command's options: common.optimizer.Optimizer.
+  """Pops the optimizer flags from a command's options: common.optimizer.OptimizerSpec.
 
   A flag that the chosen optimizer ignores is a usage error (exit 2), so a
   typo such as `--adam_beta1` with `--optimizer momentum` is not lost.
   """
-  optimizer = optimizer_lib.Optimizer(**{
-      field.name: options.pop(field.name) for field in dataclasses.fields(optimizer_lib.Optimizer)})
+  optimizer = optimizer_lib.OptimizerSpec(**{
+      field.name: options.pop(field.name) for field in dataclasses.fields(optimizer_lib.OptimizerSpec)})
   for name in _given('momentum', 'adam_beta1', 'adam_beta2', 'adam_epsilon'):
     needs = name.split('_')[0]  # momentum, or adam for the adam_* flags
     if optimizer.name != needs:

@@ -87,12 +87,12 @@ def write_modern(directory, values, optimizer):
   """
   from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
   state = modern_step.TrainState(_HOST_PLAN, decay_steps=1,
-                                 optimizer=optimizer_lib.Optimizer(name=optimizer))
+                                 optimizer=optimizer_lib.OptimizerSpec(name=optimizer))
   for name, var in modern_variables(state).items():
     var.assign(values[name])
-  # The trainer's own CheckpointManager (its saves' errors raised as they are).
-  saver = modern_checkpoints.StepSaver(modern_checkpoints.checkpoint_object(state), directory)
-  return saver.manager.save(checkpoint_number=values['global_step'])
+  # The trainer's own CheckpointManager write (its errors raised as they are).
+  return modern_checkpoints.step_saver(modern_checkpoints.checkpoint_object(state),
+                                       directory).write(values['global_step'])
 
 
 def modern_variables(state):
@@ -111,7 +111,7 @@ def write_legacy(directory, values, optimizer):
   The graph is legacy's own (`legacy_session`, never run), so the Saver sees
   exactly the variables a legacy train_dir holds.
   """
-  with legacy_session([1, 1], _HOST_PLAN, 1, optimizer_lib.Optimizer(name=optimizer),
+  with legacy_session([1, 1], _HOST_PLAN, 1, optimizer_lib.OptimizerSpec(name=optimizer),
                       values) as (sess, *_), sess.graph.as_default():
     return tf1.train.Saver(tf1.global_variables(), save_relative_paths=True).save(
         sess, os.path.join(directory, config_lib.CHECKPOINT_BASENAME),

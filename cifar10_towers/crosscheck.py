@@ -154,7 +154,7 @@ class Report:
   rows: list  # Row
   legacy: Result
   modern: Result
-  optimizer: optimizer_lib.Optimizer
+  optimizer: optimizer_lib.OptimizerSpec
   parting: str = None  # where the trainers part at the first failed step (None: none failed)
   drift: list = ()  # (name, largest, median element of |a - b| / max|b|) of the free run
 
@@ -502,7 +502,7 @@ def _parting(engine, k, rows, legacy, modern, *inputs):
 
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
-        engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.Optimizer(),
+        engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.OptimizerSpec(),
         seeds=1):
   """Runs the whole cross-check.
 
@@ -521,7 +521,7 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
       legacy, which makes the comparison N-way.
     grad_rtol: the tolerance of the averaged gradients and the identity;
       GRAD_RTOL, the contract's, unless asked (--rtol).
-    optimizer: common.optimizer.Optimizer both trainers use (default
+    optimizer: common.optimizer.OptimizerSpec both trainers use (default
       upstream's SGD, no clipping).
     seeds: check seeds seed .. seed + seeds - 1 on one build (a sweep), each
       said in a line; the Reports then hold each figure's worst seed.

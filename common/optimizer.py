@@ -1,6 +1,6 @@
 """The optimizer both trainers apply, and the names of its slots in a checkpoint.
 
-`Optimizer` is what the flags `--optimizer`, `--momentum`, `--adam_beta1/2`,
+`OptimizerSpec` (a spec, not an optimizer) is what the flags `--optimizer`, `--momentum`, `--adam_beta1/2`,
 `--adam_epsilon`, `--learning_rate`, `--clip_norm` and `--clip_where` say;
 legacy turns it into TF1's own optimizer (`tf.compat.v1.train.*Optimizer`,
 `tf.clip_by_global_norm`), modern into the same kernels written out
@@ -33,7 +33,7 @@ NON_SLOT_NAMES = {SGD: (), MOMENTUM: (), ADAM: ('beta1_power', 'beta2_power')}
 
 
 @dataclasses.dataclass(frozen=True)
-class Optimizer:
+class OptimizerSpec:
   """The update rule of a run; the same fields mean the same in both trainers."""
   name: str = SGD  # sgd, momentum or adam
   learning_rate: float = hparams.INITIAL_LEARNING_RATE  # decayed by upstream's staircase

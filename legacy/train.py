@@ -111,7 +111,7 @@ def average_gradients(tower_grads):
 
 
 def make_optimizer(spec, lr):
-  """TF1's own optimizer for a common.optimizer.Optimizer, at learning rate `lr`.
+  """TF1's own optimizer for a common.optimizer.OptimizerSpec, at learning rate `lr`.
 
   Its slots get TF1's names ('conv1/weights/Momentum', '.../Adam',
   '.../Adam_1', 'beta1_power', 'beta2_power'), which checkpoints keep.
@@ -150,7 +150,7 @@ def _control_flow_v1():
 
 
 def build_towers(tower_batches, plan, decay_steps, jit=False,
-                 optimizer=optimizer_lib.Optimizer()):
+                 optimizer=optimizer_lib.OptimizerSpec()):
   """Builds the towers, the averaged update and the moving average.
 
   Used by `train` (batches from the prefetch queue) and by the cross-check
@@ -165,7 +165,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       (`common.hparams.decay_steps`).
     jit: bool, compile each tower's loss and gradients with XLA (as the
       modern towers do with `jit`).
-    optimizer: common.optimizer.Optimizer, the update (default upstream's
+    optimizer: common.optimizer.OptimizerSpec, the update (default upstream's
       SGD) and the gradient clipping.
 
   Returns:

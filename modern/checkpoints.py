@@ -20,9 +20,9 @@ plus the `checkpoint` state file, as with legacy's Saver.
 
 Converting: modern -> legacy names is `tf.train.load_variable(path,
 checkpoint_key(name))` for each legacy name; legacy -> modern is a
-`modern.step.TrainState` given the legacy values with
-`assign_variables(values, shadow_values)`, `assign_slots(slots)` and
-`global_step.assign(...)`, saved through `checkpoint_object(state)`.
+`modern.step.TrainState` whose variables, averages, slots and global step
+(`convert.modern_variables`) are assigned the legacy values, saved through
+`checkpoint_object(state)`.
 """
 
 import functools
@@ -70,7 +70,7 @@ def restore_latest(train_dir, checkpoint, optimizer):
   Args:
     train_dir: str.
     checkpoint: `checkpoint_object(trainer)`.
-    optimizer: common.optimizer.Optimizer of the run; a checkpoint of
+    optimizer: common.optimizer.OptimizerSpec of the run; a checkpoint of
       another optimizer is refused.
 
   An unreadable `checkpoint` state file (empty, not text), which

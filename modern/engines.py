@@ -62,7 +62,8 @@ class Towers(training.Trainer):
     plan: common.devices.DevicePlan of this process.
     tower_step: the step (set by `start`): modern.step.TowerStep or ReplicaStep.
     state: its modern.step.TrainState.
-    saver: modern.checkpoints.StepSaver of write_dir (set by modern.train.train).
+    saver: runtime.checkpoints.StepSaver of write_dir, made by
+      modern.checkpoints.step_saver (set by modern.train.train).
     stop: the run's runtime.training.StopRequest (set by modern.train.train).
     num_workers, worker_index, chief: this process's place in the run.
     write_dir: where this process writes checkpoints and summaries.
@@ -155,13 +156,6 @@ class Towers(training.Trainer):
 
   def global_step(self):
     return int(self.state.global_step.numpy())
-
-  def save(self):
-    return self.saver()
-
-  @property
-  def last_saved(self):
-    return self.saver.last_saved
 
   def open_summaries(self):
     writer = tf.summary.create_file_writer(self.write_dir)
@@ -446,7 +440,7 @@ class MultiWorker(Mirrored):
       # A failed step may have incremented the global step before its
       # all-reduce failed (the increment does not depend on it).
       self.state.global_step.assign(step)
-      return self.save()
+      return self.saver()
     except (checkpoints.CheckpointError, lock.LockError, tf.errors.OpError,
             OSError):  # LockError: train_dir was removed under the run
       return None

@@ -71,7 +71,7 @@ def clip(grads, clip_norm):
 
 # The updates of TF1's optimizers, kernel for kernel (their _resource_apply_dense
 # and _finish), so that legacy and modern agree to the last bit but for the
-# gradients' own rounding. Each takes (var, grad, lr, the Optimizer, then the
+# gradients' own rounding. Each takes (var, grad, lr, the OptimizerSpec, then the
 # variable's slots and the optimizer's non-slot variables in
 # common.optimizer's order); a table so that a test can break one.
 UPDATES = {
@@ -114,7 +114,7 @@ class TrainState:
 
   Attributes:
     model: Cifar10Model.
-    optimizer: common.optimizer.Optimizer.
+    optimizer: common.optimizer.OptimizerSpec.
     global_step: int64 tf.Variable on VARIABLE_DEVICE.
     ema: modern.model.MovingAverages.
     decay_steps: int, steps between learning-rate decays.
@@ -126,7 +126,7 @@ class TrainState:
     Args:
       plan: common.devices.DevicePlan the towers run on.
       decay_steps: int >= 1, `runtime.training.checked_decay_steps(...)`.
-      optimizer: common.optimizer.Optimizer.
+      optimizer: common.optimizer.OptimizerSpec.
     """
     self.decay_steps = decay_steps
     # Deviation from upstream: CPU towers compute the LRN with common.lrn's XLA functions.
@@ -253,14 +253,14 @@ class TowerStep:
   inner_summaries = True
 
   def __init__(self, plan, decay_steps, jit=False,
-               optimizer=optimizer_lib.Optimizer(), strategy=None):
+               optimizer=optimizer_lib.OptimizerSpec(), strategy=None):
     """Creates the state (see TrainState) and the step's functions.
 
     Args:
       plan: common.devices.DevicePlan.
       decay_steps: int >= 1, `runtime.training.checked_decay_steps(...)`.
       jit: bool, compile each tower's forward and backward pass with XLA.
-      optimizer: common.optimizer.Optimizer; default upstream's SGD.
+      optimizer: common.optimizer.OptimizerSpec; default upstream's SGD.
       strategy: the tf.distribute.Strategy to create the state in.
     """
     self.plan = plan

@@ -30,7 +30,7 @@ class TrainConfig:
   task_index: int = 0  # multiworker: this worker's index in worker_hosts (0 = chief)
   peer_timeout: int = 60  # multiworker: seconds a step waits for its peers, then fails
   startup_timeout: int = 600  # multiworker: seconds the workers wait for each other to start
-  optimizer: optimizer_lib.Optimizer = optimizer_lib.Optimizer()  # default upstream's SGD
+  optimizer: optimizer_lib.OptimizerSpec = optimizer_lib.OptimizerSpec()  # default upstream's SGD
 
 
 CHECKPOINT_BASENAME = 'model.ckpt'  # checkpoints are model.ckpt-<global_step>

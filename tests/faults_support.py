@@ -266,7 +266,7 @@ def crosscheck_cli(monkeypatch, args):
 
 def crosscheck_run(num_towers, optimizer, **run_args):
   """crosscheck.run on num_towers of this process's devices, with optimizer (a dict of
-  common.optimizer.Optimizer's fields) and run_args as given (JSON's: `seed` a dict's
+  common.optimizer.OptimizerSpec's fields) and run_args as given (JSON's: `seed` a dict's
   keys are strings, as engine names are).
 
   Returns:
@@ -277,7 +277,7 @@ def crosscheck_run(num_towers, optimizer, **run_args):
   from cifar10_towers.common import devices  # pylint: disable=import-outside-toplevel
   from cifar10_towers.common import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
   run = crosscheck.run(devices.plan_devices(num_towers),
-                       optimizer=optimizer_lib.Optimizer(**optimizer), **run_args)
+                       optimizer=optimizer_lib.OptimizerSpec(**optimizer), **run_args)
   reports = run[0]
   return (int(not all(r.passed for r in reports.values())),
           '\n'.join(f'legacy vs modern ({engine}):\n' + crosscheck.format_report(report)

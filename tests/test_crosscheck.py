@@ -154,7 +154,7 @@ def test_an_injected_difference_fails_where_it_acts(monkeypatch, device_plan, fa
   inject(monkeypatch)
   # K = the step it first acts at (decay_steps 1: step 2 crosses the staircase).
   report = crosscheck.run(_plan(device_plan, 2), batch_size=2, steps=step, seed=5,
-                          decay_steps=1, optimizer=optimizer_lib.Optimizer(**spec))[0]['towers']
+                          decay_steps=1, optimizer=optimizer_lib.OptimizerSpec(**spec))[0]['towers']
   assert not report.passed
   parted = re.fullmatch(r'modern \(towers\) parts from legacy at step (\d+): (.*), (\S+) apart',
                         report.parting)

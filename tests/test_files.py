@@ -90,7 +90,7 @@ def _crosscheck_dump(monkeypatch, directory, writer):
   monkeypatch.setattr(np, 'savez_compressed', writer)
   result = types.SimpleNamespace(tower_losses=[1.0], grads={'conv1/weights': [1.0]}, final={},
                                  steps=[])
-  report = types.SimpleNamespace(optimizer=optimizer_lib.Optimizer(), legacy=result, modern=result)
+  report = types.SimpleNamespace(optimizer=optimizer_lib.OptimizerSpec(), legacy=result, modern=result)
   crosscheck.write_evidence(directory, np.zeros([1, 2]), np.zeros([1]), {}, {'towers': report})
 
 

@@ -75,7 +75,7 @@ MATRIX = [(3, name, clip_where) for name in (optimizer_lib.MOMENTUM, optimizer_l
                          ids=['-'.join(map(str, cell)) for cell in MATRIX])
 def test_crosscheck_matrix(monkeypatch, num_towers, name, clip_where):
   """Each cell through the command line: its optimizer flags reach both trainers."""
-  spec = optimizer_lib.Optimizer(name=name, clip_norm=CLIP, clip_where=clip_where)
+  spec = optimizer_lib.OptimizerSpec(name=name, clip_norm=CLIP, clip_where=clip_where)
   mirrored = (num_towers, name, clip_where) in MIRRORED
   engines = ('towers', 'mirrored') if mirrored else ('towers',)
   result, (reports, *_) = fs.crosscheck_cli(monkeypatch, [
@@ -119,7 +119,7 @@ def test_adam_variables_are_held_to_the_steps_lr_per_element():
   init = crosscheck.initial_values(0)
 
   def rows(name, key, offset, global_step=2):
-    spec = optimizer_lib.Optimizer(name=name)
+    spec = optimizer_lib.OptimizerSpec(name=name)
     before = dict(crosscheck.initial_state(init, spec), global_step=np.int64(global_step))
     after = {n: np.asarray(v, np.float64) + (0.01 if n != 'global_step' else 1)
              for n, v in before.items()}
@@ -136,7 +136,7 @@ def test_adam_variables_are_held_to_the_steps_lr_per_element():
   assert rows('adam', 'conv2/weights', 2e-3 * lr)['conv2/weights'].measured > 1e-3
   # The same difference where the gradients differ by 2e-3 epsilon there: it may move
   # the step 2e-3 lr (an Adam step moves at most lr / epsilon per unit of gradient).
-  spec = optimizer_lib.Optimizer(name='adam')
+  spec = optimizer_lib.OptimizerSpec(name='adam')
   before = dict(crosscheck.initial_state(init, spec), global_step=np.int64(2))
   after = dict(before, **{'conv2/weights': before['conv2/weights'] + 0.01})
   other = dict(after, **{'conv2/weights': after['conv2/weights'] + 2e-3 * lr})
@@ -162,7 +162,7 @@ def test_optimizer_flags_for_another_optimizer_are_usage_errors():
 
 # --- checkpoints: slots converted bit for bit, resume refused across optimizers --
 
-ADAM = optimizer_lib.Optimizer(name='adam', learning_rate=0.001, clip_norm=CLIP)
+ADAM = optimizer_lib.OptimizerSpec(name='adam', learning_rate=0.001, clip_norm=CLIP)
 DECAY_STEPS = 1000
 
 
@@ -251,7 +251,7 @@ def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
                                   num_gpus=1, batch_size=4, max_steps=10,
                                   optimizer=optimizer)
 
-  sgd = optimizer_lib.Optimizer()
+  sgd = optimizer_lib.OptimizerSpec()
   # An Adam checkpoint resumed with SGD: legacy, and modern after conversion.
   with pytest.raises(training.TrainingError,
                      match='trained with --optimizer adam; this run has '
@@ -274,7 +274,7 @@ def test_resume_refuses_another_optimizer(adam_legacy_dir, synth_data_dir,
     modern_train.train(config(sgd_modern, ADAM), plan)
   with pytest.raises(training.TrainingError, match='--optimizer sgd; this run has '
                                                    '--optimizer momentum'):
-    legacy_train.train(config(sgd_legacy, optimizer_lib.Optimizer(name='momentum')),
+    legacy_train.train(config(sgd_legacy, optimizer_lib.OptimizerSpec(name='momentum')),
                        plan, num_threads=1)
   # Nothing was written into the refused train_dirs.
   for train_dir in (sgd_legacy, sgd_modern):
