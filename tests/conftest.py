@@ -33,6 +33,22 @@ if os.environ.get('CIFAR10_TOWERS_TF_NOISE') == '1':
 NUM_LOGICAL_DEVICES = 4  # enough for every multi-tower test
 
 
+def _stop_signals_not_ignored():
+  """A test process started in the background by a script (`pytest ... &`) or a
+  scheduler inherits SIGINT and SIGQUIT ignored, as nohup leaves SIGHUP, and the
+  trainers rightly leave an ignored signal ignored (docs/ending.md). The suite's
+  stop-signal tests send them, to this process and to the processes it starts
+  (which inherit an ignored signal): they begin from the signals' defaults."""
+  import signal  # pylint: disable=import-outside-toplevel
+  from cifar10_towers.runtime import training  # pylint: disable=import-outside-toplevel
+  for sig in training.STOP_SIGNALS:
+    if signal.getsignal(sig) == signal.SIG_IGN:
+      signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+_stop_signals_not_ignored()
+
+
 @pytest.fixture(scope='session', autouse=True)
 def cli_logging():
   """The library's log lines reach stdout and stderr as under the CLI (capsys reads them)."""
