@@ -141,7 +141,8 @@ NOT_HELD = math.inf  # the tolerance of a row reported but not held to one
 class Result:
   """What one implementation computed on the cross-check's inputs."""
   steps: list  # Step of each of the K steps, each from the shared state (K = 0: one, no update)
-  final: dict  # full state after K free-running steps (legacy names, as `initial_state`); False: not run
+  # Full state after K free-running steps (legacy names, as `initial_state`); False: not run.
+  final: dict
   single_tower_grads: dict  # 1 tower on the concatenated batches (clipped if asked)
   grads = property(lambda self: self.steps[0].grads)  # at the first state
   applied = property(lambda self: self.steps[0].applied)
@@ -503,7 +504,7 @@ def _parting(engine, k, rows, legacy, modern, *inputs):
 
 def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
         engines=('towers',), grad_rtol=GRAD_RTOL, optimizer=optimizer_lib.OptimizerSpec(),
-        seeds=1):
+        seeds=1, draws=None):
   """Runs the whole cross-check.
 
   Args:
@@ -511,8 +512,7 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     batch_size: images per tower.
     steps: K, training steps, each compared from the same state (0: the
       gradients, losses and identity at the initial variables only).
-    seed: seeds the batches and the initial variables; or a dict engine ->
-      seed, each engine checked at its own seed (the suite's random draws).
+    seed: seeds the batches and the initial variables.
     data_dir: draw the batches from this data dir; None = generated data.
     decay_steps: learning-rate decay interval; small by default so that K
       steps cross the staircase.
@@ -525,6 +525,9 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
       upstream's SGD, no clipping).
     seeds: check seeds seed .. seed + seeds - 1 on one build (a sweep), each
       said in a line; the Reports then hold each figure's worst seed.
+    draws: instead of seed, seeds and data_dir, the checks to run on the one
+      build: (seed, data_dir, the engines checked at it) each (the suite's
+      random draws: each engine at its own seeds, on two data sets).
 
   Returns:
     (dict engine -> Report, images [N,B,24,24,3], labels [N,B], initial
@@ -544,11 +547,12 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     legacy, legacy_one = (_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
                           ((plan, batch_size), (single, n * batch_size)))
     modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
-    # Each engine's seeds: the sweep's range, or one of its own.
-    engine_seeds = {e: [seed[e]] if isinstance(seed, dict) else range(seed, seed + seeds)
-                    for e in engines}
+    if draws is None:
+      draws = [(seed, data_dir, engines) for seed in range(seed, seed + seeds)]
+    # Each engine's draws (with several: a sweep), and its last (which runs free, for --dump).
+    counts = {e: [i for i, (*_, chosen) in enumerate(draws) if e in chosen] for e in engines}
     merged = {}
-    for seed in sorted({s for chosen in engine_seeds.values() for s in chosen}):
+    for i, (seed, data_dir, chosen) in enumerate(draws):
       images, labels = draw_batches(n, batch_size, seed, data_dir)
       init = initial_values(seed)
       concat = images.reshape((1, -1) + images.shape[2:]), labels.reshape(1, -1)
@@ -559,20 +563,19 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
         taken.append(legacy.step(starts[-1], images, labels, update))
         starts.append(taken[-1].state or starts[0])
       reference = Result(taken, starts[-1], legacy_one.step(starts[0], *concat, False).applied)
-      for engine, (towers, one) in modern.items():
-        if seed not in engine_seeds[engine]:
-          continue
+      for engine in chosen:
+        towers, one = modern[engine]
         logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
         # A sweep reports no drift: only its last seed runs free (for --dump).
         result = Result([towers.step(start, images, labels, update) for start in starts[:-1]],
-                        seed == engine_seeds[engine][-1]
+                        i == counts[engine][-1]
                         and towers.free_run(starts[0], images, labels, steps),
                         one.step(starts[0], *concat, False).applied)
         report = compare(
             reference, result, optimizer, starts, decay_steps, grad_rtol,
             lambda k, rows: _parting(engine, k, rows, legacy, towers,  # pylint: disable=cell-var-from-loop
                                      starts[k - 1], images, labels))
-        if seeds > 1:  # a sweep: a line per seed, the worst of each figure kept
+        if len(counts[engine]) > 1:  # a sweep: a line per seed, the worst of each figure kept
           top = max((r for r in report.rows if r.tolerance != NOT_HELD),
                     key=lambda r: r.measured / r.tolerance)
           logger.info(f'seed {seed}, modern ({engine}): ' + (report.parting or (

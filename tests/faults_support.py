@@ -266,8 +266,8 @@ def crosscheck_cli(monkeypatch, args):
 
 def crosscheck_run(num_towers, optimizer, **run_args):
   """crosscheck.run on num_towers of this process's devices, with optimizer (a dict of
-  common.optimizer.OptimizerSpec's fields) and run_args as given (JSON's: `seed` a dict's
-  keys are strings, as engine names are).
+  common.optimizer.OptimizerSpec's fields) and run_args as given (from JSON: `draws`
+  holds lists, not tuples).
 
   Returns:
     (exit code as the CLI's: 0 when every report passed, else 1; the reports'
@@ -275,7 +275,8 @@ def crosscheck_run(num_towers, optimizer, **run_args):
   """
   from cifar10_towers import crosscheck  # pylint: disable=import-outside-toplevel
   from cifar10_towers.common import devices  # pylint: disable=import-outside-toplevel
-  from cifar10_towers.common import optimizer as optimizer_lib  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from cifar10_towers.common import optimizer as optimizer_lib
   run = crosscheck.run(devices.plan_devices(num_towers),
                        optimizer=optimizer_lib.OptimizerSpec(**optimizer), **run_args)
   reports = run[0]
