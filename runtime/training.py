@@ -508,6 +508,13 @@ class StopRequest(threading.Event):
     self.raising_depth += 1
     try:
       yield
+    except Exception as e:
+      # The handler's Stopped may land inside library code that makes another
+      # error of it (CPython's SystemError from a call into C, then TensorFlow's
+      # "Could not pack sequence" while tracing): whatever leaves the block then is the stop.
+      if self._raised:
+        raise Stopped(self.signal_name) from e
+      raise
     finally:
       self.raising_depth -= 1
 

@@ -139,6 +139,28 @@ def test_raising_ends_the_block_at_once_and_only_there():
     assert stop.wait(PROMPT_SECS) and stop.signal_name == 'SIGINT'
 
 
+def test_a_stop_that_library_code_turned_into_another_error_is_still_the_stop():
+  """The handler's Stopped can land inside library code that makes another error of it
+  (seen: a SIGTERM during modern's first trace ended as TensorFlow's "Could not pack
+  sequence"); leaving the block it is the stop again, with that error as its cause.
+  An error in a block no signal interrupted stays itself."""
+  with training.StopRequest() as stop:
+    with pytest.raises(training.Stopped) as raised:
+      with stop.raising():
+        try:
+          _signal_soon(signal.SIGTERM, delay=0.2)
+          time.sleep(30)  # interrupted: the handler raises here
+        except training.Stopped as e:  # what the library made of it
+          raise ValueError('Could not pack sequence.') from e
+    assert raised.value.signal_name == 'SIGTERM'
+    assert isinstance(raised.value.__cause__, ValueError)
+  with training.StopRequest() as stop:
+    with pytest.raises(ValueError, match='not a stop'):
+      with stop.raising():
+        raise ValueError('not a stop')
+    assert not stop.requested
+
+
 @pytest.mark.slow
 def test_a_second_signal_ends_the_process_even_while_a_callback_blocks():
   script = textwrap.dedent('''
