@@ -7,6 +7,7 @@ import logging
 import math
 import signal
 import socket
+import sys
 import threading
 import time
 import typing
@@ -454,6 +455,12 @@ class StopRequest(threading.Event):
           self._undo.callback(signal.signal, sig, previous)
       self._undo.callback(signal.set_wakeup_fd, signal.set_wakeup_fd(
           writer.fileno(), warn_on_full_buffer=False))
+      # C code that cannot raise (TensorFlow's nest, while tracing) prints the
+      # handler's Stopped, or CPython's SystemError from it, as an ignored
+      # exception: a traceback for a stop that the ending path says in one line.
+      hook = sys.unraisablehook
+      self._undo.callback(setattr, sys, 'unraisablehook', hook)
+      sys.unraisablehook = lambda info: (self._raised and _stops(info.exc_value)) or hook(info)
       watcher.start()
     StopRequest._active = self
     return self
@@ -552,6 +559,13 @@ class StopRequest(threading.Event):
     with self.lock:
       for callback in reversed(self.callbacks):
         _run_callback(callback, name)
+
+
+def _stops(error):
+  """Whether `error` is a Stopped, or was caused by one."""
+  while error is not None and not isinstance(error, Stopped):
+    error = error.__cause__ or error.__context__
+  return error is not None
 
 
 def _run_callback(callback, name):

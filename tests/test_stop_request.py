@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 import tensorflow as tf
@@ -142,18 +143,33 @@ def test_raising_ends_the_block_at_once_and_only_there():
 def test_a_stop_that_library_code_turned_into_another_error_is_still_the_stop():
   """The handler's Stopped can land inside library code that makes another error of it
   (seen: a SIGTERM during modern's first trace ended as TensorFlow's "Could not pack
-  sequence"); leaving the block it is the stop again, with that error as its cause.
-  An error in a block no signal interrupted stays itself."""
-  with training.StopRequest() as stop:
-    with pytest.raises(training.Stopped) as raised:
-      with stop.raising():
-        try:
-          _signal_soon(signal.SIGTERM, delay=0.2)
-          time.sleep(30)  # interrupted: the handler raises here
-        except training.Stopped as e:  # what the library made of it
-          raise ValueError('Could not pack sequence.') from e
-    assert raised.value.signal_name == 'SIGTERM'
-    assert isinstance(raised.value.__cause__, ValueError)
+  sequence", after its C code had printed CPython's SystemError from the Stopped as an
+  ignored exception); leaving the block it is the stop again, with that error as its
+  cause, and nothing prints the Stopped as ignored. An error in a block no signal
+  interrupted stays itself, and other ignored exceptions still print."""
+  printed = []
+  before = sys.unraisablehook
+  recorder = sys.unraisablehook = lambda info: printed.append(info.exc_value)
+  try:
+    with training.StopRequest() as stop:
+      with pytest.raises(training.Stopped) as raised:
+        with stop.raising():
+          try:
+            _signal_soon(signal.SIGTERM, delay=0.2)
+            time.sleep(30)  # interrupted: the handler raises here
+          except training.Stopped as e:  # what the library made of it
+            system_error = SystemError('__import__ returned a result with an exception set')
+            system_error.__cause__ = e
+            other = RuntimeError('not the stop')
+            for error in (system_error, other):  # as C code that cannot raise reports them
+              sys.unraisablehook(types.SimpleNamespace(exc_value=error))
+            raise ValueError('Could not pack sequence.') from e
+      assert raised.value.signal_name == 'SIGTERM'
+      assert isinstance(raised.value.__cause__, ValueError)
+      assert printed == [other]
+    assert sys.unraisablehook is recorder  # the hook as it was
+  finally:
+    sys.unraisablehook = before
   with training.StopRequest() as stop:
     with pytest.raises(ValueError, match='not a stop'):
       with stop.raising():
