@@ -79,12 +79,6 @@ class Towers(training.Trainer):
     self.plan = plan
     self.write_dir = self.train_dir = config.train_dir
 
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    """After the run, however it ended, its train_dir lock released."""
-
   def strategy(self):
     """The tf.distribute.Strategy the step runs under; None: the towers' own step."""
 
