@@ -33,12 +33,11 @@ logger = logging.getLogger(__name__)
 # global_step: int64 variable, incremented by train_op
 # lr: float32 scalar, the learning rate at global_step
 # tower_losses: list of N float32 scalars, each tower's total loss
-# mean_loss: float32 scalar, mean of tower_losses
 # averaged_grads: list of (gradient, variable), mean over the towers
 # applied_grads: what the optimizer applies: averaged_grads, clipped if asked
 # ema: the tf.train.ExponentialMovingAverage of the trainable variables
 # summary_op: common.tags.summary_tags' summaries, merged (variables after the step)
-TowerOps = collections.namedtuple('TowerOps', 'train_op global_step lr tower_losses mean_loss '
+TowerOps = collections.namedtuple('TowerOps', 'train_op global_step lr tower_losses '
                                 'averaged_grads applied_grads ema summary_op')
 
 
@@ -261,7 +260,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       summary_op = tf.summary.merge(tf.get_collection(
           tf.GraphKeys.SUMMARIES, rf'{model.TOWER_NAME}_\d+/|summaries/'))
 
-  return TowerOps(train_op, global_step, lr, tower_losses, mean_loss, grads,
+  return TowerOps(train_op, global_step, lr, tower_losses, grads,
                 applied, ema, summary_op)
 
 
