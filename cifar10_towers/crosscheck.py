@@ -421,7 +421,7 @@ class _Modern:
   def __init__(self, engine, plan, decay_steps, optimizer):
     from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
     self.plan, self._detail = plan, None
-    self.trainer = engines.make(config_lib.TrainConfig(
+    self.trainer = engines.ENGINES[engine](config_lib.TrainConfig(
         num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
     self.variables = convert.modern_variables(self.trainer.state)
 

@@ -15,7 +15,7 @@ An engine is the modern trainer's side of `runtime.training.train_loop`
 (`Towers`); it builds the step (`tower_step`) and runs it. Only `MultiWorker`,
 where several processes train together, agrees with its peers: it broadcasts
 the restored state, votes on a stop, meets at a final barrier and bounds
-every wait. `make` picks the engine; the loop never asks which one it has.
+every wait. `ENGINES` picks the engine; the loop never asks which one it has.
 
 The replica engines run the towers' update (`modern.step.TrainState`) on
 every replica: no Keras optimizer, the same learning rate and moving averages.
@@ -619,9 +619,6 @@ class PeerWatchdog(threading.Thread):
       return
 
 
+# The engine of each config.strategy: ENGINES[config.strategy](config, plan) makes it
+# (nothing started: see Towers.start).
 ENGINES = {'towers': Towers, 'mirrored': Mirrored, 'multiworker': MultiWorker}
-
-
-def make(config, plan):
-  """The engine of config.strategy (nothing started: see Towers.start)."""
-  return ENGINES[config.strategy](config, plan)
