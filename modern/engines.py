@@ -239,7 +239,7 @@ def broadcast_from_chief(strategy, state):
   # The optimizer's slots too: a resumed momentum or Adam run goes on from
   # the chief's.
   variables = [*state.model.variable_list(), *state.ema.variable_list(),
-               *state.slot_variables().values(), state.global_step]
+               *state.slots.values(), state.global_step]
 
   def replica_fn():
     context = tf.distribute.get_replica_context()
