@@ -419,11 +419,10 @@ def restore_or_initialize(sess, graph_parts, train_dir, optimizer):
     variable.load(contents.tensors[variable.op.name].astype(
         variable.dtype.base_dtype.as_numpy_dtype), sess)
   step = int(sess.run(graph_parts.towers.global_step))
-  if contents.tensors['global_step'].dtype.kind == 'f':
-    logger.info(f'Resuming an upstream train_dir from {contents.path} at global step {step} '
-                '(float32 global_step); new checkpoints are named by the global step.')
-  else:
-    logger.info(f'Resuming from {contents.path} at global step {step}.')
+  logger.info(f'Resuming an upstream train_dir from {contents.path} at global step {step} '
+              '(float32 global_step); new checkpoints are named by the global step.'
+              if contents.tensors['global_step'].dtype.kind == 'f' else
+              f'Resuming from {contents.path} at global step {step}.')
   return step
 
 
