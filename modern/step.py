@@ -136,14 +136,12 @@ class TrainState:
     self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
     self.ema = model_lib.MovingAverages(self.model)
     self.optimizer = optimizer
-    # As TF1's optimizers create them: slots zero, beta powers at beta (the
-    # power of step 1).
-    initial = {'beta1_power': optimizer.adam_beta1, 'beta2_power': optimizer.adam_beta2}
     with tf.device(devices.VARIABLE_DEVICE):
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
-      # float32, as a Python float and tf.zeros are.
+      # As TF1's optimizers create them (OptimizerSpec.initial_value); float32, as tf.fill
+      # of a Python float is.
       self.slots = {
-          name: tf.Variable(initial.get(name, tf.zeros(optimizer_lib.slot_shape(name))),
+          name: tf.Variable(tf.fill(optimizer_lib.slot_shape(name), optimizer.initial_value(name)),
                             trainable=False, name=name)
           for name in optimizer.slot_names()}
 
