@@ -97,7 +97,7 @@ def write_modern(directory, values, optimizer):
 
 def modern_variables(state):
   """Every tf.Variable of a modern TrainState by its legacy name (as `state_of`'s values)."""
-  return {**state.variables(), **state.slot_variables(), 'global_step': state.global_step,
+  return {**state.variables(), **state.slots, 'global_step': state.global_step,
           **{model_spec.average_name(n): v for n, v in state.shadow_variables().items()}}
 
 

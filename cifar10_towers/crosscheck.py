@@ -185,9 +185,9 @@ def _kinds(optimizer):
 
 def initial_state(init, optimizer):
   """The full state of a fresh start from variables `init`, as both trainers create it."""
-  powers = {'beta1_power': optimizer.adam_beta1, 'beta2_power': optimizer.adam_beta2}
   return {**init, **{model_spec.average_name(n): v for n, v in init.items()},
-          **{name: np.full(optimizer_lib.slot_shape(name), powers.get(name, 0.0), np.float32)
+          **{name: np.full(optimizer_lib.slot_shape(name), optimizer.initial_value(name),
+                           np.float32)
              for name in optimizer.slot_names()}, 'global_step': np.int64(0)}
 
 
@@ -421,7 +421,7 @@ class _Modern:
   def __init__(self, engine, plan, decay_steps, optimizer):
     from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
     self.plan, self._detail = plan, None
-    self.trainer = engines.make(config_lib.TrainConfig(
+    self.trainer = engines.ENGINES[engine](config_lib.TrainConfig(
         num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
     self.variables = convert.modern_variables(self.trainer.state)
 

@@ -56,6 +56,11 @@ class OptimizerSpec:
     """Legacy names of every slot and non-slot variable, in a fixed order."""
     return slot_names(self.name)
 
+  def initial_value(self, slot_name):
+    """A slot's value at a fresh start, as TF1's optimizers create it: beta1_power and
+    beta2_power at beta (its power at step 1), every other slot 0 (each element)."""
+    return {'beta1_power': self.adam_beta1, 'beta2_power': self.adam_beta2}.get(slot_name, 0.0)
+
 
 def slot_names(name):
   """Legacy names of the slots and non-slot variables of optimizer `name`."""

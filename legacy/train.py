@@ -33,12 +33,11 @@ logger = logging.getLogger(__name__)
 # global_step: int64 variable, incremented by train_op
 # lr: float32 scalar, the learning rate at global_step
 # tower_losses: list of N float32 scalars, each tower's total loss
-# mean_loss: float32 scalar, mean of tower_losses
 # averaged_grads: list of (gradient, variable), mean over the towers
 # applied_grads: what the optimizer applies: averaged_grads, clipped if asked
 # ema: the tf.train.ExponentialMovingAverage of the trainable variables
 # summary_op: common.tags.summary_tags' summaries, merged (variables after the step)
-TowerOps = collections.namedtuple('TowerOps', 'train_op global_step lr tower_losses mean_loss '
+TowerOps = collections.namedtuple('TowerOps', 'train_op global_step lr tower_losses '
                                 'averaged_grads applied_grads ema summary_op')
 
 
@@ -261,7 +260,7 @@ def build_towers(tower_batches, plan, decay_steps, jit=False,
       summary_op = tf.summary.merge(tf.get_collection(
           tf.GraphKeys.SUMMARIES, rf'{model.TOWER_NAME}_\d+/|summaries/'))
 
-  return TowerOps(train_op, global_step, lr, tower_losses, mean_loss, grads,
+  return TowerOps(train_op, global_step, lr, tower_losses, grads,
                 applied, ema, summary_op)
 
 
@@ -420,11 +419,10 @@ def restore_or_initialize(sess, graph_parts, train_dir, optimizer):
     variable.load(contents.tensors[variable.op.name].astype(
         variable.dtype.base_dtype.as_numpy_dtype), sess)
   step = int(sess.run(graph_parts.towers.global_step))
-  if contents.tensors['global_step'].dtype.kind == 'f':
-    logger.info(f'Resuming an upstream train_dir from {contents.path} at global step {step} '
-                '(float32 global_step); new checkpoints are named by the global step.')
-  else:
-    logger.info(f'Resuming from {contents.path} at global step {step}.')
+  logger.info(f'Resuming an upstream train_dir from {contents.path} at global step {step} '
+              '(float32 global_step); new checkpoints are named by the global step.'
+              if contents.tensors['global_step'].dtype.kind == 'f' else
+              f'Resuming from {contents.path} at global step {step}.')
   return step
 
 

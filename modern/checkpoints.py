@@ -57,7 +57,7 @@ def checkpoint_object(state):
   'optimizer/conv1/weights/Adam/...': legacy's names under 'optimizer/'.
   """
   objects = dict(global_step=state.global_step, model=state.model, ema=state.ema)
-  for name, variable in state.slot_variables().items():  # none for SGD: no 'optimizer/'
+  for name, variable in state.slots.items():  # none for SGD: no 'optimizer/'
     *parts, leaf = name.split('/')
     functools.reduce(lambda node, part: node.setdefault(part, {}), parts,
                      objects.setdefault('optimizer', {}))[leaf] = variable

@@ -15,7 +15,7 @@ An engine is the modern trainer's side of `runtime.training.train_loop`
 (`Towers`); it builds the step (`tower_step`) and runs it. Only `MultiWorker`,
 where several processes train together, agrees with its peers: it broadcasts
 the restored state, votes on a stop, meets at a final barrier and bounds
-every wait. `make` picks the engine; the loop never asks which one it has.
+every wait. `ENGINES` picks the engine; the loop never asks which one it has.
 
 The replica engines run the towers' update (`modern.step.TrainState`) on
 every replica: no Keras optimizer, the same learning rate and moving averages.
@@ -78,12 +78,6 @@ class Towers(training.Trainer):
     self.config = config
     self.plan = plan
     self.write_dir = self.train_dir = config.train_dir
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    """After the run, however it ended, its train_dir lock released."""
 
   def strategy(self):
     """The tf.distribute.Strategy the step runs under; None: the towers' own step."""
@@ -245,7 +239,7 @@ def broadcast_from_chief(strategy, state):
   # The optimizer's slots too: a resumed momentum or Adam run goes on from
   # the chief's.
   variables = [*state.model.variable_list(), *state.ema.variable_list(),
-               *state.slot_variables().values(), state.global_step]
+               *state.slots.values(), state.global_step]
 
   def replica_fn():
     context = tf.distribute.get_replica_context()
@@ -625,9 +619,6 @@ class PeerWatchdog(threading.Thread):
       return
 
 
+# The engine of each config.strategy: ENGINES[config.strategy](config, plan) makes it
+# (nothing started: see Towers.start).
 ENGINES = {'towers': Towers, 'mirrored': Mirrored, 'multiworker': MultiWorker}
-
-
-def make(config, plan):
-  """The engine of config.strategy (nothing started: see Towers.start)."""
-  return ENGINES[config.strategy](config, plan)

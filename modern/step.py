@@ -118,6 +118,8 @@ class TrainState:
     global_step: int64 tf.Variable on VARIABLE_DEVICE.
     ema: modern.model.MovingAverages.
     decay_steps: int, steps between learning-rate decays.
+    slots: dict legacy slot name ('conv1/weights/Adam', 'beta1_power', ...) ->
+      tf.Variable of the optimizer (none for SGD).
   """
 
   def __init__(self, plan, decay_steps, optimizer):
@@ -134,14 +136,12 @@ class TrainState:
     self.model = model_lib.Cifar10Model(lrn=lrn.for_plan(plan))
     self.ema = model_lib.MovingAverages(self.model)
     self.optimizer = optimizer
-    # As TF1's optimizers create them: slots zero, beta powers at beta (the
-    # power of step 1).
-    initial = {'beta1_power': optimizer.adam_beta1, 'beta2_power': optimizer.adam_beta2}
     with tf.device(devices.VARIABLE_DEVICE):
       self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
-      # float32, as a Python float and tf.zeros are.
-      self._slots = {
-          name: tf.Variable(initial.get(name, tf.zeros(optimizer_lib.slot_shape(name))),
+      # As TF1's optimizers create them (OptimizerSpec.initial_value); float32, as tf.fill
+      # of a Python float is.
+      self.slots = {
+          name: tf.Variable(tf.fill(optimizer_lib.slot_shape(name), optimizer.initial_value(name)),
                             trainable=False, name=name)
           for name in optimizer.slot_names()}
 
@@ -171,7 +171,7 @@ class TrainState:
         replica's own copy of the variables in args too); default: the one copy.
     """
     spec = self.optimizer
-    non_slots = [self._slots[name] for name in optimizer_lib.NON_SLOT_NAMES[spec.name]]
+    non_slots = [self.slots[name] for name in optimizer_lib.NON_SLOT_NAMES[spec.name]]
     with tf.name_scope('update'):
       # Read before the increment, as exponential_decay inside legacy's
       # apply_gradients reads it.
@@ -179,7 +179,7 @@ class TrainState:
                                     spec.learning_rate)
       for name, grad, var in zip(model_spec.VARIABLE_NAMES, grads,
                                  self.model.variable_list()):
-        slots = [self._slots[f'{name}/{suffix}']
+        slots = [self.slots[f'{name}/{suffix}']
                  for suffix in optimizer_lib.SLOT_SUFFIXES[spec.name]]
         update(var, UPDATES[spec.name], args=(grad, lr, spec, *slots, *non_slots))
       # After every variable's update, as AdamOptimizer._finish does
@@ -207,10 +207,6 @@ class TrainState:
   def shadow_variables(self):
     """Dict 'conv1/weights' -> moving-average tf.Variable, in VARIABLE_NAMES order."""
     return self.ema.variables_by_name()
-
-  def slot_variables(self):
-    """Dict legacy slot name ('conv1/weights/Adam', 'beta1_power', ...) -> tf.Variable."""
-    return dict(self._slots)
 
   def assign_variables(self, values, shadow_values=None):
     """Sets the trainable variables and their moving averages.

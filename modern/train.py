@@ -45,7 +45,7 @@ def train(config, plan, on_step=None):
       was done; nothing was written.
     modern.cluster.ClusterError: the multiworker cluster is missing or malformed.
   """
-  with engines.make(config, plan) as engine, training.starting(
+  with engines.ENGINES[config.strategy](config, plan) as engine, training.starting(
       config, config.num_gpus * engine.num_workers, engine.write_dir, engine.lock_what) as (
           stop, examples_per_epoch, decay_steps):
     with stop.raising():

@@ -111,8 +111,7 @@ class StreamClosed(errors.Failure):
   stream, named by `echo`, the one place where the CLI writes to either.
   """
 
-  def __init__(self, stream, error):
-    self.stream = stream  # 'stdout' or 'stderr'
+  def __init__(self, stream, error):  # stream: 'stdout' or 'stderr'
     gone = ": a pipe's reader ended or the terminal is gone" if error.errno in (
         errno.EPIPE, errno.EIO, errno.EBADF) else ''
     super().__init__(f'{stream} closed ({error.strerror or error}{gone})')

@@ -89,8 +89,10 @@ class StepResult(typing.NamedTuple):
   stop: bool = False  # every process stops after this step (a stop request of one rode on it)
 
 
-class Trainer:
+class Trainer(contextlib.AbstractContextManager):
   """A trainer's side of `train_loop` (legacy.train.QueueTrainer, modern.engines.Towers).
+
+  A context manager (entered: itself, as every contextlib.AbstractContextManager).
 
   Attributes:
     images: int, the images of one step over all replicas.
@@ -104,6 +106,9 @@ class Trainer:
   """
 
   chief = alone = True
+
+  def __exit__(self, *exc):
+    """After the run, however it ended (modern: its train_dir lock released)."""
 
   def step(self, step, first, summaries):
     """Runs one step from global step `step` (`summaries`: computes them too):
