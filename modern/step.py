@@ -63,7 +63,8 @@ def average_gradients(tower_grads):
   # [N, *var.shape] concat computes, without copying the gradients into it (2 towers at
   # batch 4: 4-11% of a step, docs/performance.md). Named Mean, as legacy's op is.
   return [(tf.math.truediv(tf.add_n([g for g, _ in grad_and_vars]), len(grad_and_vars),
-                           name='Mean'), grad_and_vars[0][1]) for grad_and_vars in zip(*tower_grads)]
+                           name='Mean'), grad_and_vars[0][1])
+          for grad_and_vars in zip(*tower_grads)]
 
 
 def clip(grads, clip_norm):
