@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -402,16 +403,28 @@ def changed(before, after):
   return sorted(p for p, digest in before.items() if after.get(p) != digest)
 
 
+# free_ports' ports: below Linux's ephemeral range (32768-60999, where the OS picks
+# port 0's and client connections' ports), a range of its own for each pytest-xdist
+# worker (gw0, gw1, ...). Ports picked by the OS were shared: two workers' clusters,
+# started at the same moment, got the same port and joined each other's.
+PORTS_PER_WORKER = 2000
+
+
 def free_ports(count):
-  """`count` distinct TCP ports free on 127.0.0.1 right now (for loopback workers)."""
-  sockets = [socket.socket() for _ in range(count)]
-  try:
-    for s in sockets:
-      s.bind(('127.0.0.1', 0))
-    return [s.getsockname()[1] for s in sockets]
-  finally:
-    for s in sockets:
-      s.close()
+  """`count` distinct TCP ports free on 127.0.0.1 right now (for loopback workers),
+  from this pytest-xdist worker's own range."""
+  low = 20000 + PORTS_PER_WORKER * int(os.environ.get('PYTEST_XDIST_WORKER', 'gw0')[2:])
+  ports = []
+  for port in random.Random().sample(range(low, low + PORTS_PER_WORKER), PORTS_PER_WORKER):
+    with socket.socket() as s:
+      try:
+        s.bind(('127.0.0.1', port))
+      except OSError:  # in use, or lingering after an earlier test's process
+        continue
+    ports.append(port)
+    if len(ports) == count:
+      return ports
+  raise RuntimeError(f'fewer than {count} free ports in {low}-{low + PORTS_PER_WORKER - 1}')
 
 
 def closed_port_url():
