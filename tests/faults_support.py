@@ -586,6 +586,7 @@ import functools
 import importlib.abc
 import json
 import os
+import signal
 import sys
 import time
 
@@ -606,6 +607,8 @@ def _wrap(func, hook):
       until = time.monotonic() + hook.get('dwell', 0)
       if 'say' in hook:
         print(hook['say'], flush=True)
+      if hook.get('freeze'):  # stopped at the line itself, however late a test reads it
+        os.kill(os.getpid(), signal.SIGSTOP)
       time.sleep(max(0.0, until - time.monotonic()))
     if 'returns' in hook:
       return hook['returns']
@@ -656,7 +659,7 @@ if _HOOKS:
 PROJECT_PACKAGES = ('common', 'runtime', 'datasets', 'legacy', 'modern', 'towerprofile')
 
 
-def hook(at, say=None, dwell=0.0, nth=1, returns=None):
+def hook(at, say=None, dwell=0.0, nth=1, returns=None, freeze=False):
   """One hook of `hooks_env`: at the nth call of `at`.
 
   `at` is a function or method of the product itself (e.g.
@@ -665,13 +668,16 @@ def hook(at, say=None, dwell=0.0, nth=1, returns=None):
   project's modules named inside the cifar10_towers package
   ('common.devices:...'), others in full ('tensorflow.python...:...').
   Prints `say` on stdout and pauses until `dwell` seconds after it before the call goes on,
-  or returns `returns` instead of calling (when given).
+  or returns `returns` instead of calling (when given). `freeze`: right after the
+  line the run stops itself (SIGSTOP), as `Frozen` would stop it there: on a
+  busy machine a test may read the line after the pause has run out, and
+  freeze the run past the phase (a SIGCONT lets it go on).
   """
   if callable(at):
     at = f'{at.__module__}:{at.__qualname__}'
   elif at.split('.')[0] in PROJECT_PACKAGES:
     at = 'cifar10_towers.' + at
-  spec = {'at': at, 'nth': nth, 'dwell': dwell}
+  spec = {'at': at, 'nth': nth, 'dwell': dwell, 'freeze': freeze}
   if say is not None:
     spec['say'] = say
   if returns is not None:
@@ -706,26 +712,36 @@ class Frozen:
 
   A thread of its own waits for the line, so many runs can be frozen each at
   its own moment. `line` is that line (None if the run ended first), and
-  `frozen_at` the time.time() of the freeze.
+  `frozen_at` the time.time() of the freeze. itself: the line is a hook's with
+  `freeze` (the run stops itself right after it), so the run is only watched
+  until it has stopped: a SIGSTOP of ours could come between the line and the
+  run's own, which would then stop it again after the test's SIGCONT.
   """
 
-  def __init__(self, run, predicate, timeout=240):
+  def __init__(self, run, predicate, timeout=240, itself=False):
     self.run = run
     self.line = None
     self.frozen_at = None
     self.error = None
-    self._thread = threading.Thread(target=self._watch, args=(predicate, timeout),
+    self._thread = threading.Thread(target=self._watch, args=(predicate, timeout, itself),
                                     daemon=True)
     self._thread.start()
 
-  def _watch(self, predicate, timeout):
+  def _watch(self, predicate, timeout, itself):
     try:
       self.line = self.run.wait_for(predicate, timeout=timeout)
     except AssertionError as e:  # no line in time
       self.error = str(e)
       return
     if self.line is not None and self.run.proc.poll() is None:
-      self.run.proc.send_signal(signal.SIGSTOP)
+      if not itself:
+        self.run.proc.send_signal(signal.SIGSTOP)
+      deadline = time.time() + timeout
+      while not _stopped(self.run.proc.pid) and self.run.proc.poll() is None:
+        if time.time() > deadline:
+          self.error = f'the run did not stop within {timeout} s of {self.line!r}'
+          return
+        time.sleep(0.01)
       self.frozen_at = time.time()
 
   def wait(self, timeout=300):
@@ -734,6 +750,15 @@ class Frozen:
     assert not self._thread.is_alive(), 'still waiting for the line'
     assert self.error is None, self.error
     return self.line
+
+
+def _stopped(pid):
+  """Whether process `pid` is stopped (SIGSTOP): its state in /proc/PID/stat."""
+  try:
+    with open(f'/proc/{pid}/stat', encoding='ascii', errors='replace') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] in 'Tt'
+  except (OSError, IndexError):
+    return False
 
 
 def exit_bound(seconds):

@@ -120,8 +120,8 @@ def two_runs(synth_data_dir, tmp_path_factory):
                     '--max_steps', PAIR_STEPS, '--save_every', 5),
         env=fs.hooks_env(str(base / 'hooks'),
                          [fs.hook(lock.exclusive, say='HOOK lock',
-                                  dwell=5)]), forked=True)
-    seconds[pair] = (second, fs.Frozen(second, lambda line: line == 'HOOK lock'))
+                                  dwell=5, freeze=True)]), forked=True)
+    seconds[pair] = (second, fs.Frozen(second, lambda line: line == 'HOOK lock', itself=True))
   runs = [run for _, run, _ in firsts.values()] + [run for run, _ in seconds.values()]
   try:
     for _, run, frozen in firsts.values():
@@ -210,25 +210,25 @@ def _phases(impl):
   rows = [
       Phase('data_check', impl, sigint if impl == 'legacy' else term,
             [fs.hook(cifar10_format.train_files, say='HOOK data',
-                     dwell=5)],
+                     dwell=5, freeze=True)],
             'HOOK data', (), False, None),
       Phase('tensorflow_import', impl, term if impl == 'legacy' else sigint,
             [fs.hook(devices.plan_devices, say='HOOK import')],
             'HOOK import', (), False, None),
       Phase('graph_building', impl, term,
-            [fs.hook(_GRAPH[impl], say='HOOK graph', dwell=5)],
+            [fs.hook(_GRAPH[impl], say='HOOK graph', dwell=5, freeze=True)],
             'HOOK graph', (), False, None),
       Phase('restore', impl, term,
-            [fs.hook(_RESTORE[impl], say='HOOK restore', dwell=5)],
+            [fs.hook(_RESTORE[impl], say='HOOK restore', dwell=5, freeze=True)],
             'HOOK restore', (), True, None),
-      Phase('save', impl, term, [fs.hook(_SAVE[impl], say='HOOK save', dwell=5)],
+      Phase('save', impl, term, [fs.hook(_SAVE[impl], say='HOOK save', dwell=5, freeze=True)],
             'HOOK save', ('--save_every', 3), False, 3),
       Phase('final_save', impl, term,
-            [fs.hook(_SAVE[impl], say='HOOK save', dwell=5)],
+            [fs.hook(_SAVE[impl], say='HOOK save', dwell=5, freeze=True)],
             'HOOK save', ('--max_steps', 3), False, 3),
       # SIGINT after a step: its save and exit 130 (SIGTERM's: the saves above).
       Phase('summaries', impl, sigint,
-            [fs.hook(_SUMMARIES[impl], say='HOOK summaries', dwell=5)],
+            [fs.hook(_SUMMARIES[impl], say='HOOK summaries', dwell=5, freeze=True)],
             'HOOK summaries', ('--summary_every', 2), False, 2),
   ]
   if impl == 'legacy':
@@ -275,7 +275,8 @@ def _signal_in_phases(impl, synth_data_dir, tmp_path_factory):
         forked=phase.name != 'tensorflow_import')
     marker = phase.marker
     runs[phase.name] = (phase, train_dir, before, run,
-                        fs.Frozen(run, lambda line, m=marker: line.startswith(m)))
+                        fs.Frozen(run, lambda line, m=marker: line.startswith(m),
+                                  itself=any(hook['freeze'] for hook in phase.hooks)))
   results = {}
   try:
     for name, (_, _, _, run, frozen) in runs.items():
