@@ -32,8 +32,9 @@ class WriteError(errors.Failure):
 _ADVICE = [  # (what to do, how the operating system words a failed write it fixes)
     ('Make it writable', ('Permission denied', 'Operation not permitted',
                           'Read-only file system')),
-    ('Free space on that disk', ('No space left on device', 'Disk quota exceeded',
-                                 'File too large')),
+    ('Free space on that disk', ('No space left on device', 'Disk quota exceeded')),
+    # EFBIG: past the process's file size limit, or the file system's largest file.
+    ('Raise the file size limit (ulimit -f)', ('File too large',)),
     ('Move the file in the way', ('Not a directory',)),
 ]
 

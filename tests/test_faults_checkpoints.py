@@ -253,6 +253,7 @@ def test_full_disk_simulated_in_process(impl, synth_data_dir, tmp_path,
 @pytest.mark.parametrize('error, advice', [
     (OSError(errno.ENOSPC, 'No space left on device'), 'Free space on that disk'),
     (OSError(errno.EDQUOT, 'Disk quota exceeded'), 'Free space on that disk'),
+    (OSError(errno.EFBIG, 'File too large'), 'Raise the file size limit (ulimit -f)'),
     (OSError(errno.EACCES, 'Permission denied'), 'Make it writable'),
     (OSError(errno.EPERM, 'Operation not permitted'), 'Make it writable'),
     (OSError(errno.EROFS, 'Read-only file system'), 'Make it writable'),
