@@ -136,11 +136,11 @@ class Towers(training.Trainer):
         batches = next(self._iterator)
       # The speed of the log lines counts the wait for the batch too (legacy's
       # session run dequeues it); `on_step` the step alone.
-      start_time = time.time()
+      start_time = time.monotonic()
       with progress('Building and tracing the step (first step)'):
         tower_losses, stopping = self._run(step, first, batches, summaries)
     self._traced = batches, summaries
-    return training.StepResult(tower_losses, time.time() - start_time, stopping)
+    return training.StepResult(tower_losses, time.monotonic() - start_time, stopping)
 
   def _run(self, step, first, batches, summaries):  # pylint: disable=unused-argument
     """The step on `batches`: (tower losses, numpy; whether every process stops now)."""

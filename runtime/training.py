@@ -177,12 +177,12 @@ def train_loop(config, stop, trainer, step, on_step=None):
       while step < config.max_steps and not stopping and not (trainer.alone and stop.requested):
         first = step == first_step
         write_summary = (step + 1) % config.summary_every == 0
-        start = time.time()
+        start = time.monotonic()
         done = trainer.step(step, first, write_summary)
         if done is None:  # the stop closed the input under this step: it did not run
           break
         tower_losses, step_seconds, stopping = done
-        seconds = time.time() - start
+        seconds = time.monotonic() - start
         # Before `step` counts it: a diverged step is never saved.
         check_divergence(step + 1, tower_losses)
         # Deviation from upstream: 'step N' and model.ckpt-N count the global step after the update.
