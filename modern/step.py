@@ -361,14 +361,12 @@ class TowerStep:
     # from a tower still computing: towers overlapped 0.72, now 0.85 (docs/performance.md).
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'), \
         tf.control_dependencies([g for grads in tower_grads for g, _ in grads]):
-      # Each tower's loss is its
-      # own batch's mean cross-entropy plus one weight-decay term, exactly as
-      # legacy's tower_loss; gradients are linear, so the per-variable mean
-      # over towers of these per-tower gradients is what legacy's
-      # average_gradients computes (the same sum and division), and - with
-      # equal batch sizes - the gradient of the
-      # mean loss over all N*batch images with weight decay counted once.
-      # Nothing is summed across replicas implicitly.
+      # Each tower's loss is its own batch's mean cross-entropy plus one weight-decay
+      # term, exactly as legacy's tower_loss; gradients are linear, so the per-variable
+      # mean over towers of these per-tower gradients is what legacy's
+      # average_gradients computes (the same sum and division), and - with equal batch
+      # sizes - the gradient of the mean loss over all N*batch images with weight decay
+      # counted once. Nothing is summed across replicas implicitly.
       grads = [g for g, _ in average_gradients(tower_grads)]
       return grads, tf.stack(tower_losses), summary
 

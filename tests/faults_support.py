@@ -736,9 +736,9 @@ class Frozen:
     if self.line is not None and self.run.proc.poll() is None:
       if not itself:
         self.run.proc.send_signal(signal.SIGSTOP)
-      deadline = time.time() + timeout
+      deadline = time.monotonic() + timeout
       while not _stopped(self.run.proc.pid) and self.run.proc.poll() is None:
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
           self.error = f'the run did not stop within {timeout} s of {self.line!r}'
           return
         time.sleep(0.01)
