@@ -131,22 +131,23 @@ class Towers(training.Trainer):
               if first and self.chief else contextlib.nullcontext())
 
     with self.stop.raising() if first and self.alone else contextlib.nullcontext():
-      with progress('Filling the shuffle buffer with '
-                    f'{hparams.min_queue_examples(self.examples_per_worker)} examples'):
-        batches = next(self._iterator)
-      # The speed of the log lines counts the wait for the batch too (legacy's
-      # session run dequeues it); `on_step` the step alone.
-      start_time = time.monotonic()
+      batches = self._iterator  # read inside the step (TowerStep.next_step)
+      if first:
+        with progress('Filling the shuffle buffer with '
+                      f'{hparams.min_queue_examples(self.examples_per_worker)} examples'):
+          # Read here, so that the wait says what it is; the step reads it from an
+          # iterator of its own, of the same element spec: the same trace.
+          batches = iter(tf.data.Dataset.from_tensors(next(self._iterator)))
       with progress('Building and tracing the step (first step)'):
-        tower_losses, stopping = self._run(step, first, batches, summaries)
-    self._traced = batches, summaries
-    return training.StepResult(tower_losses, time.monotonic() - start_time, stopping)
+        tower_losses, stopping = self.run_step(step, first, batches, summaries)
+    self._summary_step = summaries  # the graph open_summaries writes
+    return training.StepResult(tower_losses, stopping)
 
-  def _run(self, step, first, batches, summaries):  # pylint: disable=unused-argument
-    """The step on `batches`: (tower losses, numpy; whether every process stops now)."""
-    tower_losses, summary = self.tower_step.step(batches, summaries)
-    self._summaries = tower_losses, summary, batches[0]
-    return tower_losses.numpy(), False
+  def run_step(self, step, first, batches, summaries):  # pylint: disable=unused-argument
+    """The step on the next batch of the iterator `batches`: (tower losses, numpy;
+    whether every process stops now)."""
+    self._summaries = self.tower_step.next_step(batches, summaries)
+    return self._summaries[0].numpy(), False
 
   def global_step(self):
     return int(self.state.global_step.numpy())
@@ -155,7 +156,7 @@ class Towers(training.Trainer):
     writer = tf.summary.create_file_writer(self.write_dir)
     try:
       with writer.as_default():
-        tf.summary.graph(self.tower_step.step_graph(*self._traced))
+        tf.summary.graph(self.tower_step.step_graph(self._iterator, self._summary_step))
     except (tf.errors.OpError, OSError) as e:
       logger.warning(f'could not write the graph to TensorBoard summaries in {self.write_dir} '
                      f'({str(e).strip().splitlines()[0]}).')
@@ -465,9 +466,9 @@ class MultiWorker(Mirrored):
             else 'peer_timeout')
     return self._watchdog.guard(getattr(config, flag), what, step, f'--{flag}')
 
-  def _run(self, step, first, batches, summaries):
+  def run_step(self, step, first, batches, summaries):
     with self.waiting('the step', step, first=first):
-      tower_losses, _ = super()._run(step, first, batches, summaries)
+      tower_losses, _ = super().run_step(step, first, batches, summaries)
       # A stop request of any worker stops all after this step: the stop vote.
       return tower_losses, bool(all_sum(self.tower_step.strategy,
                                         tf.constant(float(self.stop.requested))) > 0)

@@ -375,14 +375,7 @@ class TowerStep:
     with tf.device(devices.VARIABLE_DEVICE):
       self.state.apply_gradients(self.state.clip_averaged(grads))
 
-  # `summaries` (a Python bool) traces the step of the steps that write
-  # summaries apart: the same arithmetic, and what the summaries need from
-  # inside it; the other steps run the plain step unchanged. `apply` (a Python bool
-  # too) False traces the step without its update, for compute_gradients. No
-  # autograph: the step is Python that builds ops, with no `if` or `for` over
-  # a tensor to convert, and converting it cost a modern process 1 s of its start.
-  @tf.function(autograph=False)
-  def _step(self, images, labels, summaries=False, apply=True):
+  def _step_ops(self, images, labels, summaries=False, apply=True):
     """One training step over all towers (`apply` False: without the update).
 
     The batches are converted (images float32, labels int32) and their static
@@ -412,6 +405,36 @@ class TowerStep:
     if apply:
       self._apply(grads)
     return tower_losses, summary, grads
+
+  # `summaries` (a Python bool) traces the step of the steps that write
+  # summaries apart: the same arithmetic, and what the summaries need from
+  # inside it; the other steps run the plain step unchanged. `apply` (a Python bool
+  # too) False traces the step without its update, for compute_gradients. No
+  # autograph: the step is Python that builds ops, with no `if` or `for` over
+  # a tensor to convert, and converting it cost a modern process 1 s of its start.
+  _step = tf.function(_step_ops, autograph=False)
+
+  @tf.function(autograph=False)
+  def next_step(self, iterator, summaries=False):
+    """The training loop's step: `step` on the next batch of `iterator`, read inside it.
+
+    Read by next() in Python and handed in, a batch cost a step ~1 ms of host
+    time more than read here, and tf.function's dispatch of its arguments as
+    much again (docs/performance.md). Any iterator of the same element spec
+    runs the same trace.
+
+    Returns:
+      (tower losses float32 [num_towers]; `step`'s summary; with it, the
+       images of the image summaries: tower 0's first NUM_SUMMARY_IMAGES,
+       else ()).
+    """
+    images, labels = iterator.get_next()
+    summaries = summaries and self.inner_summaries
+    # Nothing of the step runs without its batch: an input that fails to read
+    # leaves the variables and the global step as they were.
+    with tf.control_dependencies([images, labels]):
+      tower_losses, summary, _ = self._step_ops(images, labels, summaries)
+    return tower_losses, summary, images[0][:tags.NUM_SUMMARY_IMAGES] if summaries else ()
 
   def step(self, tower_batches, summaries=False):
     """Runs one training step.
@@ -447,7 +470,7 @@ class TowerStep:
       tower_losses: float32 [num_towers], `step`'s tower losses.
       summary: `step`'s summary (empty for the replica engines, which write
         no images either).
-      images: float32 [N, batch, 24, 24, 3], the step's: tower 0's first are written.
+      images: float32 [NUM_SUMMARY_IMAGES, 24, 24, 3], `next_step`'s.
     """
     state = self.state
     # The learning rate the step just taken used (read before the increment).
@@ -464,17 +487,16 @@ class TowerStep:
         value = tf.convert_to_tensor(value)
         (histogram if value.shape.rank else tf.summary.scalar)(tag, value)
       if summary:  # the tags of tags.image_tags()
-        for tag, image in zip(tags.image_tags(), tf.unstack(images[0][:tags.NUM_SUMMARY_IMAGES])):
+        for tag, image in zip(tags.image_tags(), tf.unstack(images)):
           tf.summary.image(tag, _displayable(image)[tf.newaxis])
 
   def train_step(self, tower_batches):
     """`step`'s tower losses, float32 tensor [num_towers]."""
     return self.step(tower_batches)[0]
 
-  def step_graph(self, tower_batches, summaries=False):
-    """The traced graph of the step (`summaries`: of the summary step) for these batches."""
-    return self._step.get_concrete_function(
-        *tower_batches, summaries and self.inner_summaries).graph
+  def step_graph(self, iterator, summaries=False):
+    """The traced graph of `next_step` (`summaries`: of the summary step) on `iterator`."""
+    return self.next_step.get_concrete_function(iterator, summaries).graph
 
   def compute_gradients(self, tower_batches, apply=False):
     """The averaged gradients at the current variables.

@@ -123,6 +123,8 @@ def reason(error):
   # header and the last "Node: '<name>'" line.
   text = re.split(r'Original error:|^\s*(?:Graph execution error:|Node: .*)$', text,
                   flags=re.M)[-1]
+  # A traced function's error names the node and where it was defined first.
+  text = re.sub(r'^Detected at node .*\n(?:(?:[ \t].*)?\n)*', '', text, flags=re.M)
   text = next((line.strip() for line in text.splitlines() if line.strip()),
               type(error).__name__)
   text = re.sub(r'\s*(\[\[|\[Op:).*', '', text)  # a node's decorations, eager's op name

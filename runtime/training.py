@@ -49,8 +49,8 @@ def log_line(step, loss, examples_per_sec, sec_per_batch, max_steps=None):
 class LogWindow:
   """examples/sec and sec/batch of a log line: the mean over the steps since the last one.
 
-  Each trainer adds every step's own seconds (the step itself: the session
-  run, or the batch and the step function), so the time spent writing
+  Each trainer adds every step's own seconds (the step itself, reading its
+  batch: the session run, or the traced step), so the time spent writing
   summaries and checkpoints and printing between steps never counts. Steps
   marked `extra` do more than train (the run's first step, which traces the
   step and fills the input's shuffle queue or buffer; a step that also
@@ -85,7 +85,6 @@ class StepResult(typing.NamedTuple):
   """What one step of a trainer gives `train_loop`."""
 
   tower_losses: typing.Sequence[float]  # each tower's total loss at the step
-  seconds: typing.Optional[float] = None  # what `on_step` gets, if not the whole call's seconds
   stop: bool = False  # every process stops after this step (a stop request of one rode on it)
 
 
@@ -181,7 +180,7 @@ def train_loop(config, stop, trainer, step, on_step=None):
         done = trainer.step(step, first, write_summary)
         if done is None:  # the stop closed the input under this step: it did not run
           break
-        tower_losses, step_seconds, stopping = done
+        tower_losses, stopping = done
         seconds = time.monotonic() - start
         # Before `step` counts it: a diverged step is never saved.
         check_divergence(step + 1, tower_losses)
@@ -197,7 +196,7 @@ def train_loop(config, stop, trainer, step, on_step=None):
           logger.info(window.line(step, sum(tower_losses) / len(tower_losses), config.max_steps),
                       extra=progress.IN_PLACE)
         if on_step:
-          on_step(step, seconds if step_seconds is None else step_seconds, trainer.images)
+          on_step(step, seconds, trainer.images)
         if write_summary:
           try:
             trainer.write_summaries(writer, step)

@@ -22,13 +22,12 @@ import pytest
 
 import faults_support as fs
 from cifar10_towers.modern import engines
-from cifar10_towers.modern import step as step_lib
 from cifar10_towers.runtime import checkpoints
 from cifar10_towers.runtime import training
 
 # What the modern cases inject into, named here so that a rename fails at collection.
 _MODERN_WRITE = engines.Towers.write_summaries
-_MODERN_STEP = step_lib.TowerStep.step
+_MODERN_STEP = engines.Towers.run_step  # the engine's step
 
 ALL_SIGNALS = ('SIGHUP', 'SIGINT', 'SIGQUIT', 'SIGTERM', 'SIGUSR1', 'SIGUSR2',
                'SIGALRM', 'SIGXCPU', 'SIGPWR')
@@ -210,7 +209,7 @@ def _inject_step(monkeypatch, impl, step, ctx):
       return real(self, fetches, *args, **kwargs)
     monkeypatch.setattr(tf1.Session, 'run', run)
   else:
-    _nth_call(monkeypatch, step_lib.TowerStep, _MODERN_STEP.__name__, step + 1, error)
+    _nth_call(monkeypatch, engines.Towers, _MODERN_STEP.__name__, step + 1, error)
 
 
 def _inject_saver(monkeypatch, impl, step, ctx):

@@ -240,7 +240,7 @@ def _phases(impl):
     ]
   else:
     # Tracing and compiling the step: seconds, tens on a busy machine.
-    first_step = fs.hook(modern_step.TowerStep.step, say='HOOK first step')
+    first_step = fs.hook(engines.Towers.run_step, say='HOOK first step')
     rows += [
         Phase('first_step', impl, term, [first_step], 'HOOK first step', (),
               False, None),

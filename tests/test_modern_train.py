@@ -111,9 +111,10 @@ def test_step_is_sgd_then_moving_average(initial_values):
 def test_ops_of_tower_i_run_on_device_i_and_updates_on_the_cpu():
   plan = _plan(2, first=1)  # towers on CPU:1 and CPU:2, variables on CPU:0
   trainer = modern_step.TowerStep(plan, decay_steps=100)
-  images, labels = _batches(2, 2, seed=0)
-  trainer.train_step((images, labels))  # the placement runs, not just builds
-  graph = trainer.step_graph((images, labels))
+  # The loop's step, which reads its batches inside it.
+  batches = iter(tf.data.Dataset.from_tensors(_batches(2, 2, seed=0)).repeat())
+  trainer.next_step(batches)  # the placement runs, not just builds
+  graph = trainer.step_graph(batches)
   canonical = lambda d: tf.DeviceSpec.from_string(d).to_string()
   # On CPU towers the LRN and its gradient are calls of common.lrn's XLA
   # functions; the ops inside a call run on the call's device.

@@ -239,13 +239,12 @@ def test_heartbeat_is_silent_when_fast_and_beats_when_slow(monkeypatch):
 def test_heartbeat_during_a_slow_first_step(tmp_path, synth_data_dir, monkeypatch):
   """`modern` whose first step is slowed by 2 s prints a line at 1 s (the heartbeat's
   5 s, shortened here)."""
-  from cifar10_towers.modern import step  # pylint: disable=import-outside-toplevel
 
   def slow():
     print('HOOK first step', flush=True)
     time.sleep(2)
   monkeypatch.setattr(training, 'HEARTBEAT_AFTER', 1.0)
-  monkeypatch.setattr(step.TowerStep, 'step', fs.at_call(1, slow, step.TowerStep.step))
+  monkeypatch.setattr(engines.Towers, 'run_step', fs.at_call(1, slow, engines.Towers.run_step))
   code, out, err, exception = fs.invoke_cli(
       ['modern', '--data_dir', synth_data_dir, '--train_dir', tmp_path / 'train',
        '--num_gpus', 1, '--batch_size', 4, '--max_steps', 2, '--log_every', 1,

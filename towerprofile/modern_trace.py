@@ -1,7 +1,8 @@
 """The modern adapter: a few steps of the tf.function trainer under tf.profiler.
 
 The only contact with modern/: `modern.step.TowerStep(plan, decay_steps, jit)`,
-`TowerStep.train_step(batch)` and `inputs.distorted_inputs`.
+`TowerStep.next_step(iterator)` (the training loop's step), `TowerStep.step_graph`
+and `inputs.distorted_inputs`.
 
 What the trace holds (tensorflow-cpu 2.21, docs/profile-design.md): the
 `.xplane.pb` of `tf.profiler.experimental` has one '/host:CPU' plane whose
@@ -32,15 +33,13 @@ STEP_EVENT = 'towerprofile_step'  # the tf.profiler.experimental.Trace of one st
 VARIABLE_DEVICE = analysis.canonical_device(devices.VARIABLE_DEVICE)
 
 
-def graph_facts(trainer, batch):
+def graph_facts(trainer, iterator):
   """Op name -> the canonical device the traced step asks for (none: the default device)."""
-  graph_def = tf.function(trainer.train_step).get_concrete_function(
-      batch).graph.as_graph_def()
+  graph_def = trainer.step_graph(iterator).as_graph_def()
   found = {}
-  for function in sorted(graph_def.library.function,  # the step's own function first
-                         key=lambda f: '_train_step' not in f.signature.name):
-    for node in function.node_def:
-      found.setdefault(node.name, analysis.canonical_device(node.device or VARIABLE_DEVICE))
+  # The step's own ops first, then those of the functions it calls.
+  for node in [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]:
+    found.setdefault(node.name, analysis.canonical_device(node.device or VARIABLE_DEVICE))
   return found
 
 
@@ -122,22 +121,22 @@ def trace(config, plan, decay_steps, steps, warmup):
 
   Returns:
     (events, windows, wall_us, extra): events and windows as in
-    `events_from_xspace`, wall_us the time of each step (next batch and
-    train_step) in Python, extra the report's 'placement_sources': how many
+    `events_from_xspace`, wall_us the time of each step (next_step, which
+    reads its batch) in Python, extra the report's 'placement_sources': how many
     ops' devices came from each source (`events_from_xspace`'s sources).
   """
   trainer = modern_step.TowerStep(plan, decay_steps, jit=config.jit)
   iterator = iter(inputs.distorted_inputs(config.data_dir, config.batch_size,
                                           config.num_gpus, seed=config.seed))
-  device_of = graph_facts(trainer, next(iterator))
+  device_of = graph_facts(trainer, iterator)
   for _ in range(warmup):
-    trainer.train_step(next(iterator))
+    trainer.next_step(iterator)
   wall_us = []
   with tf.profiler.experimental.Profile(config.train_dir):
     for k in range(steps):
       began = time.perf_counter()
       with tf.profiler.experimental.Trace(STEP_EVENT, step_num=k, _r=1):
-        trainer.train_step(next(iterator)).numpy()  # the step ends when its result exists
+        trainer.next_step(iterator)[0].numpy()  # the step ends when its result exists
       wall_us.append((time.perf_counter() - began) * 1e6)
   # The profile's one run: <train_dir>/plugins/profile/<run>/<host>.xplane.pb.
   with open(max(glob.glob(f'{config.train_dir}/plugins/profile/*/*.xplane.pb')), 'rb') as f:
