@@ -81,7 +81,6 @@ from cifar10_towers.runtime import stderr_filter
 
 logger = logging.getLogger(__name__)
 
-IMPLS = ('legacy', 'modern')
 BASELINE = 'keras'  # the contender every ratio is taken against
 MATMUL = 'matmul'  # the contender that measures the machine's FLOP/s
 GO = 'go'  # the parent's message: run one more window
@@ -103,7 +102,7 @@ class BenchError(errors.Failure):
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   """What `run` measures and how long (the CLI checks the values)."""
-  impls: tuple = IMPLS  # trainers to measure
+  impls: tuple = ('legacy', 'modern')  # trainers to measure
   num_gpus: tuple = (1, 2)  # tower counts (logical CPU devices without GPUs)
   batch_size: int = 128  # images per tower per step
   data_dir: str | None = None  # CIFAR-10 data; None generates data in a temp dir
@@ -370,8 +369,7 @@ def contend(spec, conn, stderr_path):
     start[:] = _clocks()
 
   result = CONTENDERS[spec['kind']](spec, boundary) or {}
-  with open('/proc/self/status', encoding='ascii') as f:
-    result['peak_rss_bytes'] = int(re.search(r'VmHWM:\s*(\d+)', f.read())[1]) * 1024
+  result['peak_rss_bytes'] = int(_proc_field('self/status', r'VmHWM:\s*(\d+)')) * 1024
   conn.send(result)
 
 
@@ -493,11 +491,20 @@ def run(config, launch=Contender):
                    f'{config.data_dir or "generated (datasets.synth)"}, {records} records')
 
 
+def _proc_field(name, pattern):
+  """The first group of `pattern`'s first match (re.M) in /proc/`name`.
+
+  Raises:
+    OSError: no such file (not Linux); TypeError: no match.
+  """
+  with open(f'/proc/{name}', encoding='ascii', errors='replace') as f:
+    return re.search(pattern, f.read(), re.M)[1]
+
+
 def cpu_model():
   """The CPU's model name (Linux: /proc/cpuinfo), for the report."""
   try:
-    with open('/proc/cpuinfo', encoding='ascii', errors='replace') as f:
-      return re.search(r'^model name\s*:\s*(.*)$', f.read(), re.M)[1]
+    return _proc_field('cpuinfo', r'^model name\s*:\s*(.*)$')
   except (OSError, TypeError):
     return platform.processor()
 

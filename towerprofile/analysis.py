@@ -76,8 +76,8 @@ def categorize(name, op_type, rest=OTHER):
     return EMA
   if op_type in INPUT_OPS:
     return INPUT
-  first = name.split('/')[0]
-  return next((category for category, scopes in SCOPES if first.startswith(scopes)), rest)
+  # No scope holds a '/': the name starts with one iff its first scope does.
+  return next((category for category, scopes in SCOPES if name.startswith(scopes)), rest)
 
 
 @dataclasses.dataclass
@@ -154,7 +154,8 @@ def analyze_step(events, window, num_towers, wall_us=None):
     return covers[[keep(e) for e in events]].any(axis=0)
 
   towers = [running(lambda e: e.tower == i) for i in range(num_towers)]
-  computing = lengths @ (sum(towers) > 0), lengths @ (sum(towers) > 1)  # 1+, 2+ towers at once
+  at_once = sum(towers)  # per piece: how many towers compute
+  computing = lengths @ (at_once > 0)
   slowest = max(lengths @ tower for tower in towers)
   # A piece's category: the highest-priority one of its running ops; none: idle.
   ranks = np.array([CATEGORIES.index(e.category) for e in events], int)[:, None]
@@ -164,14 +165,15 @@ def analyze_step(events, window, num_towers, wall_us=None):
       'wall_us': wall_us,
       # The runtime's own time around the ops (dispatch, collecting the
       # trace): the step as measured in Python minus the traced window.
-      'outside_trace_us': wall_us - step_us if wall_us is not None else None,
+      'outside_trace_us': wall_us and wall_us - step_us,
       # Time during which any of the device's ops runs (overlaps counted once).
       'busy_fraction': {device: lengths @ running(lambda e: e.device == device) / step_us
                         for device in sorted({e.device for e in events})},
       'split_us': dict(zip(CATEGORIES + (IDLE,), np.bincount(
           first, lengths, len(CATEGORIES) + 1).tolist())),
       # Time 2+ towers compute at once / time 1+ tower computes.
-      'tower_overlap': None if num_towers < 2 else computing[0] and computing[1] / computing[0],
+      'tower_overlap': None if num_towers < 2
+                       else computing and lengths @ (at_once > 1) / computing,
       'step_over_slowest_tower': step_us / slowest if slowest else None,
   }
 
@@ -189,6 +191,7 @@ def analyze(events, windows, planned, variable_device, wall_us=None):
   Returns:
     dict (JSON-serializable): 'steps', 'median', 'placement', 'verdict', ...
   """
+  variable_device = canonical_device(variable_device)
   steps = [analyze_step([e for e in events if e.step == k], window, len(planned),
                         wall_us and wall_us[k]) for k, window in enumerate(windows)]
   placement = []
@@ -198,10 +201,10 @@ def analyze(events, windows, planned, variable_device, wall_us=None):
     main = max(shares, key=shares.get, default=None)
     placement.append({'tower': i, 'planned': device, 'ran_on': shares, 'main_device': main,
                       'misplaced': bool(shares) and 1 - shares.get(device, 0) > MISPLACED_SHARE,
-                      'on_variable_device': main == canonical_device(variable_device)})
+                      'on_variable_device': main == variable_device})
   inputs = _time_per_device([e for e in events if e.category == INPUT])
   report = {'num_towers': len(planned), 'planned': [p['planned'] for p in placement],
-            'variable_device': canonical_device(variable_device),
+            'variable_device': variable_device,
             'input_device': max(inputs, key=inputs.get, default='unknown'),  # where it ran longest
             'steps': steps, 'median': _median(steps), 'placement': placement}
   report['verdict'] = verdict(report)

@@ -17,8 +17,7 @@ INPUT_THREADS = 4  # preprocessing threads; the profile keeps the CPU for the to
 
 
 def events_from_step_stats(step_stats, step):
-  """Normalized events (analysis.Event) of one step's StepStats (RunMetadata.step_stats)."""
-  events = []
+  """Yields the normalized events (analysis.Event) of one step's RunMetadata.step_stats."""
   for dev in step_stats.dev_stats:
     # A GPU's kernels appear twice: per stream and in 'stream:all'.
     if '/stream:' in dev.device and not dev.device.endswith('/stream:all'):
@@ -28,11 +27,10 @@ def events_from_step_stats(step_stats, step):
         start = node.all_start_nanos / 1e3 or node.all_start_micros
         # timeline_label: 'tower_0/conv1/Conv2D = Conv2D(a, b)'
         op_type = node.timeline_label.partition(' = ')[2].partition('(')[0].strip()
-        events.append(analysis.Event(
+        yield analysis.Event(
             node.node_name, 'MEMCPY' if dev.device.endswith('/memcpy') else op_type,
             analysis.canonical_device(dev.device), start,
-            start + (node.all_end_rel_nanos / 1e3 or node.all_end_rel_micros), step))
-  return events
+            start + (node.all_end_rel_nanos / 1e3 or node.all_end_rel_micros), step)
 
 
 def trace(config, plan, decay_steps, steps, warmup):
@@ -69,7 +67,7 @@ def trace(config, plan, decay_steps, steps, warmup):
                  options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
         returned = time.time() * 1e6
         wall_us.append(returned - called)
-        step_events = events_from_step_stats(metadata.step_stats, k)
+        step_events = list(events_from_step_stats(metadata.step_stats, k))
         events += step_events
         windows.append((min([called] + [e.start_us for e in step_events]),
                         max([returned] + [e.end_us for e in step_events])))

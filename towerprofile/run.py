@@ -155,12 +155,12 @@ def format_report(report):
            f'input on {report["input_device"]}',
            f'step {step / 1e3:.1f} ms (traced), {(median["wall_us"] or 0) / 1e3:.1f} ms (wall); '
            f'step / slowest tower {format(slowest, ".2f") if slowest else "-"}',
-           'median split of the step (idle: no op ran, e.g. the runtime dispatching):']
-  lines += [f'  {category:<15} {value / 1e3:8.2f} ms {100.0 * value / step:5.1f}%'
-            for category, value in median['split_us'].items()]
-  lines += ['busy fraction per device:'] + [
-      f'  {device:<15} {busy:.2f}' for device, busy in median['busy_fraction'].items()]
-  lines += ['placement:']
+           'median split of the step (idle: no op ran, e.g. the runtime dispatching):',
+           *(f'  {category:<15} {value / 1e3:8.2f} ms {100.0 * value / step:5.1f}%'
+             for category, value in median['split_us'].items()),
+           'busy fraction per device:',
+           *(f'  {device:<15} {busy:.2f}' for device, busy in median['busy_fraction'].items()),
+           'placement:']
   for p in report['placement']:
     ran_on = ', '.join(f'{d} {100 * s:.1f}%' for d, s in p['ran_on'].items() if s >= 0.001)
     lines.append(f'  tower {p["tower"]} planned {p["planned"]} ran on '
