@@ -30,6 +30,7 @@ from cifar10_towers.common import hparams
 from cifar10_towers.common import optimizer as optimizer_lib
 from cifar10_towers.common import prog
 from cifar10_towers.common import version
+from cifar10_towers.modern import cluster  # no TensorFlow: usage errors come at once
 from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import ending
 from cifar10_towers.runtime import progress
@@ -270,10 +271,6 @@ def _train(impl, run_crosscheck, **options):
 
 
 _COMMAND = 'cifar10_towers.command'  # ctx.meta key of the command's name ('data synth')
-# Commands that own a loop and answer a stop at its boundaries, saying what
-# they kept; every other command ends at once (training.Stopped), its writers
-# leaving nothing half-written.
-_LOOP_COMMANDS = _IMPLS + ('eval',)
 
 
 class _Group(click.Group):
@@ -339,7 +336,10 @@ def cli(ctx):
   """
   _configure_logging()
   ctx.meta[_COMMAND] = ctx.invoked_subcommand
-  if ctx.invoked_subcommand not in _LOOP_COMMANDS:
+  # Commands that own a loop answer a stop at its boundaries, saying what they
+  # kept; every other command ends at once (training.Stopped), its writers
+  # leaving nothing half-written.
+  if ctx.invoked_subcommand not in (*_IMPLS, 'eval'):
     ctx.with_resource(ctx.obj.raising())
 
 
@@ -354,7 +354,6 @@ def legacy(**options):
 def _parse_worker_hosts(ctx, param, value):  # pylint: disable=unused-argument
   if not value:
     return ()
-  from cifar10_towers.modern import cluster  # no TensorFlow: usage errors come at once
   try:
     return cluster.parse_worker_hosts(value)
   except cluster.ClusterError as e:
@@ -364,7 +363,6 @@ def _parse_worker_hosts(ctx, param, value):  # pylint: disable=unused-argument
 def _check_distribution(num_gpus, strategy, worker_hosts, task_index, run_crosscheck,
                         **unused):
   """Bad combinations of the strategy flags are usage errors (exit 2)."""
-  from cifar10_towers.modern import cluster  # no TensorFlow: usage errors come at once
   given = _given('worker_hosts', 'task_index', 'startup_timeout')
   if strategy != 'multiworker':
     if given:
@@ -446,9 +444,9 @@ def eval_command(stop, checkpoint_dir, data_dir, num_examples, batch_size, run_o
   # (_Group), answered with one line and 128 + its number.
   from cifar10_towers.common import cifar10_format as fmt
   from cifar10_towers.runtime import evaluation
-  paths = fmt.checked_files(data_dir, False, 'a precision measured on it means nothing.')
+  num_records = fmt.num_examples(
+      fmt.checked_files(data_dir, False, 'a precision measured on it means nothing.'))
   _say_if_generated(data_dir, 'Evaluating')
-  num_records = fmt.num_examples(paths)
   if (num_examples or 0) > num_records:
     logger.warning(f'--num_examples {num_examples} is more than the {num_records} records of '
                    f'the test set in {data_dir}; evaluating all {num_records}.')
@@ -731,7 +729,7 @@ def _say_if_generated(data_dir, doing):
   """One line on stderr when data_dir holds generated data, not CIFAR-10."""
   from cifar10_towers.datasets import generated
   marker = generated.read(data_dir)
-  if marker is not None:
+  if marker:
     logger.warning(f'{doing} on {marker["what"]} in {data_dir}, not on CIFAR-10 '
                    f'({generated.CIFAR10_RESULT}).')
 

@@ -67,6 +67,7 @@ from cifar10_towers.runtime import config as config_lib
 from cifar10_towers.runtime import lock
 
 logger = logging.getLogger(__name__)
+gfile = tf.io.gfile  # checkpoints' files, on any of TensorFlow's file systems
 
 LEGACY = 'legacy'  # tf.compat.v1 Saver: keys are variable names, e.g. 'conv1/weights'
 MODERN = 'modern'  # tf.train.Checkpoint: keys like 'model/conv1/weights/.ATTRIBUTES/...'
@@ -112,7 +113,7 @@ def global_step(contents):
   """
   for key in ('global_step', f'global_step{_VALUE_SUFFIX}'):
     if key in contents.tensors:
-      return int(round(float(contents.tensors[key])))
+      return round(float(contents.tensors[key]))  # an int
   return step_of(contents.path)
 
 
@@ -144,9 +145,10 @@ def _read(path):
     # get_tensor checks the CRC32C of each tensor's bytes.
     tensors = {key: reader.get_tensor(key)
                for key in sorted(reader.get_variable_to_shape_map())}
-  except (tf.errors.OpError, ValueError, RuntimeError, UnicodeDecodeError, IndexError) as e:
-    # IndexError: the reader's 'Read less bytes than requested' (a .data file ends early).
-    return None, f'damaged ({reason(e)})' if tf.io.gfile.glob(f'{path}.*') else GONE
+  # ValueError: also UnicodeDecodeError, a subclass. IndexError: the reader's 'Read less bytes
+  # than requested' (a .data file ends early).
+  except (tf.errors.OpError, ValueError, RuntimeError, IndexError) as e:
+    return None, f'damaged ({reason(e)})' if gfile.glob(f'{path}.*') else GONE
   return Contents(path, MODERN if OBJECT_GRAPH_KEY in tensors else LEGACY, tensors), None
 
 
@@ -176,20 +178,20 @@ def on_disk(directory):
   complete one a killed run did not get to name is found here
   (test_faults_checkpoints.py: complete_checkpoint_not_yet_named).
   """
-  indexes = tf.io.gfile.glob(os.path.join(directory, f'{_BASENAME}-*.index'))
-  return [prefix for prefix in (index.removesuffix('.index') for index in indexes)
-          if step_of(prefix) is not None]
+  return [prefix for index in gfile.glob(os.path.join(directory, f'{_BASENAME}-*.index'))
+          if step_of(prefix := index.removesuffix('.index')) is not None]
 
 
 def _remove(prefix, *suffixes):
   """Removes the files and directory trees `prefix + suffix` matches (globs); how many."""
   removed = 0
-  for path in (p for suffix in suffixes for p in tf.io.gfile.glob(prefix + suffix)):
-    try:
-      (tf.io.gfile.rmtree if tf.io.gfile.isdir(path) else tf.io.gfile.remove)(path)
-      removed += 1
-    except (tf.errors.OpError, OSError):
-      pass
+  for suffix in suffixes:
+    for path in gfile.glob(prefix + suffix):
+      try:
+        (gfile.rmtree if gfile.isdir(path) else gfile.remove)(path)
+        removed += 1
+      except (tf.errors.OpError, OSError):
+        pass
   return removed
 
 
@@ -200,13 +202,13 @@ def _state(directory):
     (CheckpointState or None, None or 'unreadable'): (None, None) when there
     is no state file.
   """
-  if not tf.io.gfile.exists(os.path.join(directory, STATE_FILE)):
+  if not gfile.exists(os.path.join(directory, STATE_FILE)):
     return None, None
   try:
     state = tf.train.get_checkpoint_state(directory)
   # It raises on an empty or non-text file (test_faults_state.py: state_empty,
-  # state_not_text) and returns None for a torn one.
-  except (ValueError, UnicodeDecodeError, tf.errors.OpError):
+  # state_not_text; UnicodeDecodeError is a ValueError) and returns None for a torn one.
+  except (ValueError, tf.errors.OpError):
     state = None
   return (state, None) if state else (None, 'unreadable')
 
@@ -290,7 +292,7 @@ def replace_unreadable_state(directory, prefix):
   if not _state(directory)[1]:  # readable, or absent
     return
   if prefix is None:
-    tf.io.gfile.remove(os.path.join(directory, STATE_FILE))
+    gfile.remove(os.path.join(directory, STATE_FILE))
   else:
     name = os.path.basename(prefix)
     tf.compat.v1.train.update_checkpoint_state(directory, name, [name])
@@ -444,7 +446,6 @@ def misfit(contents, shapes, key=str):
     name = min(differ, key=lambda n: held[n] is None)  # a wrong shape first
     return (f'it lacks {name}' if held[name] is None else f'it holds {name} with shape '
             f'{list(held[name].shape)}, this model has {list(shapes[name])}'), len(differ)
-  return None
 
 
 def other_trainers(contents, directory):
