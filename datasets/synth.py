@@ -68,7 +68,7 @@ _CLEAR_DISTANCE = (100.0, 160.0)  # range of the colour distance of a clear imag
 _FAINT_DISTANCE = (0.0, 20.0)  # and of a faint one
 
 
-CHUNK = 500  # images made at once: bounds the working memory (~50 MB)
+CHUNK = 1000  # images made at once: bounds the float32 working memory (~50 MB)
 
 
 def _patterns(labels, draws, noise):
@@ -85,22 +85,34 @@ def _patterns(labels, draws, noise):
   """
   phase_y, phase_x, centre, radius, ring_phase = draws
   yy, xx = np.mgrid[0:_SIZE, 0:_SIZE].astype(np.float32)[:, None]  # each [1, 32, 32]
-  y, x = yy + phase_y, xx + phase_x  # [N, 32, 32]
-  r = np.sqrt((yy - centre[:, 0, None, None]) ** 2 + (xx - centre[:, 1, None, None]) ** 2)
-  # Half the period of the stripes and checkerboards (0-5): 4 or 2 pixels.
-  half = np.where(labels % 2, 4, 2)[:, None, None]
 
-  def square_wave(v, half_period):
-    return np.floor(v / half_period) % 2
+  def square_wave(v, period):
+    return np.floor(v / (period / 2)) % 2
 
-  hstripes, vstripes = square_wave(y, half), square_wave(x, half)
-  checker = (hstripes + vstripes) % 2
-  crosshatch = ((x + y) % 6 < 2) | ((x - y) % 6 < 2)  # lines along both diagonals, 2 wide, every 6
-  rings = square_wave(r + ring_phase, 3)  # concentric rings, period 6
-  # Every image's pattern, by its label: each class's pattern in label order.
-  return np.choose(labels[:, None, None], [
-      hstripes, hstripes, vstripes, vstripes, checker, checker, crosshatch, rings, r <= radius,
-      noise]).astype(np.float32)
+  out = np.empty((labels.shape[0], _SIZE, _SIZE), np.float32)
+  for label in range(hparams.NUM_CLASSES):
+    i = np.flatnonzero(labels == label)
+    y = yy + phase_y[i]  # [k, 32, 32]
+    x = xx + phase_x[i]
+    r = np.sqrt((yy - centre[i, 0, None, None]) ** 2 +
+                (xx - centre[i, 1, None, None]) ** 2)
+    period = 8 if label % 2 else 4  # of the stripes and checkerboards, 0-5
+    if label < 2:  # horizontal stripes
+      p = square_wave(y, period)
+    elif label < 4:  # vertical stripes
+      p = square_wave(x, period)
+    elif label < 6:  # checkerboards
+      p = (square_wave(y, period) + square_wave(x, period)) % 2
+    elif label == 6:  # lines along both diagonals, 2 pixels wide, every 6
+      p = ((x + y) % 6 < 2) | ((x - y) % 6 < 2)
+    elif label == 7:  # concentric rings, period 6
+      p = square_wave(r + ring_phase[i], 6)
+    elif label == 8:  # filled disk
+      p = r <= radius[i]
+    else:  # fine noise
+      p = noise[i]
+    out[i] = p
+  return out
 
 
 def make_images(rng, labels):
