@@ -79,9 +79,9 @@ def encode_records(images, labels):
   Returns:
     bytes of length N * 3073.
   """
-  images, labels = np.asarray(images), np.asarray(labels)
-  return np.concatenate([labels.astype(np.uint8)[:, None],
-                         images.transpose(0, 3, 1, 2).reshape(-1, IMAGE_BYTES)], 1).tobytes()
+  return np.concatenate([np.asarray(labels, np.uint8)[:, None],
+                         np.asarray(images).transpose(0, 3, 1, 2).reshape(-1, IMAGE_BYTES)],
+                        1).tobytes()
 
 
 def write_records(path, images, labels):
@@ -105,16 +105,14 @@ def read_records(path):
   Raises:
     DataError: the size is not a multiple of 3073 bytes, or a label is not 0..9.
   """
-  records = _records(pathlib.Path(path).read_bytes(), path)
+  records = _records(path)[1]
   images = records[:, 1:].reshape(-1, DEPTH, HEIGHT, WIDTH).transpose(0, 2, 3, 1)
   return images, records[:, 0].astype(np.int32)
 
 
-def _records(data, path):
-  """The records of a whole file's bytes as uint8 [N, 3073], validated as `read_records` says.
-
-  `path` names the file in errors.
-  """
+def _records(path):
+  """(the file's bytes, its records as uint8 [N, 3073]), validated as `read_records` says."""
+  data = pathlib.Path(path).read_bytes()
   n, rest = divmod(len(data), RECORD_BYTES)
   records = np.frombuffer(data[:n * RECORD_BYTES], np.uint8).reshape(-1, RECORD_BYTES)
   bad = np.flatnonzero(records[:, 0] >= hparams.NUM_CLASSES)
@@ -126,7 +124,7 @@ def _records(data, path):
            f'{records[bad[0], 0]}, outside 0..{hparams.NUM_CLASSES - 1}; {bad.size} record(s) '
            'are bad')
   else:
-    return records
+    return data, records
   raise DataError(f'{path}: {why}. Re-download or regenerate the data.')
 
 
@@ -153,9 +151,8 @@ def _judge(path, seen):
     DataError: the file is malformed (see `read_records`).
     OSError: it (or the file it matches) cannot be read.
   """
-  data = pathlib.Path(path).read_bytes()
-  records = _records(data, path)
-  n, problems = records.shape[0], []
+  data, records = _records(path)
+  n, problems = len(records), []
   if n < MIN_RECORDS_TO_JUDGE:
     return n, problems
   images, labels = records[:, 1:], records[:, 0]
@@ -221,16 +218,14 @@ def checked_files(data_dir, train, then):
     OSError: a file cannot be read.
   """
   paths = train_files(data_dir) if train else eval_files(data_dir)
-  extra = unexpected_files(data_dir) if train else []
-  if extra:
+  if train and (extra := unexpected_files(data_dir)):
     raise DataError(f'{extra[0]} is not a CIFAR-10 data file, and training would silently '
                     f'ignore it ({len(extra)} unexpected .bin file(s)). Move it out of '
                     f"{batches_dir(data_dir)}; `{prog.command('data check')}` lists every "
                     'problem.')
   seen = {}
   for path in paths:
-    why = _judge(path, seen)[1]
-    if why:
+    if why := _judge(path, seen)[1]:
       logger.warning(f"Warning: {path} cannot be real data: {'; '.join(why)}; {then}")
   return paths
 
@@ -353,10 +348,9 @@ def staged_batches_dir(data_dir, needed_bytes):
     for d in created:
       with contextlib.suppress(OSError):
         os.rmdir(d)  # only if still empty
-    message = write_failure(data_dir, e, needed_bytes)
-    if not message:
-      raise
-    raise DataError(message) from e
+    if message := write_failure(data_dir, e, needed_bytes):
+      raise DataError(message) from e
+    raise
 
 
 def _swap_in(stage, target):
