@@ -59,10 +59,14 @@ ADAM_LR_RTOL = 1e-3  # contract 3, Adam's variables: per element, in the step's 
 
 def rel_diff(a, b, scale=None, stat=np.max):
   """stat(|a - b|) / scale; by default max|a - b| / max|b| (0 when both are all zero)."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  diff = stat(np.abs(a - b))
+  diff = stat(_gap(a, b))
   scale = np.max(np.abs(b)) if scale is None else scale
   return float(diff / scale) if scale else (0.0 if diff == 0.0 else np.inf)
+
+
+def _gap(a, b):
+  """|a - b| in float64."""
+  return np.abs(np.subtract(a, b, dtype=np.float64))
 
 
 def initial_values(seed):
@@ -176,13 +180,6 @@ def _failures(rows):
   return [row for row in rows if not row.measured <= row.tolerance]
 
 
-def _kinds(optimizer):
-  """The legacy names of a full state's entries by kind, in _parting's order."""
-  names = model_spec.VARIABLE_NAMES
-  return {'variable': names, 'slot': optimizer.slot_names(), 'global step': ('global_step',),
-          'moving average': tuple(map(model_spec.average_name, names))}
-
-
 def initial_state(init, optimizer):
   """The full state of a fresh start from variables `init`, as both trainers create it."""
   return {**init, **{model_spec.average_name(n): v for n, v in init.items()},
@@ -197,28 +194,26 @@ def _update_rows(before, legacy_step, modern_step, optimizer, decay_steps):
   step = int(before['global_step'])
   lr = optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (step // decay_steps)
   ema = 1.0 - min(hparams.MOVING_AVERAGE_DECAY, (2.0 + step) / (11.0 + step))  # the new step's
-  rows = []
-  for what, names in _kinds(optimizer).items():
-    # Adam: a rounding-sized gradient steers part of an lr step. An Adam step moves at
-    # most lr / epsilon per unit of gradient, so the gradients' own difference may move
-    # it that much more.
-    adam = optimizer.name == optimizer_lib.ADAM and what == 'variable'
+  variables, rows = model_spec.VARIABLE_NAMES, []
+  # A full state's entries by kind, in _parting's order.
+  for what, names in (('variable', variables), ('slot', optimizer.slot_names()),
+                      ('global step', ['global_step']),
+                      ('moving average', map(model_spec.average_name, variables))):
     for name in names:
-      a, b, start = (np.asarray(x[name], np.float64)
-                     for x in (legacy_step.state, modern_step.state, before))
+      var, b = name.split('/Exp')[0], modern_step.state[name]
       # Float32 stores each result rounded: one spacing of the value apart is no difference.
-      excess = np.abs(a - b) - np.spacing(np.abs(b).astype(np.float32))
-      var = name.split('/Exp')[0]
+      excess = _gap(legacy_step.state[name], b) - np.spacing(np.float32(np.abs(b)))
       if what == 'moving average':  # 1 - decay carries its variable's difference into it
-        excess -= ema * np.abs(np.subtract(legacy_step.state[var], modern_step.state[var],
-                                           dtype=np.float64))
-      if adam:
-        excess -= lr * np.abs(np.subtract(
-            legacy_step.applied[var], modern_step.applied[var], dtype=np.float64)) / (
-                optimizer.adam_epsilon)
+        excess -= ema * _gap(legacy_step.state[var], modern_step.state[var])
+      if optimizer.name == optimizer_lib.ADAM and what == 'variable':
+        # Adam: a rounding-sized gradient steers part of an lr step. An Adam step moves at
+        # most lr / epsilon per unit of gradient, so the gradients' own difference may move
+        # it that much more.
+        excess -= lr * _gap(legacy_step.applied[var], modern_step.applied[var]) / (
+            optimizer.adam_epsilon)
         scale, tol, check = lr, ADAM_LR_RTOL, what + ' [of lr]'
       else:
-        scale, tol, check = np.max(np.abs(b - start)), UPDATE_RTOL, what
+        scale, tol, check = np.max(_gap(b, before[name])), UPDATE_RTOL, what
       rows.append(Row(f'3 step update: {check}', name,
                       rel_diff(np.maximum(excess, 0.0), 0.0, scale), tol))
   return rows
@@ -248,7 +243,7 @@ def worst(rows):
   return list(kept.values())
 
 
-def compare(legacy, modern, optimizer, starts, decay_steps=2, grad_rtol=GRAD_RTOL, where=None):
+def compare(legacy, modern, optimizer, starts, decay_steps, grad_rtol, where):
   """Builds the Report rows of docs/equivalence.md §2 from two Results.
 
   starts: the full state each step started from (legacy's before it).
@@ -265,12 +260,11 @@ def compare(legacy, modern, optimizer, starts, decay_steps=2, grad_rtol=GRAD_RTO
                rel_diff(result.applied[name], result.single_tower_grads[name]), tol)
            for impl, result in (('legacy', legacy), ('modern', modern))
            for name in model_spec.VARIABLE_NAMES]
-  failed = next((k for k, step in enumerate(steps, 1) if _failures(step)), None)
-  drift = [(name, rel_diff(legacy.final[name], modern.final[name]),
-            rel_diff(legacy.final[name], modern.final[name], stat=np.median))
+  drift = [(name, *(rel_diff(legacy.final[name], modern.final[name], stat=stat)
+                    for stat in (np.max, np.median)))
            for name in model_spec.VARIABLE_NAMES + optimizer.slot_names() if modern.final]
-  return Report(rows, legacy, modern, optimizer,
-                failed and where and where(failed, steps[failed - 1]), drift)
+  return Report(rows, legacy, modern, optimizer, next(
+      (where(k, step) for k, step in enumerate(steps, 1) if _failures(step)), None), drift)
 
 
 def format_report(report):
@@ -322,9 +316,7 @@ def write_evidence(path_dir, images, labels, init, reports):
     """`groups` under prefix, with the tower losses and gradients of `got` (a Step or Result)."""
     if got:
       arrays[f'{prefix}tower_loss'] = np.asarray(got.tower_losses, np.float32)
-      groups['grad'] = got.grads
-      if optimizer.clips_averaged:
-        groups['clipped_grad'] = got.applied
+      groups.update(grad=got.grads, clipped_grad=got.applied if optimizer.clips_averaged else {})
     arrays.update((f'{prefix}{what}/{key}', np.asarray(value))
                   for what, values in groups.items() for key, value in values.items())
 
@@ -381,7 +373,7 @@ class _Legacy:
     convert.set_values(self.sess, self.variables, state)
     return self.sess.run(fetches, dict(zip(self.inputs, (images, labels))))
 
-  def step(self, state, images, labels, update=True):
+  def step(self, state, images, labels, update):
     """A Step from `state` on these batches (images [N, B, 24, 24, 3], labels [N, B])."""
     towers = self.towers
     *grads, losses, _ = self._run([{v.op.name: g for g, v in gv} for gv in (
@@ -397,19 +389,17 @@ class _Legacy:
     import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
     if self._detail is None:  # built at the first failure only
       variables = [self.variables[n] for n in reversed(model_spec.VARIABLE_NAMES)]
-      outputs, grads, entering = [], [], []
+      outputs, grads = [], []
       with self.sess.graph.as_default():
         for i, loss in enumerate(self.towers.tower_losses):
           outputs += _layer_outputs(self.sess.graph, f'{hparams.TOWER_NAME}_{i}/') + [loss]
           with tf1.device(self.plan.tower_devices[i]):
             grads += tf1.gradients(loss, variables)
-      # average_gradients: reduce_mean(concat([expand_dims(tower grad, 0), ...]), 0).
-      for grad, _ in reversed(self.towers.averaged_grads):
-        stacked = grad.op.inputs[0]
-        while stacked.op.type == 'Identity':  # tf.concat of one tower
-          stacked = stacked.op.inputs[0]
-        parts = stacked.op.inputs[:-1] if stacked.op.type == 'ConcatV2' else [stacked]
-        entering.append([part.op.inputs[0] for part in parts])
+      # average_gradients: reduce_mean(concat([expand_dims(tower grad, 0), ...]), 0), where
+      # the concat of one tower is an identity.
+      entering = [[part.op.inputs[0] for part in grad.op.inputs[0].op.inputs
+                   if part.op.type == 'ExpandDims']
+                  for grad, _ in reversed(self.towers.averaged_grads)]
       self._detail = outputs + grads + [g for tower in zip(*entering) for g in tower]
     return self._run(self._detail, state, images, labels)
 
@@ -429,7 +419,7 @@ class _Modern:
     for name, var in self.variables.items():
       var.assign(state[name])
 
-  def step(self, state, images, labels, update=True):
+  def step(self, state, images, labels, update):
     self._set(state)
     # With `update`, the training step itself, which returns the gradients it applied.
     grads, losses = self.trainer.compute_gradients((images, labels), apply=update)
@@ -447,21 +437,18 @@ class _Modern:
   def detail(self, state, images, labels):
     """As _Legacy.detail, through modern.step's public tower_loss and the state's clipping."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from cifar10_towers.common import devices  # pylint: disable=g-import-not-at-top
     from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
     target = self.trainer.state
 
     def towers(images, labels):
-      with tf.device(devices.VARIABLE_DEVICE):
-        values = [var.read_value() for var in target.model.variable_list()]
       outputs, grads, entering = [], [], []
       for i, device in enumerate(self.plan.tower_devices):
         with tf.device(device), tf.name_scope(f'{hparams.TOWER_NAME}_{i}') as scope:
+          # The gradients of the variables themselves: the step's of their values read once
+          # on the variable device (the same arithmetic).
           with tf.GradientTape() as tape:
-            tape.watch(values)
-            loss = modern_step.tower_loss(target.model, images[i], labels[i],
-                                          target.model.params(values))
-          tower = tape.gradient(loss, values)
+            loss = modern_step.tower_loss(target.model, images[i], labels[i])
+          tower = tape.gradient(loss, target.model.variable_list())
           outputs += _layer_outputs(tf.compat.v1.get_default_graph(), scope) + [loss]
           grads += reversed(tower)
           entering += reversed(target.clip_tower(tower, 1.0))
@@ -469,7 +456,7 @@ class _Modern:
 
     self._detail = self._detail or tf.function(towers, autograph=False)
     self._set(state)
-    return self._detail(tf.constant(images), tf.constant(labels))
+    return self._detail(images, labels)
 
 
 def _numpy(tensors):
@@ -547,15 +534,14 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
     legacy, legacy_one = (_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
                           ((plan, batch_size), (single, n * batch_size)))
     modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
-    if draws is None:
-      draws = [(seed, data_dir, engines) for seed in range(seed, seed + seeds)]
+    draws = draws or [(seed, data_dir, engines) for seed in range(seed, seed + seeds)]
     # Each engine's draws (with several: a sweep), and its last (which runs free, for --dump).
     counts = {e: [i for i, (*_, chosen) in enumerate(draws) if e in chosen] for e in engines}
     merged = {}
     for i, (seed, data_dir, chosen) in enumerate(draws):
       images, labels = draw_batches(n, batch_size, seed, data_dir)
       init = initial_values(seed)
-      concat = images.reshape((1, -1) + images.shape[2:]), labels.reshape(1, -1)
+      concat = [x.reshape(1, -1, *x.shape[2:]) for x in (images, labels)]
       logger.info(f'legacy: {n} tower(s) x {batch_size} images, {steps} steps...')
       # Legacy's steps, each from the state the one before reached: its free run too.
       starts, taken = [initial_state(init, optimizer)], []
