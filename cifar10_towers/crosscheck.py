@@ -35,7 +35,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import re
 
@@ -82,7 +81,7 @@ def initial_values(seed):
   for layer in model_spec.LAYERS:
     w = rng.standard_normal(layer.weight_shape)
     while (bad := np.abs(w) > 2.0).any():
-      w[bad] = rng.standard_normal(int(bad.sum()))
+      w[bad] = rng.standard_normal(bad.sum())
     values[f'{layer.name}/weights'] = (w * layer.stddev).astype(np.float32)
     values[f'{layer.name}/biases'] = np.full(layer.weight_shape[-1:],
                                              layer.bias_init, np.float32)
@@ -138,14 +137,15 @@ Row = collections.namedtuple('Row', 'check name measured tolerance step seed',
 # One step of one trainer: averaged gradients, as applied (clipped if asked),
 # tower losses [N], and the full state after it (None: gradients only).
 Step = collections.namedtuple('Step', 'grads applied tower_losses state')
-NOT_HELD = math.inf  # the tolerance of a row reported but not held to one
+NOT_HELD = np.inf  # the tolerance of a row reported but not held to one
 
 
 @dataclasses.dataclass
 class Result:
   """What one implementation computed on the cross-check's inputs."""
   steps: list  # Step of each of the K steps, each from the shared state (K = 0: one, no update)
-  # Full state after K free-running steps (legacy names, as `initial_state`); False: not run.
+  # Full state after K free-running steps (legacy names, as `initial_state`); False: not run
+  # (modern's, in a sweep).
   final: dict
   single_tower_grads: dict  # 1 tower on the concatenated batches (clipped if asked)
   grads = property(lambda self: self.steps[0].grads)  # at the first state
@@ -163,9 +163,7 @@ class Report:
   parting: str = None  # where the trainers part at the first failed step (None: none failed)
   drift: list = ()  # (name, largest, median element of |a - b| / max|b|) of the free run
 
-  @property
-  def passed(self):
-    return not self.failures()
+  passed = property(lambda self: not self.failures())
 
   def per_tower_identity_gap(self):
     """Max over variables and implementations of the identity rows not held
@@ -194,17 +192,18 @@ def _update_rows(before, legacy_step, modern_step, optimizer, decay_steps):
   step = int(before['global_step'])
   lr = optimizer.learning_rate * hparams.LEARNING_RATE_DECAY_FACTOR ** (step // decay_steps)
   ema = 1.0 - min(hparams.MOVING_AVERAGE_DECAY, (2.0 + step) / (11.0 + step))  # the new step's
+  a, b = legacy_step.state, modern_step.state
   variables, rows = model_spec.VARIABLE_NAMES, []
   # A full state's entries by kind, in _parting's order.
   for what, names in (('variable', variables), ('slot', optimizer.slot_names()),
                       ('global step', ['global_step']),
                       ('moving average', map(model_spec.average_name, variables))):
     for name in names:
-      var, b = name.split('/Exp')[0], modern_step.state[name]
+      var = name.split('/Exp')[0]
       # Float32 stores each result rounded: one spacing of the value apart is no difference.
-      excess = _gap(legacy_step.state[name], b) - np.spacing(np.float32(np.abs(b)))
+      excess = _gap(a[name], b[name]) - np.spacing(np.float32(np.abs(b[name])))
       if what == 'moving average':  # 1 - decay carries its variable's difference into it
-        excess -= ema * _gap(legacy_step.state[var], modern_step.state[var])
+        excess -= ema * _gap(a[var], b[var])
       if optimizer.name == optimizer_lib.ADAM and what == 'variable':
         # Adam: a rounding-sized gradient steers part of an lr step. An Adam step moves at
         # most lr / epsilon per unit of gradient, so the gradients' own difference may move
@@ -213,7 +212,7 @@ def _update_rows(before, legacy_step, modern_step, optimizer, decay_steps):
             optimizer.adam_epsilon)
         scale, tol, check = lr, ADAM_LR_RTOL, what + ' [of lr]'
       else:
-        scale, tol, check = np.max(_gap(b, before[name])), UPDATE_RTOL, what
+        scale, tol, check = np.max(_gap(b[name], before[name])), UPDATE_RTOL, what
       rows.append(Row(f'3 step update: {check}', name,
                       rel_diff(np.maximum(excess, 0.0), 0.0, scale), tol))
   return rows
@@ -237,8 +236,8 @@ def worst(rows):
   """One row per figure (check, name) of several steps' or seeds' rows: its worst one."""
   kept = {}
   for row in rows:
-    key = (row.check, row.name)
-    if key not in kept or not row.measured <= kept[key].measured:
+    key = row.check, row.name
+    if not row.measured <= kept.setdefault(key, row).measured:  # a worse one, or a NaN
       kept[key] = row
   return list(kept.values())
 
@@ -316,7 +315,9 @@ def write_evidence(path_dir, images, labels, init, reports):
     """`groups` under prefix, with the tower losses and gradients of `got` (a Step or Result)."""
     if got:
       arrays[f'{prefix}tower_loss'] = np.asarray(got.tower_losses, np.float32)
-      groups.update(grad=got.grads, clipped_grad=got.applied if optimizer.clips_averaged else {})
+      groups['grad'] = got.grads
+      if optimizer.clips_averaged:
+        groups['clipped_grad'] = got.applied
     arrays.update((f'{prefix}{what}/{key}', np.asarray(value))
                   for what, values in groups.items() for key, value in values.items())
 
@@ -369,21 +370,19 @@ class _Legacy:
     self.sess, self.towers, self.variables, self.inputs = stack.enter_context(
         convert.legacy_session([plan.num_towers, batch_size], plan, decay_steps, optimizer, {}))
 
-  def _run(self, fetches, state, images, labels):
+  def _run(self, fetches, state, batches):
     convert.set_values(self.sess, self.variables, state)
-    return self.sess.run(fetches, dict(zip(self.inputs, (images, labels))))
+    return self.sess.run(fetches, dict(zip(self.inputs, batches)))
 
-  def step(self, state, images, labels, update):
+  def step(self, state, batches, update):
     """A Step from `state` on these batches (images [N, B, 24, 24, 3], labels [N, B])."""
     towers = self.towers
-    *grads, losses, _ = self._run([{v.op.name: g for g, v in gv} for gv in (
-        towers.averaged_grads, towers.applied_grads)] + [towers.tower_losses,
-                                                         towers.train_op if update else []],
-                                  state, images, labels)
-    return Step(*grads, np.asarray(losses),
-                self.sess.run(self.variables) if update else None)  # the full state
+    grads = [{v.op.name: g for g, v in gv} for gv in (towers.averaged_grads, towers.applied_grads)]
+    *grads, losses, _ = self._run(grads + [towers.tower_losses, towers.train_op if update else []],
+                                  state, batches)
+    return Step(*grads, losses, self.sess.run(self.variables) if update else None)  # the full state
 
-  def detail(self, state, images, labels):
+  def detail(self, state, batches):
     """`_parting`'s arrays from `state`: each tower's layer outputs and loss, its gradients,
     and its gradients as they enter the average (clipped with --clip_where per_tower)."""
     import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
@@ -401,7 +400,7 @@ class _Legacy:
                    if part.op.type == 'ExpandDims']
                   for grad, _ in reversed(self.towers.averaged_grads)]
       self._detail = outputs + grads + [g for tower in zip(*entering) for g in tower]
-    return self._run(self._detail, state, images, labels)
+    return self._run(self._detail, state, batches)
 
 
 class _Modern:
@@ -419,22 +418,16 @@ class _Modern:
     for name, var in self.variables.items():
       var.assign(state[name])
 
-  def step(self, state, images, labels, update):
+  def step(self, state, batches, update):
     self._set(state)
     # With `update`, the training step itself, which returns the gradients it applied.
-    grads, losses = self.trainer.compute_gradients((images, labels), apply=update)
+    grads, losses = self.trainer.compute_gradients(batches, apply=update)
     # What the step applies: the engine's own clipping of these gradients.
     applied = dict(zip(grads, self.trainer.state.clip_averaged(list(grads.values()))))
     return Step(_numpy(grads), _numpy(applied), np.asarray(losses),
                 _numpy(self.variables) if update else None)
 
-  def free_run(self, state, images, labels, steps):
-    self._set(state)
-    for _ in range(steps):
-      self.trainer.train_step((images, labels))
-    return _numpy(self.variables)
-
-  def detail(self, state, images, labels):
+  def detail(self, state, batches):
     """As _Legacy.detail, through modern.step's public tower_loss and the state's clipping."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from cifar10_towers.modern import step as modern_step  # pylint: disable=g-import-not-at-top
@@ -444,11 +437,10 @@ class _Modern:
       outputs, grads, entering = [], [], []
       for i, device in enumerate(self.plan.tower_devices):
         with tf.device(device), tf.name_scope(f'{hparams.TOWER_NAME}_{i}') as scope:
-          # The gradients of the variables themselves: the step's of their values read once
-          # on the variable device (the same arithmetic).
-          with tf.GradientTape() as tape:
-            loss = modern_step.tower_loss(target.model, images[i], labels[i])
-          tower = tape.gradient(loss, target.model.variable_list())
+          loss = modern_step.tower_loss(target.model, images[i], labels[i])
+          # Graph gradients of the variables themselves (the step's are of their values,
+          # read once on the variable device: the same arithmetic).
+          tower = tf.gradients(loss, target.model.variable_list())
           outputs += _layer_outputs(tf.compat.v1.get_default_graph(), scope) + [loss]
           grads += reversed(tower)
           entering += reversed(target.clip_tower(tower, 1.0))
@@ -456,7 +448,7 @@ class _Modern:
 
     self._detail = self._detail or tf.function(towers, autograph=False)
     self._set(state)
-    return self._detail(images, labels)
+    return self._detail(*batches)
 
 
 def _numpy(tensors):
@@ -469,7 +461,7 @@ def _parting(engine, k, rows, legacy, modern, *inputs):
   backward, per-tower clipping (`detail`), then `rows` of the step (averaging,
   averaged clipping, the update: variables, slots; the moving averages).
 
-  inputs: the state step k started from, its images and labels.
+  inputs: the state step k started from, its batches (images, labels).
   """
   towers, names = range(legacy.plan.num_towers), [*reversed(model_spec.VARIABLE_NAMES)]
   places = ([(f"{layer}'s output on tower {i}" if layer else f"tower {i}'s loss", LOSS_RTOL)
@@ -514,7 +506,9 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
       said in a line; the Reports then hold each figure's worst seed.
     draws: instead of seed, seeds and data_dir, the checks to run on the one
       build: (seed, data_dir, the engines checked at it) each (the suite's
-      random draws: each engine at its own seeds, on two data sets).
+      random draws: each engine at its own seeds, on two data sets). Several
+      draws are a sweep, as several seeds: a line per draw and engine, each
+      figure at its worst seed, and no free run (no drift, no evidence file).
 
   Returns:
     (dict engine -> Report, images [N,B,24,24,3], labels [N,B], initial
@@ -531,44 +525,45 @@ def run(plan, batch_size=16, steps=5, seed=0, data_dir=None, decay_steps=2,
   n, update = plan.num_towers, steps > 0
   with contextlib.ExitStack() as stack:
     # Built once, for N towers and for 1 (the identity); each seed's state is assigned.
-    legacy, legacy_one = (_Legacy(stack, p, b, decay_steps, optimizer) for p, b in
-                          ((plan, batch_size), (single, n * batch_size)))
+    legacy = _Legacy(stack, plan, batch_size, decay_steps, optimizer)
+    legacy_one = _Legacy(stack, single, n * batch_size, decay_steps, optimizer)
     modern = {e: [_Modern(e, p, decay_steps, optimizer) for p in (plan, single)] for e in engines}
     draws = draws or [(seed, data_dir, engines) for seed in range(seed, seed + seeds)]
-    # Each engine's draws (with several: a sweep), and its last (which runs free, for --dump).
-    counts = {e: [i for i, (*_, chosen) in enumerate(draws) if e in chosen] for e in engines}
     merged = {}
-    for i, (seed, data_dir, chosen) in enumerate(draws):
-      images, labels = draw_batches(n, batch_size, seed, data_dir)
+    for seed, data_dir, chosen in draws:
+      batches = draw_batches(n, batch_size, seed, data_dir)
       init = initial_values(seed)
-      concat = [x.reshape(1, -1, *x.shape[2:]) for x in (images, labels)]
+      concat = [x.reshape(1, -1, *x.shape[2:]) for x in batches]
       logger.info(f'legacy: {n} tower(s) x {batch_size} images, {steps} steps...')
       # Legacy's steps, each from the state the one before reached: its free run too.
       starts, taken = [initial_state(init, optimizer)], []
       for _ in range(max(steps, 1)):
-        taken.append(legacy.step(starts[-1], images, labels, update))
+        taken.append(legacy.step(starts[-1], batches, update))
         starts.append(taken[-1].state or starts[0])
-      reference = Result(taken, starts[-1], legacy_one.step(starts[0], *concat, False).applied)
+      reference = Result(taken, starts[-1], legacy_one.step(starts[0], concat, False).applied)
       for engine in chosen:
         towers, one = modern[engine]
         logger.info(f'modern ({engine}): {n} tower(s) x {batch_size} images, {steps} steps...')
-        # A sweep reports no drift: only its last seed runs free (for --dump).
-        result = Result([towers.step(start, images, labels, update) for start in starts[:-1]],
-                        i == counts[engine][-1]
-                        and towers.free_run(starts[0], images, labels, steps),
-                        one.step(starts[0], *concat, False).applied)
+        # Its free run: K training steps from the first state, each from the one before.
+        # Only one draw runs free: a sweep (several draws) reports no drift and writes no
+        # evidence (`crosscheck --dump` refuses --seeds).
+        free = len(draws) == 1 and starts[0]
+        for _ in range(steps if free else 0):
+          free = towers.step(free, batches, True).state
+        result = Result([towers.step(start, batches, update) for start in starts[:-1]],
+                        free, one.step(starts[0], concat, False).applied)
         report = compare(
             reference, result, optimizer, starts, decay_steps, grad_rtol,
             lambda k, rows: _parting(engine, k, rows, legacy, towers,  # pylint: disable=cell-var-from-loop
-                                     starts[k - 1], images, labels))
-        if len(counts[engine]) > 1:  # a sweep: a line per seed, the worst of each figure kept
-          top = max((r for r in report.rows if r.tolerance != NOT_HELD),
-                    key=lambda r: r.measured / r.tolerance)
+                                     starts[k - 1], batches))
+        if len(draws) > 1:  # a sweep: a line per seed, the worst of each figure kept
+          # (A row not held measures over an infinite tolerance: never above a held one.)
+          top = max(report.rows, key=lambda r: r.measured / r.tolerance)
           logger.info(f'seed {seed}, modern ({engine}): ' + (report.parting or (
               'PASS' if report.passed else 'FAIL (the identity)')) + f'; worst: {top.check} '
                       f'{top.name} {top.measured:.2e} (tolerance {top.tolerance:.0e})')
-          report = dataclasses.replace(report, parting=None, drift=(), rows=worst(
+          report = dataclasses.replace(report, parting=None, rows=worst(
               (merged[engine].rows if engine in merged else [])
               + [r._replace(seed=seed) for r in report.rows]))
         merged[engine] = report
-  return merged, images, labels, init
+  return (merged, *batches, init)
