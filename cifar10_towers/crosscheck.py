@@ -107,7 +107,7 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
   rng = np.random.default_rng(seed)
   if data_dir is None:
     from cifar10_towers.datasets import synth  # pylint: disable=g-import-not-at-top
-    labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES).astype(np.int32)
+    labels = rng.permutation(np.arange(n) % hparams.NUM_CLASSES)
     raw = synth.make_images(rng, labels)
   else:
     # Only as many files as the draw needs: CIFAR-10's five hold 150 MB.
@@ -121,13 +121,13 @@ def draw_batches(num_towers, batch_size, seed, data_dir=None):
       raise fmt.DataError(f'{data_dir} holds {len(labels)} training records; the cross-check '
                           f'needs {n} (num_gpus x batch_size).')
     pick = rng.choice(len(labels), n, replace=False)
-    raw, labels = raw[pick], labels[pick].astype(np.int32)
+    raw, labels = raw[pick], labels[pick]
   tf.random.set_seed(seed)
   distorted = np.stack([preprocess.distort_image(tf.constant(image)).numpy()
                         for image in raw])
   return (distorted.reshape(num_towers, batch_size, hparams.IMAGE_SIZE,
                             hparams.IMAGE_SIZE, 3),
-          labels.reshape(num_towers, batch_size))
+          labels.astype(np.int32).reshape(num_towers, batch_size))
 
 
 
@@ -364,9 +364,10 @@ def _layer_outputs(graph, scope):
 
 class _Legacy:
   """Legacy's own graph (`convert.legacy_session`), built once, fed the batches and state."""
+  _detail = None  # `detail`'s fetches, built at the first failure only
 
   def __init__(self, stack, plan, batch_size, decay_steps, optimizer):
-    self.plan, self._detail = plan, None
+    self.plan = plan
     self.sess, self.towers, self.variables, self.inputs = stack.enter_context(
         convert.legacy_session([plan.num_towers, batch_size], plan, decay_steps, optimizer, {}))
 
@@ -386,7 +387,7 @@ class _Legacy:
     """`_parting`'s arrays from `state`: each tower's layer outputs and loss, its gradients,
     and its gradients as they enter the average (clipped with --clip_where per_tower)."""
     import tensorflow.compat.v1 as tf1  # pylint: disable=g-import-not-at-top
-    if self._detail is None:  # built at the first failure only
+    if self._detail is None:
       variables = [self.variables[n] for n in reversed(model_spec.VARIABLE_NAMES)]
       outputs, grads = [], []
       with self.sess.graph.as_default():
@@ -406,10 +407,11 @@ class _Legacy:
 class _Modern:
   """A modern engine's step ('towers': modern's own tf.function towers; 'mirrored': the same
   step under tf.distribute.MirroredStrategy), built once, assigned each state."""
+  _detail = None  # `detail`'s traced function, made at the first failure only
 
   def __init__(self, engine, plan, decay_steps, optimizer):
     from cifar10_towers.modern import engines  # pylint: disable=g-import-not-at-top
-    self.plan, self._detail = plan, None
+    self.plan = plan
     self.trainer = engines.ENGINES[engine](config_lib.TrainConfig(
         num_gpus=plan.num_towers, strategy=engine, optimizer=optimizer), plan).build(decay_steps)
     self.variables = convert.modern_variables(self.trainer.state)
