@@ -250,7 +250,8 @@ def _exchange(cluster, sock, expected=None):
     word, index, hosts = json.loads(sock.makefile('rb').readline(65536))
   except (ValueError, TypeError):  # UnicodeError is a ValueError
     return None
-  if word != HELLO:  # from here on, the peer is this program: its hello is well formed
+  if word != HELLO or not isinstance(hosts, list) or type(index) is not int or not (
+      0 <= index < len(hosts)):
     return None
   where = cluster.hosts[expected] if expected is not None else hosts[index]
   if hosts != list(cluster.hosts) or expected not in (None, index) or (
