@@ -143,10 +143,10 @@ class Towers(training.Trainer):
     self._summary_step = summaries  # the graph open_summaries writes
     return training.StepResult(tower_losses, stopping)
 
-  def run_step(self, step, first, batches, summaries):  # pylint: disable=unused-argument
-    """The step on the next batch of the iterator `batches`: (tower losses, numpy;
+  def run_step(self, step, first, iterator, summaries):  # pylint: disable=unused-argument
+    """The step on the next batch of `iterator`: (tower losses, numpy;
     whether every process stops now)."""
-    self._summaries = self.tower_step.next_step(batches, summaries)
+    self._summaries = self.tower_step.next_step(iterator, summaries)
     return self._summaries[0].numpy(), False
 
   def global_step(self):
@@ -169,7 +169,7 @@ class Towers(training.Trainer):
 class ReplicaStep(step_lib.TowerStep):
   """modern.step's step on the replicas of a tf.distribute strategy.
 
-  The interface of modern.step.TowerStep (`state`, `num_towers`, `step`,
+  The interface of modern.step.TowerStep (`state`, `num_towers`, `next_step`,
   `train_step`, `compute_gradients`). `tower_batches` = (images [N, B, 24, 24, 3],
   labels [N, B]) hold
   either one batch per replica of the whole run (N = num_towers, replica r
@@ -466,9 +466,9 @@ class MultiWorker(Mirrored):
             else 'peer_timeout')
     return self._watchdog.guard(getattr(config, flag), what, step, f'--{flag}')
 
-  def run_step(self, step, first, batches, summaries):
+  def run_step(self, step, first, iterator, summaries):
     with self.waiting('the step', step, first=first):
-      tower_losses, _ = super().run_step(step, first, batches, summaries)
+      tower_losses, _ = super().run_step(step, first, iterator, summaries)
       # A stop request of any worker stops all after this step: the stop vote.
       return tower_losses, bool(all_sum(self.tower_step.strategy,
                                         tf.constant(float(self.stop.requested))) > 0)

@@ -416,7 +416,7 @@ class TowerStep:
 
   @tf.function(autograph=False)
   def next_step(self, iterator, summaries=False):
-    """The training loop's step: `step` on the next batch of `iterator`, read inside it.
+    """The training loop's step: the step on the next batch of `iterator`, read inside it.
 
     Read by next() in Python and handed in, a batch cost a step ~1 ms of host
     time more than read here, and tf.function's dispatch of its arguments as
@@ -424,7 +424,10 @@ class TowerStep:
     runs the same trace.
 
     Returns:
-      (tower losses float32 [num_towers]; `step`'s summary; with it, the
+      (tower losses float32 [num_towers], each tower's total loss before the
+       update; with `summaries`, a dict tag -> tensor of `common.tags.summary_tags`
+       (the towers' loss terms, activations and sparsity, the averaged
+       gradients), else empty; with it, the
        images of the image summaries: tower 0's first NUM_SUMMARY_IMAGES,
        else ()).
     """
@@ -436,27 +439,6 @@ class TowerStep:
       tower_losses, summary, _ = self._step_ops(images, labels, summaries)
     return tower_losses, summary, images[0][:tags.NUM_SUMMARY_IMAGES] if summaries else ()
 
-  def step(self, tower_batches, summaries=False):
-    """Runs one training step.
-
-    Args:
-      tower_batches: (images float32 [N, batch, 24, 24, 3],
-        labels int32 [N, batch]), e.g. an element of
-        `inputs.distorted_inputs`; tower i trains on images[i], labels[i].
-      summaries: bool, also return what the summaries need from inside the
-        step (`inner_summaries`; ignored where that is False).
-
-    Returns:
-      (tower losses float32 tensor [num_towers], each tower's total loss
-       before the update; summary: dict tag -> tensor of `common.tags.summary_tags`, the
-       towers' loss terms and sparsity, their activations and the averaged
-       gradients; empty without `summaries`).
-    """
-    # (images, labels) as given, and whether the step returns the summaries. Nothing is
-    # converted or checked here, per step: the traced step converts and checks the
-    # batches once per trace.
-    return self._step(*tower_batches, summaries and self.inner_summaries)[:2]
-
   # Deviation from upstream: both trainers write the tags of common.tags.summary_tags.
   # Computed and written in one traced function, as legacy fetches one merged
   # summary op: eager summary calls, op by op, cost a summary step ~3x legacy's.
@@ -467,8 +449,8 @@ class TowerStep:
     Args:
       writer: the tf.summary writer.
       step: int64 scalar, the global step reached.
-      tower_losses: float32 [num_towers], `step`'s tower losses.
-      summary: `step`'s summary (empty for the replica engines, which write
+      tower_losses: float32 [num_towers], `next_step`'s tower losses.
+      summary: `next_step`'s summary (empty for the replica engines, which write
         no images either).
       images: float32 [NUM_SUMMARY_IMAGES, 24, 24, 3], `next_step`'s.
     """
@@ -491,8 +473,18 @@ class TowerStep:
           tf.summary.image(tag, _displayable(image)[tf.newaxis])
 
   def train_step(self, tower_batches):
-    """`step`'s tower losses, float32 tensor [num_towers]."""
-    return self.step(tower_batches)[0]
+    """One training step on given batches (the loop's, `next_step`, reads its own).
+
+    Args:
+      tower_batches: (images float32 [N, batch, 24, 24, 3],
+        labels int32 [N, batch]); tower i trains on images[i], labels[i].
+
+    Returns:
+      float32 tensor [num_towers]: each tower's total loss before the update.
+    """
+    # Nothing is converted or checked here, per step: the traced step converts
+    # and checks the batches once per trace.
+    return self._step(*tower_batches)[0]
 
   def step_graph(self, iterator, summaries=False):
     """The traced graph of `next_step` (`summaries`: of the summary step) on `iterator`."""
@@ -502,8 +494,8 @@ class TowerStep:
     """The averaged gradients at the current variables.
 
     Args:
-      tower_batches: as for `step`.
-      apply: bool, take the training step (`step`'s traced step) and return
+      tower_batches: as for `train_step`.
+      apply: bool, take the training step (`train_step`'s traced step) and return
         the gradients it applied; else apply nothing.
 
     Returns:
