@@ -433,14 +433,20 @@ class TowerStep:
        images of the image summaries: tower 0's first NUM_SUMMARY_IMAGES,
        else ()).
     """
+    step, summaries = self._traced_step(iterator, summaries)
+    return step(iterator, summaries)
+
+  def _traced_step(self, iterator, summaries):
+    """(`_next_step`'s concrete function, the `summaries` it takes): the replica
+    engines, which return no summaries from inside the step, have one trace."""
+    summaries = summaries and self.inner_summaries
     if summaries not in self._traced:
       self._traced[summaries] = self._next_step.get_concrete_function(iterator, summaries)
-    return self._traced[summaries](iterator, summaries)
+    return self._traced[summaries], summaries
 
   @tf.function(autograph=False)
   def _next_step(self, iterator, summaries):
     images, labels = iterator.get_next()
-    summaries = summaries and self.inner_summaries
     # Nothing of the step runs without its batch: an input that fails to read
     # leaves the variables and the global step as they were.
     with tf.control_dependencies([images, labels]):
@@ -496,7 +502,7 @@ class TowerStep:
 
   def step_graph(self, iterator, summaries=False):
     """The traced graph of `next_step` (`summaries`: of the summary step) on `iterator`."""
-    return self._next_step.get_concrete_function(iterator, summaries).graph
+    return self._traced_step(iterator, summaries)[0].graph
 
   def compute_gradients(self, tower_batches, apply=False):
     """The averaged gradients at the current variables.
