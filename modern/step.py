@@ -548,17 +548,23 @@ _HISTOGRAM_METADATA = histogram_metadata.create_summary_metadata(display_name=No
 def histogram(tag, data):
   """tf.summary.histogram: the same [30, 3] (left edge, right edge, count) of `data`.
 
-  Counted by one segment sum, not its one-hot [size, 30] float64 matrix (212 MB
+  Counted by one Bincount, not its one-hot [size, 30] float64 matrix (212 MB
   for local3/weights) and its conds, which cost most of a summary step and of
-  its tracing. A single value: every edge is it, the last bucket counts all,
-  as there.
+  its tracing, nor an unsorted segment sum (six times Bincount's time). A
+  single value: every edge is it, the last bucket counts all, as there; a NaN
+  (or an infinity's NaN) counts nowhere, as there.
   """
   data = tf.cast(tf.reshape(data, [-1]), tf.float64)
   low, high = tf.reduce_min(data), tf.reduce_max(data)
-  width = tf.where(high > low, (high - low) / HISTOGRAM_BUCKETS, 1.0)
+  spread = tf.not_equal(high - low, 0.0)  # so for NaN bounds, as there
+  width = tf.where(spread, (high - low) / HISTOGRAM_BUCKETS, 1.0)
   index = tf.minimum(tf.cast(tf.floor((data - low) / width), tf.int32), HISTOGRAM_BUCKETS - 1)
-  counts = tf.math.unsorted_segment_sum(
-      tf.ones_like(data), tf.where(high > low, index, HISTOGRAM_BUCKETS - 1), HISTOGRAM_BUCKETS)
+  # Only a NaN's index is negative; Bincount ignores the values >= its size.
+  counts = tf.raw_ops.Bincount(arr=tf.where(index < 0, HISTOGRAM_BUCKETS, index),
+                               size=HISTOGRAM_BUCKETS, weights=tf.zeros([0], tf.float64))
+  counts = tf.where(spread, counts, tf.one_hot(HISTOGRAM_BUCKETS - 1, HISTOGRAM_BUCKETS,
+                                               on_value=tf.cast(tf.size(data), tf.float64),
+                                               dtype=tf.float64))
   # The kernel: tf.linspace's composite ops, traced with a constant count, are
   # constant-folded into other roundings. The last edge is exactly the largest value.
   edges = tf.concat(

@@ -304,10 +304,13 @@ def test_on_a_terminal_the_log_line_updates_in_place(synth_data_dir, tmp_path):
     np.random.default_rng(0).normal(0.1, 0.05, (64, 384)),  # many values
     np.full((2, 3), 0.1),  # a single value: all in the last bucket
     np.array([[0.0, 1.0], [1.0, 1.0]]),  # two values: edges at both ends
-], ids=['many', 'single', 'two'])
+    np.array([[np.nan, 1.0], [2.0, 3.0]]),  # a NaN: NaN edges, nothing counted
+    np.array([[np.inf, 1.0], [2.0, 3.0]]),  # an infinity: the finite values in bucket 0
+    np.array([np.inf, np.inf]),  # a single infinite value: NaN width, nothing counted
+], ids=['many', 'single', 'two', 'nan', 'inf', 'single_inf'])
 def test_traced_histogram_writes_what_tf_summary_histogram_writes(values, tmp_path):
-  """modern.step.histogram (traced, one segment sum) against tf.summary.histogram
-  (eager): the same edges and counts, bit for bit."""
+  """modern.step.histogram (traced, one Bincount) against tf.summary.histogram
+  (eager): the same edges and counts, bit for bit (NaNs in the same places)."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from cifar10_towers.modern import step  # pylint: disable=import-outside-toplevel
   from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
