@@ -361,7 +361,7 @@ class TowerStep:
     # gradients existed, the averaging (and the update after it) took an inter-op thread
     # from a tower still computing: towers overlapped 0.72, now 0.85 (docs/performance.md).
     # One tower has none to meet: its first layers' backward pass and the last layers'
-    # updates run side by side, as in legacy (a step 3-6% faster, docs/performance.md).
+    # updates run side by side, as in legacy (a step 2-6% faster, docs/performance.md).
     meet = [g for grads in tower_grads for g, _ in grads] if len(tower_grads) > 1 else []
     with tf.device(devices.VARIABLE_DEVICE), tf.name_scope('average_gradients'), \
         tf.control_dependencies(meet):
@@ -556,7 +556,7 @@ def histogram(tag, data):
   """
   data = tf.cast(tf.reshape(data, [-1]), tf.float64)
   low, high = tf.reduce_min(data), tf.reduce_max(data)
-  spread = tf.not_equal(high - low, 0.0)  # so for NaN bounds, as there
+  spread = tf.not_equal(high - low, 0.0)  # NaN bounds too: there, a single value is range == 0
   width = tf.where(spread, (high - low) / HISTOGRAM_BUCKETS, 1.0)
   index = tf.minimum(tf.cast(tf.floor((data - low) / width), tf.int32), HISTOGRAM_BUCKETS - 1)
   # Only a NaN's index is negative; Bincount ignores the values >= its size.
