@@ -559,7 +559,8 @@ def histogram(tag, data):
   spread = tf.not_equal(high - low, 0.0)  # NaN bounds too: there, a single value is range == 0
   width = tf.where(spread, (high - low) / HISTOGRAM_BUCKETS, 1.0)
   index = tf.minimum(tf.cast(tf.floor((data - low) / width), tf.int32), HISTOGRAM_BUCKETS - 1)
-  # Only a NaN's index is negative; Bincount ignores the values >= its size.
+  # A NaN's index is negative (so is one past int32, which only a denormal width gives);
+  # Bincount rejects negatives and ignores values >= its size: both count nowhere, as there.
   counts = tf.raw_ops.Bincount(arr=tf.where(index < 0, HISTOGRAM_BUCKETS, index),
                                size=HISTOGRAM_BUCKETS, weights=tf.zeros([0], tf.float64))
   counts = tf.where(spread, counts, tf.one_hot(HISTOGRAM_BUCKETS - 1, HISTOGRAM_BUCKETS,
